@@ -1,0 +1,116 @@
+"""Per-session Stage0 audio front end: PCM -> 10 LLM embeddings per unit (model.md §2).
+
+The engine calls `encode_unit` once per unit with the unit's client PCM (16,480 samples for unit 0,
+16,000 later; any split is accepted, samples beyond the unit's window wait for the next unit).
+`encode_reference` is the offline reference-audio path of §2.6 used once per session.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.audio.framing import MelStreamer, MelStreamState, StreamConfig, UnitMel
+from engine.audio.mel import FloorMode
+from engine.config import AudioConfig
+from engine.model.audio import (
+    ENCODER_FRAMES_PER_SECOND,
+    AudioKVCache,
+    AudioProjector,
+    WhisperEncoder,
+    cnn_length,
+    pooled_length,
+)
+
+
+@dataclass
+class AudioStreamState:
+    """Everything one session's audio front end owns: the mel window and the encoder KV."""
+
+    mel: MelStreamState
+    kv: AudioKVCache
+    last_unit: UnitMel | None = None  # the most recent unit's mel slice (debugging, tests)
+
+    @property
+    def next_unit(self) -> int:
+        return self.mel.unit
+
+
+class AudioFrontEnd:
+    """Shared weights + per-session states. Call `encode_unit` while `ready(state)`; each call runs
+    exactly one unit (mel slice -> streaming encoder with KV -> projector -> pool -> 10 rows)."""
+
+    def __init__(self, encoder: WhisperEncoder, projector: AudioProjector, cfg: AudioConfig,
+                 stream_cfg: StreamConfig | None = None, mel_device: torch.device | str = "cpu") -> None:
+        self.encoder, self.projector, self.cfg = encoder, projector, cfg
+        self.stream_cfg = stream_cfg = stream_cfg or StreamConfig()
+        self.streamer = MelStreamer(stream_cfg, mel_device)
+        self.block = int(cfg.audio_chunk_length * ENCODER_FRAMES_PER_SECOND)
+        # 100 mel frames -> 50 encoder frames -> 10 embeddings (§2.5): the per-unit contract.
+        self.embeddings_per_unit = cnn_length(stream_cfg.chunk_frames) // cfg.audio_pool_step
+
+    @property
+    def device(self) -> torch.device:
+        return self.encoder.conv1.weight.device
+
+    def new_session(self) -> AudioStreamState:
+        return AudioStreamState(mel=self.streamer.new_state(), kv=self.encoder.allocate_cache())
+
+    def reset(self, state: AudioStreamState) -> None:
+        state.mel.reset(self.stream_cfg)
+        state.kv.reset()
+        state.kv.resets = 0
+        state.last_unit = None
+
+    def push(self, state: AudioStreamState, pcm: torch.Tensor) -> None:
+        self.streamer.push(state.mel, pcm)
+
+    def ready(self, state: AudioStreamState) -> bool:
+        return self.streamer.ready(state.mel)
+
+    @torch.inference_mode()
+    def encode_unit(self, state: AudioStreamState, pcm: torch.Tensor | None = None) -> torch.Tensor:
+        """Append `pcm` (float32 16 kHz) and encode the next unit -> [10, llm_hidden]."""
+        if pcm is not None:
+            self.push(state, pcm)
+        unit = self.streamer.next_unit(state.mel)
+        state.last_unit = unit
+        mel = unit.mel.to(self.device)[None]  # [1, n_mels, 102 | 104]
+        hidden = self.encoder.forward_stream(mel, state.kv, unit.prefix_extra, unit.suffix_extra)
+        emb = self.projector.embed(hidden, self.cfg.audio_pool_step)[0]  # [10, llm_hidden]
+        expected = pooled_length(unit.mel.shape[-1], self.cfg.audio_pool_step)
+        if emb.shape[0] != self.embeddings_per_unit or expected != self.embeddings_per_unit:
+            raise AssertionError(f"unit {unit.unit}: {emb.shape[0]} audio embeddings, "
+                                 f"expected exactly {self.embeddings_per_unit}")
+        return emb
+
+    def reference_mel(self, pcm16k: torch.Tensor) -> list[torch.Tensor]:
+        """§2.6 mel: 30 s pieces, each zero-padded to 30 s, dynamic floor, T = ceil(N / hop) kept."""
+        mel_cfg = self.stream_cfg.mel
+        piece = int(self.stream_cfg.reference_piece_s * mel_cfg.sample_rate)
+        pcm = pcm16k.detach().reshape(-1).to(torch.float32).cpu()
+        out = []
+        for start in range(0, pcm.numel(), piece):
+            chunk = pcm[start: start + piece]
+            padded = F.pad(chunk, (0, piece - chunk.numel()))
+            feats = self.streamer.logmel(padded, FloorMode.DYNAMIC)  # [n_mels, piece // hop]
+            keep = -(-chunk.numel() // mel_cfg.hop_length)
+            out.append(feats[:, :keep])
+        return out
+
+    @torch.inference_mode()
+    def encode_reference(self, pcm16k: torch.Tensor) -> torch.Tensor:
+        """Offline reference audio (§2.6) -> [N, llm_hidden], N = 10 per second of audio."""
+        mels = self.reference_mel(pcm16k)
+        if not mels:
+            return torch.zeros(0, self.projector.linear2.out_features, device=self.device)
+        # Batch like the reference: mel zero-padded to the longest piece, padding + block masks.
+        t_max = max(m.shape[1] for m in mels)
+        batch = torch.stack([F.pad(m, (0, t_max - m.shape[1])) for m in mels]).to(self.device)
+        lengths = torch.tensor([cnn_length(m.shape[1]) for m in mels], device=self.device)
+        hidden = self.encoder(batch, lengths=lengths, block=self.block)  # [B, S, d]
+        emb = self.projector.embed(hidden, self.cfg.audio_pool_step)  # [B, S // 5, llm_hidden]
+        counts = [max(0, pooled_length(m.shape[1], self.cfg.audio_pool_step)) for m in mels]
+        return torch.cat([emb[i, :n] for i, n in enumerate(counts)])

@@ -1,0 +1,117 @@
+"""Whisper log-mel front end in torch (model.md §2.1).
+
+Numerically this follows `WhisperFeatureExtractor._torch_extract_fbank_features` (and the MiniCPM-o
+subclass that swaps its floor): periodic Hann STFT with reflect padding, power 2, Slaney mel filters,
+log10 with a 1e-10 clamp, the last STFT frame dropped, then a fixed or dynamic floor and (x + 4) / 4.
+No torchaudio: the filter bank is built here in float64 exactly like `transformers.audio_utils`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import StrEnum
+from functools import lru_cache
+
+import numpy as np
+import torch
+
+
+class FloorMode(StrEnum):
+    FIXED = "fixed"  # max(x, fixed_floor)
+    DYNAMIC = "dynamic"  # max(x, max_all(x) - dynamic_range)
+
+
+@dataclass(frozen=True)
+class MelConfig:
+    """Whisper defaults used by MiniCPMAAudioProcessor; every number of §2.1 lives here."""
+
+    sample_rate: int = 16_000
+    n_fft: int = 400
+    hop_length: int = 160
+    n_mels: int = 80
+    f_min: float = 0.0
+    f_max: float = 8_000.0
+    log_clamp: float = 1e-10
+    fixed_floor: float = -10.0  # log10 units
+    dynamic_range: float = 8.0  # log10 units below the extraction's max
+    scale_offset: float = 4.0  # (x + offset) / divisor
+    scale_divisor: float = 4.0
+
+    @property
+    def n_freqs(self) -> int:
+        return self.n_fft // 2 + 1
+
+    def num_frames(self, num_samples: int) -> int:
+        """Frames kept for a buffer of `num_samples` (the trailing STFT frame is dropped)."""
+        return num_samples // self.hop_length
+
+
+# Slaney mel scale (librosa / transformers `mel_scale="slaney"`): linear below 1 kHz, log above.
+_SLANEY_MIN_LOG_HZ = 1000.0
+_SLANEY_MIN_LOG_MEL = 15.0
+_SLANEY_LOGSTEP = 27.0 / math.log(6.4)
+
+
+def _hz_to_mel(freq: np.ndarray) -> np.ndarray:
+    mels = 3.0 * freq / 200.0
+    log_region = freq >= _SLANEY_MIN_LOG_HZ
+    mels[log_region] = _SLANEY_MIN_LOG_MEL + np.log(freq[log_region] / _SLANEY_MIN_LOG_HZ) * _SLANEY_LOGSTEP
+    return mels
+
+
+def _mel_to_hz(mels: np.ndarray) -> np.ndarray:
+    freq = 200.0 * mels / 3.0
+    log_region = mels >= _SLANEY_MIN_LOG_MEL
+    freq[log_region] = _SLANEY_MIN_LOG_HZ * np.exp((mels[log_region] - _SLANEY_MIN_LOG_MEL) / _SLANEY_LOGSTEP)
+    return freq
+
+
+@lru_cache(maxsize=4)
+def slaney_mel_filters(cfg: MelConfig = MelConfig()) -> np.ndarray:
+    """[n_freqs, n_mels] float64 triangular filters with Slaney area normalisation."""
+    mel_edges = np.linspace(_hz_to_mel(np.array([cfg.f_min]))[0], _hz_to_mel(np.array([cfg.f_max]))[0],
+                            cfg.n_mels + 2)
+    filter_freqs = _mel_to_hz(mel_edges)  # [n_mels + 2]
+    fft_freqs = np.linspace(0, cfg.sample_rate // 2, cfg.n_freqs)  # [n_freqs]
+    filter_diff = np.diff(filter_freqs)
+    slopes = filter_freqs[None, :] - fft_freqs[:, None]  # [n_freqs, n_mels + 2]
+    down = -slopes[:, :-2] / filter_diff[:-1]
+    up = slopes[:, 2:] / filter_diff[1:]
+    filters = np.maximum(0.0, np.minimum(down, up))  # [n_freqs, n_mels]
+    enorm = 2.0 / (filter_freqs[2: cfg.n_mels + 2] - filter_freqs[: cfg.n_mels])
+    return filters * enorm[None, :]
+
+
+class LogMel:
+    """Stateless log-mel extractor; holds the window and filter bank on one device."""
+
+    def __init__(self, cfg: MelConfig = MelConfig(), device: torch.device | str = "cpu") -> None:
+        self.cfg = cfg
+        self.device = torch.device(device)
+        self.window = torch.hann_window(cfg.n_fft, periodic=True, device=self.device)  # [n_fft]
+        # [n_mels, n_freqs] fp32, as the reference casts the float64 bank before the matmul.
+        self.filters_t = torch.from_numpy(slaney_mel_filters(cfg)).to(self.device, torch.float32).T.contiguous()
+
+    def raw(self, waveform: torch.Tensor) -> torch.Tensor:
+        """log10 mel before the floor: [N] -> [n_mels, N // hop]. Requires N >= n_fft // 2 + 1."""
+        cfg = self.cfg
+        wav = waveform.to(self.device, torch.float32)
+        stft = torch.stft(wav, cfg.n_fft, cfg.hop_length, window=self.window, center=True,
+                          pad_mode="reflect", return_complex=True)  # [n_freqs, N // hop + 1]
+        power = (stft[..., :-1].abs() ** 2).contiguous()  # [n_freqs, T]: last frame dropped
+        mel = self.filters_t @ power  # [n_mels, T]
+        return torch.clamp(mel, min=cfg.log_clamp).log10()
+
+    def floor_and_scale(self, log_spec: torch.Tensor, mode: FloorMode) -> torch.Tensor:
+        """Apply the §2.1 floor over the whole extraction, then (x + 4) / 4."""
+        cfg = self.cfg
+        if mode is FloorMode.DYNAMIC:
+            floor = log_spec.max() - cfg.dynamic_range
+        else:
+            floor = torch.tensor(cfg.fixed_floor, dtype=log_spec.dtype, device=log_spec.device)
+        return (torch.maximum(log_spec, floor) + cfg.scale_offset) / cfg.scale_divisor
+
+    def __call__(self, waveform: torch.Tensor, mode: FloorMode) -> torch.Tensor:
+        """[N] float PCM -> [n_mels, N // hop] features."""
+        return self.floor_and_scale(self.raw(waveform), mode)
