@@ -1,0 +1,101 @@
+"""Stage0 configuration, special ids and the tokenizer seam (model.md §3.2, §3.4, §3.9, §4, §7.4)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+
+class TextTokenizer(Protocol):
+    """What Stage0 needs from a tokenizer. `decode` must skip special tokens."""
+
+    def encode(self, text: str) -> list[int]: ...  # add_special_tokens=False; specials recognised
+    def decode(self, ids: list[int]) -> str: ...
+    def token_id(self, token: str) -> int: ...  # raises KeyError when missing
+    @property
+    def bad_token_ids(self) -> tuple[int, ...]: ...
+
+
+@dataclass(frozen=True)
+class SpecialIds:
+    im_start: int
+    im_end: int
+    unit_open: int
+    unit_close: int
+    audio_start: int
+    audio_end: int
+    image_open: int
+    image_close: int
+    listen: int
+    speak: int
+    tts_bos: int
+    chunk_eos: int
+    chunk_tts_eos: int
+    turn_eos: int
+    tts_pad: int
+    bad_token_ids: tuple[int, ...]
+
+    @property
+    def terminators(self) -> frozenset[int]:
+        return frozenset((self.listen, self.chunk_eos, self.chunk_tts_eos))
+
+    @classmethod
+    def from_tokenizer(cls, tok: TextTokenizer, vocab_size: int) -> SpecialIds:
+        names = {"im_start": "<|im_start|>", "im_end": "<|im_end|>", "unit_open": "<unit>",
+                 "unit_close": "</unit>", "audio_start": "<|audio_start|>", "audio_end": "<|audio_end|>",
+                 "image_open": "<image>", "image_close": "</image>", "listen": "<|listen|>",
+                 "speak": "<|speak|>", "tts_bos": "<|tts_bos|>", "chunk_eos": "<|chunk_eos|>",
+                 "chunk_tts_eos": "<|chunk_tts_eos|>", "turn_eos": "<|turn_eos|>", "tts_pad": "<|tts_pad|>"}
+        values = {field: tok.token_id(token) for field, token in names.items()}
+        bad = [i for i in (*values.values(), *tok.bad_token_ids) if not 0 <= i < vocab_size]
+        if bad:
+            raise ValueError(f"token ids {bad} are outside the vocabulary ({vocab_size})")
+        return cls(**values, bad_token_ids=tuple(tok.bad_token_ids))
+
+
+@dataclass(frozen=True)
+class DecodeRules:
+    max_steps: int = 20  # max_new_speak_tokens_per_chunk
+    max_speak_chars_per_unit: int = 28  # 0 = off (Q5)
+    force_listen_count: int = 3
+    midturn_listen: Literal["tts_bos", "allow"] = "tts_bos"  # Q1
+
+
+@dataclass(frozen=True)
+class Stage0Config:
+    max_sessions: int = 8
+    # §7.4 `basic` eviction: after a unit closes, drop whole old units while the cache exceeds `window_high`,
+    # until it is at most `window_low`. "off" keeps everything up to `max_context`.
+    eviction: Literal["basic", "off"] = "basic"
+    window_high: int = 8000
+    window_low: int = 6000
+    max_context: int = 40960
+    first_unit_samples: int = 16480  # protocol: unit 0 carries 1030 ms
+    unit_samples: int = 16000
+    audio_embeddings_per_unit: int = 10
+    frame_embeddings: int = 64  # resampler queries per camera frame
+    max_frames_per_unit: int = 2
+    default_prompt: str = "Streaming Omni Conversation."
+    empty_ref_audio_markers: bool = True  # Q25
+    decode_batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    decode_kv_buckets: tuple[int, ...] = (1024, 2048, 4096)  # graph attention spans; the slot length is added
+    use_cuda_graphs: bool = True  # no-op off CUDA
+    compile_decode: str | None = None  # torch.compile mode for the graphed decode step, e.g. "max-autotune-no-cudagraphs"
+
+    def __post_init__(self) -> None:
+        if self.max_sessions < 1 or self.window_low > self.window_high or self.window_low < 1:
+            raise ValueError(f"bad Stage0Config: {self}")
+
+    def unit_max_positions(self, rules: DecodeRules) -> int:
+        """Upper bound of one unit's KV span: `<unit>` + frames + audio + A1 + fed tokens + close."""
+        frames = self.max_frames_per_unit * (self.frame_embeddings + 2)
+        return 1 + frames + self.audio_embeddings_per_unit + 1 + (rules.max_steps - 1) + 2
+
+    def slot_len(self, rules: DecodeRules) -> int:
+        """KV positions reserved per session: memory per session is bounded and known up front.
+
+        One extra position (`SlotKVCache.reserved_pos`) absorbs the writes of idle rows in dense decode.
+        """
+        if self.eviction == "off":
+            return self.max_context + 1
+        return self.window_high + self.unit_max_positions(rules) + 1

@@ -1,0 +1,195 @@
+"""Stage0 engine: many duplex sessions on one device (model.md §3, issue 3).
+
+The public calls (`open`, `append`, `cancel`, `update`, `close`) validate, change session bookkeeping
+under the engine lock and return; GPU work happens in `step()` (see `loop.py`), driven by the engine
+thread or by a test. Every bad request raises a `Stage0Error` subclass before any state changes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from engine.model.llm import Qwen3LLM, SlotKVCache
+from engine.stage0.config import DecodeRules, SpecialIds, Stage0Config, TextTokenizer
+from engine.stage0.frontend import UnitFrontEnd
+from engine.stage0.graphs import DecodeGraphs
+from engine.stage0.loop import StepLoop
+from engine.stage0.runner import ModelRunner
+from engine.stage0.sampling import SamplerIds, SamplingParams, UniformStream
+from engine.stage0.session import Phase, Session, UnitJob
+from engine.stage0.slots import SlotTable
+from engine.stage0.types import (
+    BadAudioError,
+    CapacityError,
+    Event,
+    Fence,
+    FrontEndError,
+    InvalidFenceError,
+    SessionClosedError,
+    SessionExistsError,
+    StaleFenceError,
+    TooManyFramesError,
+    UnknownSessionError,
+)
+
+
+class Stage0Engine(StepLoop):
+    def __init__(self, model: Qwen3LLM, tokenizer: TextTokenizer, frontend: UnitFrontEnd,
+                 on_event: Callable[[Event], None], config: Stage0Config | None = None,
+                 rules: DecodeRules | None = None) -> None:
+        config, rules = config or Stage0Config(), rules or DecodeRules()
+        self.model, self.tokenizer, self.frontend = model, tokenizer, frontend
+        self.on_event, self.config, self.rules = on_event, config, rules
+        self.ids = SpecialIds.from_tokenizer(tokenizer, model.cfg.vocab_size)
+        self.sampler_ids = SamplerIds(chunk_eos=self.ids.chunk_eos, turn_eos=self.ids.turn_eos,
+                                      listen_bias=self.ids.listen,
+                                      masked=(self.ids.tts_pad, *self.ids.bad_token_ids, self.ids.chunk_eos))
+        p = next(model.parameters())
+        kv = SlotKVCache.allocate(model.cfg, config.max_sessions, config.slot_len(rules), dtype=p.dtype,
+                                  device=p.device)
+        graphs = DecodeGraphs.create(model, kv, config.decode_batch_buckets, config.decode_kv_buckets,
+                                     enabled=config.use_cuda_graphs, compile_mode=config.compile_decode)
+        self.runner = ModelRunner(model, kv, graphs)
+        self.slots = SlotTable(config.max_sessions)
+        self.sessions: dict[str, Session] = {}
+        self.closed: set[str] = set()
+        self.lock = threading.RLock()
+        self.wake = threading.Event()  # set by every request so an idle `serve()` loop steps at once
+
+    # ---- public API -------------------------------------------------------------------------------
+    def open(self, session_id: str, fence: Fence, *, prompt: str | None = None,
+             ref_audio: torch.Tensor | None = None, params: SamplingParams | None = None,
+             force_listen_count: int | None = None) -> None:
+        params = params or SamplingParams()
+        with self.lock:
+            if session_id in self.sessions:
+                raise SessionExistsError(session_id)
+            if self.slots.free == 0:
+                raise CapacityError(f"all {self.config.max_sessions} session slots are in use")
+            rules = self.rules if force_listen_count is None else dataclasses.replace(
+                self.rules, force_listen_count=force_listen_count)
+            prompt = self.config.default_prompt if prompt is None else prompt
+            prefix = self._prefix_embeds(prompt, ref_audio)
+            if prefix.shape[0] + self.config.unit_max_positions(rules) > self.runner.kv.reserved_pos:
+                raise CapacityError(f"system prefix of {prefix.shape[0]} positions leaves no room for a unit")
+            slot = self.slots.take()
+            assert slot is not None
+            self.closed.discard(session_id)
+            self.sessions[session_id] = Session(
+                session_id=session_id, slot=slot, rules=rules, fence=fence, params=params, prompt=prompt,
+                ref_audio=ref_audio, frontend_state=self.frontend.new_state(),
+                stream=UniformStream(params.seed), prefix_rows=prefix)
+            self.wake.set()
+
+    def append(self, session_id: str, fence: Fence, pcm: torch.Tensor, frames: Sequence[Any] = (),
+               *, force_listen_override: bool = False) -> int:
+        """Queues one unit; returns its unit index."""
+        with self.lock:
+            s = self._live(session_id)
+            self._check_fence(s, fence)
+            if fence.seq <= s.last_seq:
+                raise StaleFenceError(f"{session_id}: append seq {fence.seq} <= last accepted {s.last_seq}")
+            expected = self.config.first_unit_samples if s.appended == 0 else self.config.unit_samples
+            if pcm.dim() != 1 or pcm.shape[0] != expected:
+                raise BadAudioError(f"{session_id}: unit {s.appended} needs {expected} samples, "
+                                    f"got shape {tuple(pcm.shape)}")
+            if len(frames) > self.config.max_frames_per_unit:
+                raise TooManyFramesError(f"{session_id}: {len(frames)} frames > {self.config.max_frames_per_unit}")
+            if frames and not hasattr(self.frontend, "encode_frame"):
+                raise FrontEndError("this front end has no vision encoder")
+            room = self.runner.kv.reserved_pos - s.cached_len - (s.prefix_rows.shape[0] if s.prefix_rows is not None else 0)
+            if self.config.eviction == "off" and room < (len(s.queue) + 2) * self.config.unit_max_positions(s.rules):
+                raise CapacityError(f"{session_id}: the session context is full (eviction off)")
+            s.queue.append(UnitJob(fence=fence, index=s.appended, pcm=pcm, frames=tuple(frames),
+                                   force_listen_override=force_listen_override))
+            s.appended += 1
+            s.last_seq = fence.seq
+            self.wake.set()
+            return s.appended - 1
+
+    def cancel(self, session_id: str, fence: Fence, next_fence: Fence) -> bool:
+        """F-1..F-5 of protocol.md §4.4. Returns False for a late (no-op) cancel."""
+        with self.lock:
+            s = self._live(session_id)
+            if (next_fence.incarnation != fence.incarnation or fence.incarnation != s.fence.incarnation
+                    or next_fence.epoch != fence.epoch + 1):
+                raise InvalidFenceError(f"{session_id}: bad cancel {fence} → {next_fence}")
+            if s.fence.epoch > fence.epoch:
+                return False
+            if fence.epoch > s.fence.epoch:
+                raise InvalidFenceError(f"{session_id}: cancel of future epoch {fence.epoch}")
+            s.fence = Fence(s.fence.incarnation, next_fence.epoch)
+            s.queue.clear()
+            unit = s.unit
+            if unit is not None:
+                unit.aborted = True
+                if s.phase in (Phase.FEED, Phase.TURN_EOS):
+                    assert unit.decoder is not None
+                    unit.terminator = unit.decoder.abort().terminator
+                    s.phase = Phase.CLOSE
+            if not s.turn.current_turn_ended:
+                s.override_next = True  # F-5: the next unit feeds `<|turn_eos|>` and listens
+            self.wake.set()
+            return True
+
+    def update(self, session_id: str, fence: Fence, *, params: SamplingParams | None = None,
+               prompt: str | None = None) -> None:
+        """Applies from the next unit. A new prompt rebuilds the prefix and drops the retained units."""
+        with self.lock:
+            s = self._live(session_id)
+            self._check_fence(s, fence)
+            if params is not None:
+                s.pending_params = params
+            if prompt is not None:
+                s.pending_prompt = prompt
+
+    def close(self, session_id: str, fence: Fence) -> bool:
+        with self.lock:
+            s = self.sessions.get(session_id)
+            if s is None:
+                if session_id in self.closed:
+                    return False
+                raise UnknownSessionError(session_id)
+            if fence.incarnation != s.fence.incarnation:
+                return False  # a stale close is a no-op
+            del self.sessions[session_id]
+            self.slots.give(s.slot)
+            self.closed.add(session_id)
+            return True
+
+    def session(self, session_id: str) -> Session:
+        """Read-only view for tests and metrics (do not mutate)."""
+        with self.lock:
+            return self._live(session_id)
+
+    # ---- helpers ----------------------------------------------------------------------------------
+    def _live(self, session_id: str) -> Session:
+        s = self.sessions.get(session_id)
+        if s is None:
+            raise (SessionClosedError if session_id in self.closed else UnknownSessionError)(session_id)
+        return s
+
+    @staticmethod
+    def _check_fence(s: Session, fence: Fence) -> None:
+        if fence.incarnation != s.fence.incarnation or fence.epoch < s.fence.epoch:
+            raise StaleFenceError(f"{s.session_id}: {fence} is stale (current {s.fence})")
+        if fence.epoch > s.fence.epoch:
+            raise InvalidFenceError(f"{s.session_id}: epoch {fence.epoch} was never adopted")
+
+    def _prefix_embeds(self, prompt: str, ref_audio: torch.Tensor | None) -> torch.Tensor:
+        """System prefix (§3.2) → [P, H]."""
+        ref = None
+        if ref_audio is not None:
+            ref = self.frontend.encode_reference(ref_audio).to(self.runner.device, self.runner.dtype)
+            if ref.dim() != 2 or ref.shape[1] != self.model.cfg.hidden_size:
+                raise FrontEndError(f"reference audio embeddings have shape {tuple(ref.shape)}")
+        if ref is None and not self.config.empty_ref_audio_markers:
+            return self.runner.embed(self.tokenizer.encode(f"<|im_start|>system\n{prompt}<|im_end|>"))
+        head = self.runner.embed(self.tokenizer.encode(f"<|im_start|>system\n{prompt}\n<|audio_start|>"))
+        tail = self.runner.embed(self.tokenizer.encode("<|audio_end|><|im_end|>"))
+        return torch.cat([head, *([ref] if ref is not None else []), tail])

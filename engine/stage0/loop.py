@@ -1,0 +1,225 @@
+"""The engine step: collect → schedule → run → postprocess → emit (STYLE.md practice 2).
+
+Every session with work contributes one row per step: its system prefix, a unit prefill (`<unit>` +
+frames + audio), an A1 `<|turn_eos|>`, a decoded token, or a unit close `[terminator, </unit>]`. Multi-token
+rows share one padded forward; single-token rows share another (the CUDA-graph path on GPU). Sampling
+then runs batched over every row that needs a draw, with the session's own uniforms.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.stage0.decode import Feed, Stop, UnitDecoder
+from engine.stage0.runner import Row
+from engine.stage0.sampling import SamplingBatch, sample
+from engine.stage0.session import Phase, Session, UnitRecord, UnitRun
+from engine.stage0.slots import evict_span
+from engine.stage0.types import FrontEndError, TokenEvent, UnitDone
+
+if TYPE_CHECKING:
+    from engine.stage0.engine import Stage0Engine
+
+
+class StepLoop:
+    def has_work(self: Stage0Engine) -> bool:
+        with self.lock:
+            return any(s.phase is not Phase.IDLE or s.queue for s in self.sessions.values())
+
+    def serve(self: Stage0Engine, stop: threading.Event, idle_wait_s: float = 0.005) -> None:
+        """The engine thread's loop: step while there is work, else sleep until a request arrives."""
+        while not stop.is_set():
+            if not self.step():
+                self.wake.wait(idle_wait_s)
+                self.wake.clear()
+
+    def run_until_idle(self: Stage0Engine, max_steps: int = 100_000) -> int:
+        steps = 0
+        while self.step():
+            steps += 1
+            if steps >= max_steps:
+                raise RuntimeError("engine did not become idle")
+        return steps
+
+    def step(self: Stage0Engine) -> bool:
+        with self.lock:
+            work = [(s, row) for s in sorted(self.sessions.values(), key=lambda s: s.slot)
+                    if (row := self._schedule(s)) is not None]
+            if not work:
+                return False
+            hidden: dict[str, torch.Tensor] = {}
+            for group in ([w for w in work if w[1].embeds.shape[0] > 1], [w for w in work if w[1].embeds.shape[0] == 1]):
+                if group:
+                    for (s, row), h in zip(group, self.runner.forward([r for _, r in group]), strict=True):
+                        hidden[s.session_id] = h
+                        s.cached_len += row.embeds.shape[0]
+            self._postprocess([s for s, _ in work], hidden)
+            return True
+
+    # ---- schedule ---------------------------------------------------------------------------------
+    def _schedule(self: Stage0Engine, s: Session) -> Row | None:
+        if s.phase is Phase.IDLE and s.pending_prompt is not None:
+            s.prompt, s.pending_prompt = s.pending_prompt, None
+            s.prefix_rows = self._prefix_embeds(s.prompt, s.ref_audio)
+            s.cached_len, s.prefix_len, s.ledger = 0, 0, []
+            s.phase = Phase.PREFIX
+        if s.phase is Phase.IDLE and s.queue:
+            self._start_unit(s)
+        ids, unit = self.ids, s.unit
+        if s.phase is Phase.PREFIX:
+            assert s.prefix_rows is not None
+            return Row(s.slot, s.cached_len, s.prefix_rows)
+        if s.phase is Phase.PREFILL:
+            try:
+                return Row(s.slot, s.cached_len, self._unit_embeds(s))
+            except Exception as exc:  # noqa: BLE001 - any encoder failure fails this unit only; nothing was fed
+                self._fail_unit(s, f"{type(exc).__name__}: {exc}")
+                return None
+        if s.phase is Phase.TURN_EOS:
+            return Row(s.slot, s.cached_len, self.runner.embed([ids.turn_eos]))
+        if s.phase is Phase.FEED:
+            assert unit is not None and unit.pending_token is not None
+            return Row(s.slot, s.cached_len, self.runner.embed([unit.pending_token]))
+        if s.phase is Phase.CLOSE:
+            assert unit is not None and unit.terminator is not None
+            return Row(s.slot, s.cached_len, self.runner.embed([unit.terminator, ids.unit_close]))
+        return None
+
+    def _start_unit(self: Stage0Engine, s: Session) -> None:
+        job = s.queue.popleft()
+        if s.pending_params is not None:
+            s.params, s.pending_params = s.pending_params, None
+        s.unit = UnitRun(job=job, index=job.index, start_len=s.cached_len, started_at=time.perf_counter())
+        s.phase = Phase.PREFILL
+
+    def _fail_unit(self: Stage0Engine, s: Session, error: str) -> None:
+        unit = s.unit
+        assert unit is not None
+        self._emit(UnitDone(s.session_id, unit.job.fence, unit.index, True, self.ids.listen, (), "", False,
+                            True, unit.metrics(), error=error))
+        s.unit, s.phase = None, Phase.IDLE
+
+    def _unit_embeds(self: Stage0Engine, s: Session) -> torch.Tensor:
+        """`<unit>` + frame blocks + audio embeddings → [T, H] (§3.3)."""
+        assert s.unit is not None
+        job, cfg, h = s.unit.job, self.config, self.model.cfg.hidden_size
+        parts = [self.runner.embed([self.ids.unit_open])]
+        for frame in job.frames:
+            f = self.frontend.encode_frame(frame)
+            if tuple(f.shape) != (cfg.frame_embeddings, h):
+                raise FrontEndError(f"frame embeddings have shape {tuple(f.shape)}")
+            parts += [self.runner.embed([self.ids.image_open]), f.to(self.runner.device, self.runner.dtype),
+                      self.runner.embed([self.ids.image_close])]
+        audio = self.frontend.encode_unit(s.frontend_state, job.pcm, job.index)
+        if tuple(audio.shape) != (cfg.audio_embeddings_per_unit, h):  # I3
+            raise FrontEndError(f"unit {job.index}: audio embeddings have shape {tuple(audio.shape)}")
+        parts.append(audio.to(self.runner.device, self.runner.dtype))
+        return torch.cat(parts)
+
+    # ---- postprocess ------------------------------------------------------------------------------
+    def _postprocess(self: Stage0Engine, sessions: list[Session], hidden: dict[str, torch.Tensor]) -> None:
+        with_logits = [s for s in sessions if s.phase in (Phase.PREFILL, Phase.TURN_EOS, Phase.FEED)]
+        logits = {}
+        if with_logits:
+            last = torch.stack([hidden[s.session_id][-1] for s in with_logits])  # [N, H]
+            logits = dict(zip([s.session_id for s in with_logits], self.runner.logits(last), strict=True))
+        to_sample: list[Session] = []
+        for s in sessions:
+            h = hidden[s.session_id]
+            if s.phase is Phase.PREFIX:
+                s.prefix_len, s.prefix_rows, s.phase = s.cached_len, None, Phase.IDLE
+            elif s.phase is Phase.CLOSE:
+                self._finish_unit(s)
+            elif self._advance(s, h[-1]):
+                to_sample.append(s)
+        if to_sample:
+            self._sample(to_sample, torch.stack([logits[s.session_id] for s in to_sample]))
+
+    def _advance(self: Stage0Engine, s: Session, h: torch.Tensor) -> bool:
+        """After a forward with logits; True when the next step needs a sampled id."""
+        unit = s.unit
+        assert unit is not None
+        if s.phase is Phase.PREFILL:
+            unit.decoder = UnitDecoder(self.ids, s.rules, s.turn, self.tokenizer.decode,
+                                       force_listen_override=unit.job.force_listen_override or s.override_next)
+            s.override_next = False
+            if unit.decoder.close_turn_first:  # A1
+                s.phase = Phase.TURN_EOS
+                return False
+        elif s.phase is Phase.TURN_EOS:
+            assert unit.decoder is not None
+            unit.decoder.turn_closed()
+        elif s.phase is Phase.FEED:
+            self._fed(s, h)
+        assert unit.decoder is not None
+        if unit.decoder.needs_sample():
+            return True
+        self._act(s, unit.decoder.step(None))
+        return False
+
+    def _sample(self: Stage0Engine, rows: list[Session], logits: torch.Tensor) -> None:
+        uniforms = [s.stream.peek(2) for s in rows]
+        batch = SamplingBatch.build([s.params for s in rows], [s.history for s in rows], uniforms,
+                                    logits.shape[-1], logits.device)
+        token, draws, appended = (t.tolist() for t in sample(logits, batch, self.sampler_ids))  # one sync
+        for s, t, d, a in zip(rows, token, draws, appended, strict=True):
+            s.stream.consume(d)
+            if a:
+                s.history.append(t)
+            assert s.unit is not None and s.unit.decoder is not None
+            self._act(s, s.unit.decoder.step(t))
+
+    def _act(self: Stage0Engine, s: Session, action: Feed | Stop) -> None:
+        unit = s.unit
+        assert unit is not None and unit.decoder is not None
+        unit.token_times.append(time.perf_counter())
+        if isinstance(action, Feed):
+            unit.pending_token, s.phase = action.token, Phase.FEED
+            return
+        unit.terminator, s.phase = action.terminator, Phase.CLOSE
+        if unit.decoder.j == 0:  # a terminator decision is reported before the close runs
+            self._emit(TokenEvent(s.session_id, unit.job.fence, unit.index, 0, action.terminator, "", None,
+                                  False, False, True))
+
+    def _fed(self: Stage0Engine, s: Session, h: torch.Tensor) -> None:
+        unit = s.unit
+        assert unit is not None and unit.decoder is not None and unit.pending_token is not None
+        dec, j = unit.decoder, unit.decoder.j
+        row = dec.fed(unit.pending_token, h)
+        text = dec.text
+        piece = text[len(s.text_sent):] if text.startswith(s.text_sent) else text
+        s.text_sent = text
+        self._emit(TokenEvent(s.session_id, unit.job.fence, unit.index, j, unit.pending_token, piece, h,
+                              dec.end_of_turn, row is not None, j == 0))
+        unit.pending_token = None
+
+    def _finish_unit(self: Stage0Engine, s: Session) -> None:
+        unit = s.unit
+        assert unit is not None and unit.decoder is not None and unit.terminator is not None
+        dec = unit.decoder
+        s.ledger.append(UnitRecord(unit.index, s.cached_len - unit.start_len, tuple(dec.unit_ids), dec.text,
+                                   dec.is_listen))
+        rows = () if dec.is_listen or unit.aborted else tuple(dec.rows)
+        self._emit(UnitDone(s.session_id, unit.job.fence, unit.index, dec.is_listen, unit.terminator, rows,
+                            dec.text, dec.end_of_turn, unit.aborted, unit.metrics()))
+        s.unit, s.phase, s.text_sent = None, Phase.IDLE, ""
+        self._evict(s)
+        s.check_accounting()
+
+    def _evict(self: Stage0Engine, s: Session) -> None:
+        """`basic` mode (§7.4): drop the oldest whole units until the cache is back under `window_low`."""
+        if self.config.eviction != "basic" or s.cached_len <= self.config.window_high:
+            return
+        drop, n = 0, 0
+        while s.cached_len - drop > self.config.window_low and n < len(s.ledger):
+            drop += s.ledger[n].span
+            n += 1
+        evict_span(self.model, self.runner.kv, s.slot, s.prefix_len, drop, s.cached_len)
+        s.ledger, s.cached_len = s.ledger[n:], s.cached_len - drop
+
+    def _emit(self: Stage0Engine, event: TokenEvent | UnitDone) -> None:
+        self.on_event(event)

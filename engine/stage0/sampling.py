@@ -1,0 +1,169 @@
+"""LLM sampling for the duplex loop (model.md §3.5), batched per row.
+
+Every row carries its own parameters and its own pre-drawn uniforms (u_a for Step A, u_b for Step B),
+taken from the session's CPU generator (`UniformStream`), so a session's output never depends on which
+other rows share the batch. The kernel is pure tensor code with no host sync; the caller reads back the
+chosen ids and the number of draws each row consumed.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-session sampling settings (model.md §3.9 defaults)."""
+
+    greedy: bool = False
+    temperature: float = 0.7
+    top_k: int = 20
+    top_p: float = 0.8
+    repetition_penalty: float = 1.05
+    repetition_window: int = 512
+    turn_eos_length_penalty: float = 1.1
+    listen_prob_scale: float = 1.0
+    listen_top_k: int = 0  # 0 = off
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.temperature <= 0 or not 0 < self.top_p <= 1 or self.top_k < 1:
+            raise ValueError(f"bad sampling parameters: {self}")
+        if self.repetition_penalty <= 0 or self.turn_eos_length_penalty <= 0 or self.repetition_window < 1:
+            raise ValueError(f"bad penalty parameters: {self}")
+
+
+class UniformStream:
+    """The session's draw primitive source (§3.5.4): fp64 scalars from a CPU generator, in draw order.
+
+    `peek(n)` pre-draws without consuming, so a batched kernel can receive both Step-A and Step-B
+    uniforms before it is known whether Step B is reached; `consume(n)` then commits what was used.
+    """
+
+    def __init__(self, seed: int) -> None:
+        self._gen = torch.Generator().manual_seed(seed)
+        self._ahead: deque[float] = deque()
+        self.consumed = 0
+
+    def peek(self, n: int) -> list[float]:
+        while len(self._ahead) < n:
+            self._ahead.append(float(torch.rand((), dtype=torch.float64, generator=self._gen)))
+        return list(self._ahead)[:n]
+
+    def consume(self, n: int) -> None:
+        self.peek(n)
+        for _ in range(n):
+            self._ahead.popleft()
+        self.consumed += n
+
+
+@dataclass(frozen=True)
+class SamplerIds:
+    """Token ids the sampler needs, read from the tokenizer by the caller."""
+
+    chunk_eos: int
+    turn_eos: int
+    listen_bias: int  # `listen_bias_token` (Q4), `<|listen|>` by default
+    masked: tuple[int, ...]  # `<|tts_pad|>`, bad_token_ids and `<|chunk_eos|>` (Step B1)
+
+
+def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """§3.5.4: smallest i with cumsum(p)[i] > u·Σp (fp32, vocabulary order). probs [B, V], u [B] fp64."""
+    cs = torch.cumsum(probs.float(), dim=-1)  # [B, V]
+    thr = u.to(torch.float32)[:, None] * cs[:, -1:]
+    hit = cs > thr
+    first = hit.to(torch.int8).argmax(dim=-1)  # first True
+    idx = torch.arange(probs.shape[-1], device=probs.device)
+    last_pos = torch.where(probs > 0, idx, -1).amax(dim=-1)  # rounding fallback
+    return torch.where(hit.any(dim=-1), first, last_pos)
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling inputs on the logits' device. All [B] unless noted."""
+
+    greedy: torch.Tensor  # bool
+    temperature: torch.Tensor  # fp32
+    top_k: torch.Tensor  # int64
+    top_p: torch.Tensor  # fp32
+    repetition_penalty: torch.Tensor  # fp32
+    turn_eos_penalty: torch.Tensor  # fp32
+    listen_scale: torch.Tensor  # fp32
+    listen_top_k: torch.Tensor  # int64, 0 = off
+    history: torch.Tensor  # [B, V] bool: id occurs in the last `repetition_window` Step-B draws
+    u_a: torch.Tensor  # fp64
+    u_b: torch.Tensor  # fp64
+
+    @classmethod
+    def build(cls, params: list[SamplingParams], histories: list[list[int]], uniforms: list[list[float]],
+              vocab: int, device: torch.device | str) -> SamplingBatch:
+        b = len(params)
+        # only the (row, id) pairs travel to the device: at most B × window ids, not a [B, V] mask
+        rows, cols = [], []
+        for i, (p, h) in enumerate(zip(params, histories, strict=True)):
+            recent = h[-p.repetition_window:]
+            rows += [i] * len(recent)
+            cols += recent
+        hist = torch.zeros(b, vocab, dtype=torch.bool, device=device)
+        if cols:
+            hist[torch.tensor(rows).to(device, non_blocking=True), torch.tensor(cols).to(device, non_blocking=True)] = True
+
+        def col(vals: list, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(vals, dtype=dtype).to(device, non_blocking=True)
+
+        return cls(
+            greedy=col([p.greedy for p in params], torch.bool),
+            temperature=col([p.temperature for p in params], torch.float32),
+            top_k=col([p.top_k for p in params], torch.long),
+            top_p=col([p.top_p for p in params], torch.float32),
+            repetition_penalty=col([p.repetition_penalty for p in params], torch.float32),
+            turn_eos_penalty=col([p.turn_eos_length_penalty for p in params], torch.float32),
+            listen_scale=col([p.listen_prob_scale for p in params], torch.float32),
+            listen_top_k=col([p.listen_top_k for p in params], torch.long),
+            history=hist,
+            u_a=col([u[0] for u in uniforms], torch.float64),
+            u_b=col([u[1] for u in uniforms], torch.float64),
+        )
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch, ids: SamplerIds) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                 torch.Tensor]:
+    """One `sample(logits)` per row (§3.5). logits [B, V] (bf16 or fp32; processed in fp32).
+
+    Returns (token [B] int64, draws [B] int64 consumed from the row's stream, appended [B] bool: the
+    token came from Step B6 and joins `generated_history`).
+    """
+    x = logits.float()
+    vocab = x.shape[-1]
+    # Step A: chunk-end pre-draw on the raw logits
+    a_tok = torch.where(batch.greedy, x.argmax(-1), draw(torch.softmax(x, -1), batch.u_a))
+    a_hit = a_tok == ids.chunk_eos
+    # Step B1: masks
+    y = x.clone()
+    y[:, list(ids.masked)] = float("-inf")
+    # B2: repetition penalty divides regardless of sign (Q2)
+    y = torch.where(batch.history, y / batch.repetition_penalty[:, None], y)
+    # B3: `<|turn_eos|>` length penalty (Q3)
+    te = y[:, ids.turn_eos]
+    y[:, ids.turn_eos] = torch.where(te > 0, te / batch.turn_eos_penalty, te * batch.turn_eos_penalty)
+    # B4-B5: listen bias scale and listen_top_k early return
+    y[:, ids.listen_bias] = y[:, ids.listen_bias] * batch.listen_scale
+    n_above = (y > y[:, ids.listen_bias:ids.listen_bias + 1]).sum(-1)
+    early = (batch.listen_top_k > 0) & (n_above < batch.listen_top_k)
+    # B6: greedy argmax, or temperature → top-k → top-p → draw
+    z = y / batch.temperature[:, None]
+    sorted_z, order = torch.sort(z, dim=-1, descending=True, stable=True)  # ties: ascending id
+    kth = sorted_z.gather(1, (batch.top_k.clamp(max=vocab) - 1)[:, None])
+    sorted_z = torch.where(sorted_z >= kth, sorted_z, float("-inf"))
+    sorted_p = torch.softmax(sorted_z, dim=-1)
+    before = torch.cumsum(sorted_p, dim=-1) - sorted_p  # mass of the tokens ranked above
+    sorted_z = torch.where(before > batch.top_p[:, None], float("-inf"), sorted_z)
+    z = torch.full_like(z, float("-inf")).scatter(1, order, sorted_z)
+    b_tok = torch.where(batch.greedy, y.argmax(-1), draw(torch.softmax(z, -1), batch.u_b))
+    token = torch.where(a_hit, a_tok, torch.where(early, ids.listen_bias, b_tok))
+    draws = torch.where(batch.greedy, 0, torch.where(a_hit | early, 1, 2))
+    appended = ~a_hit & ~early
+    return token, draws, appended

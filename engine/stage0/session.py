@@ -1,0 +1,104 @@
+"""Per-session Stage0 state (model.md §3.1): slot, KV length, unit ledger, fences, queued units, work."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import torch
+
+from engine.stage0.config import DecodeRules
+from engine.stage0.decode import TurnState, UnitDecoder
+from engine.stage0.sampling import SamplingParams, UniformStream
+from engine.stage0.types import Fence, UnitMetrics
+
+
+@dataclass
+class UnitJob:
+    fence: Fence
+    index: int  # unit index in the session's audio stream (0 carries the longer first unit)
+    pcm: torch.Tensor
+    frames: tuple[Any, ...]
+    force_listen_override: bool
+    enqueued_at: float = field(default_factory=time.perf_counter)
+
+
+@dataclass(frozen=True)
+class UnitRecord:
+    """Ledger entry (§3.1): KV span from `<unit>` through `</unit>`, and what the unit produced."""
+
+    index: int
+    span: int
+    ids: tuple[int, ...]
+    text: str
+    is_listen: bool
+
+
+class Phase(Enum):
+    IDLE = "idle"  # no unit in flight
+    PREFIX = "prefix"  # system prefix to feed
+    PREFILL = "prefill"  # `<unit>` + frames + audio to feed (needs logits)
+    TURN_EOS = "turn_eos"  # A1 `<|turn_eos|>` to feed (needs logits)
+    FEED = "feed"  # a decoded token to feed (needs logits)
+    CLOSE = "close"  # `[terminator, </unit>]` to feed
+
+
+@dataclass
+class UnitRun:
+    """The unit in flight."""
+
+    job: UnitJob
+    index: int
+    start_len: int  # KV length before `<unit>`
+    started_at: float
+    decoder: UnitDecoder | None = None
+    pending_token: int | None = None
+    terminator: int | None = None
+    aborted: bool = False
+    token_times: list[float] = field(default_factory=list)
+
+    def metrics(self) -> UnitMetrics:
+        t = self.token_times
+        itl = tuple(b - a for a, b in zip(t, t[1:], strict=False))
+        return UnitMetrics(queue_s=self.started_at - self.job.enqueued_at,
+                           ttft_s=(t[0] - self.job.enqueued_at) if t else 0.0,
+                           tpot_s=sum(itl) / len(itl) if itl else 0.0, itl_s=itl, tokens=len(t))
+
+
+@dataclass
+class Session:
+    session_id: str
+    slot: int
+    rules: DecodeRules
+    fence: Fence  # current (incarnation, epoch); seq = last accepted append seq
+    params: SamplingParams
+    prompt: str
+    ref_audio: torch.Tensor | None
+    frontend_state: Any
+    stream: UniformStream
+    turn: TurnState = field(default_factory=TurnState)
+    cached_len: int = 0
+    prefix_len: int = 0
+    ledger: list[UnitRecord] = field(default_factory=list)
+    history: list[int] = field(default_factory=list)  # generated_history: Step-B draws, never trimmed
+    queue: deque[UnitJob] = field(default_factory=deque)
+    phase: Phase = Phase.PREFIX
+    unit: UnitRun | None = None
+    appended: int = 0  # accepted appends (unit index of the next one)
+    last_seq: int = -1
+    text_sent: str = ""
+    pending_params: SamplingParams | None = None
+    pending_prompt: str | None = None
+    override_next: bool = False  # F-5: a cancel that found the turn open forces listen + `<|turn_eos|>`
+    prefix_rows: torch.Tensor | None = None  # [P, H] embeddings of the system prefix to feed
+
+    def ledger_total(self) -> int:
+        return sum(r.span for r in self.ledger)
+
+    def check_accounting(self) -> None:
+        """I12: ledger spans sum to the cache length minus the prefix whenever no unit is in flight."""
+        if self.unit is None and self.phase is Phase.IDLE:
+            assert self.ledger_total() == self.cached_len - self.prefix_len, (self.session_id,)

@@ -1,0 +1,143 @@
+"""Qwen3LLM against transformers' Qwen3ForCausalLM on tiny random weights (model.md §9.2, §9.6 I5)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.config import LLMConfig
+from engine.model.llm import Qwen3LLM, SlotKVCache
+
+transformers = pytest.importorskip("transformers")
+
+TINY = LLMConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=32, vocab_size=320, max_position_embeddings=40960,
+                 rope_theta=1e6, rms_norm_eps=1e-6)
+ATOL = 1e-5
+
+
+def _hf_config(cfg: LLMConfig) -> transformers.Qwen3Config:
+    return transformers.Qwen3Config(
+        hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, vocab_size=cfg.vocab_size,
+        max_position_embeddings=cfg.max_position_embeddings, rope_theta=cfg.rope_theta,
+        rms_norm_eps=cfg.rms_norm_eps, tie_word_embeddings=False, attention_bias=False,
+        attn_implementation="eager")
+
+
+@pytest.fixture(scope="module")
+def models() -> tuple[Qwen3LLM, transformers.Qwen3ForCausalLM]:
+    gen = torch.Generator().manual_seed(0)
+    ours = Qwen3LLM(TINY).eval()
+    with torch.no_grad():
+        for name, p in sorted(ours.named_parameters()):
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(0.02 * torch.randn(p.shape, generator=gen) * 5)
+    ref = transformers.Qwen3ForCausalLM(_hf_config(TINY)).eval()
+    missing, unexpected = ref.load_state_dict(ours.state_dict(), strict=False)
+    assert not unexpected and all("rotary" in k for k in missing)
+    return ours, ref
+
+
+def _reference(ref: transformers.Qwen3ForCausalLM, emb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    with torch.no_grad():
+        hidden = ref.model(inputs_embeds=emb[None]).last_hidden_state[0]  # [N, H]
+        return hidden, ref.lm_head(hidden)
+
+
+def _feed(model: Qwen3LLM, kv: SlotKVCache, slot: int, emb: torch.Tensor, start: int) -> torch.Tensor:
+    pos = torch.arange(start, start + emb.shape[0])[None]
+    with torch.no_grad():
+        return model(emb[None], pos, torch.tensor([slot]), kv)[0]
+
+
+def test_state_dict_keys_match_checkpoint_layout(models: tuple) -> None:
+    ours, _ = models
+    keys = set(ours.state_dict())
+    assert "model.layers.1.self_attn.q_norm.weight" in keys and "lm_head.weight" in keys
+    assert not any("inv_freq" in k or "bias" in k for k in keys)
+    assert len(keys) == 2 + 1 + TINY.num_hidden_layers * 11
+
+
+def test_full_forward_matches_transformers(models: tuple) -> None:
+    ours, ref = models
+    emb = torch.randn(40, TINY.hidden_size, generator=torch.Generator().manual_seed(1))
+    hidden_ref, logits_ref = _reference(ref, emb)
+    kv = SlotKVCache.allocate(TINY, slots=2, max_len=64, dtype=torch.float32)
+    hidden = _feed(ours, kv, 1, emb, 0)
+    torch.testing.assert_close(hidden, hidden_ref, atol=ATOL, rtol=ATOL)
+    torch.testing.assert_close(ours.logits(hidden), logits_ref, atol=ATOL, rtol=ATOL)
+    assert torch.equal(ours.embed(torch.tensor([3, 5])), ours.model.embed_tokens.weight[[3, 5]])
+
+
+@pytest.mark.parametrize("segments", [[40], [17, 11, 1, 1, 2, 1, 7], [1] * 20 + [20], [5, 2, 13, 2, 18]])
+def test_segmentation_equals_full_forward(models: tuple, segments: list[int]) -> None:
+    """I5: prefix, unit prefills, single-token feeds and 2-token closes over retained KV."""
+    ours, ref = models
+    emb = torch.randn(sum(segments), TINY.hidden_size, generator=torch.Generator().manual_seed(2))
+    hidden_ref, logits_ref = _reference(ref, emb)
+    kv = SlotKVCache.allocate(TINY, slots=3, max_len=48, dtype=torch.float32)
+    outs, start = [], 0
+    for n in segments:
+        outs.append(_feed(ours, kv, 2, emb[start:start + n], start))
+        start += n
+    hidden = torch.cat(outs)
+    torch.testing.assert_close(hidden, hidden_ref, atol=ATOL, rtol=ATOL)
+    torch.testing.assert_close(ours.logits(hidden), logits_ref, atol=ATOL, rtol=ATOL)
+
+
+def test_batched_ragged_rows_equal_each_row_alone(models: tuple) -> None:
+    ours, _ = models
+    gen = torch.Generator().manual_seed(3)
+    lengths, new = [5, 17, 0, 9], [3, 1, 11, 2]  # cached lengths and ragged new tokens per row
+    slots = [3, 0, 2, 1]
+    embs = [torch.randn(c + n, TINY.hidden_size, generator=gen) for c, n in zip(lengths, new, strict=True)]
+    solo, batched = (SlotKVCache.allocate(TINY, slots=4, max_len=32, dtype=torch.float32) for _ in range(2))
+    for kv in (solo, batched):
+        for slot, c, e in zip(slots, lengths, embs, strict=True):
+            if c:
+                _feed(ours, kv, slot, e[:c], 0)
+    expect = [_feed(ours, solo, s, e[c:], c) for s, c, e in zip(slots, lengths, embs, strict=True)]
+    t = max(new)
+    x = torch.zeros(len(new), t, TINY.hidden_size)
+    pos = torch.zeros(len(new), t, dtype=torch.long)
+    valid = torch.zeros(len(new), t, dtype=torch.bool)
+    for i, (c, n, e) in enumerate(zip(lengths, new, embs, strict=True)):
+        x[i, :n], pos[i, :n], valid[i, :n] = e[c:], torch.arange(c, c + n), True
+    with torch.no_grad():
+        out = ours(x, pos, torch.tensor(slots), batched, valid=valid, kv_limit=24)
+    for i, n in enumerate(new):
+        torch.testing.assert_close(out[i, :n], expect[i], atol=ATOL, rtol=ATOL)
+    for layer in range(TINY.num_hidden_layers):
+        torch.testing.assert_close(batched.k[layer][:-1], solo.k[layer][:-1], atol=ATOL, rtol=ATOL)
+
+
+def test_rotate_keys_moves_positions(models: tuple) -> None:
+    ours, _ = models
+    keys = torch.randn(2, 5, TINY.head_dim)
+    cos, sin = ours.rope(torch.full((1, 5), 30), torch.float32)
+    rotated = keys * cos[0, 0] + torch.cat((-keys[..., 16:], keys[..., :16]), -1) * sin[0, 0]
+    cos2, sin2 = ours.rope(torch.full((1, 5), 18), torch.float32)
+    expect = keys * cos2[0, 0] + torch.cat((-keys[..., 16:], keys[..., :16]), -1) * sin2[0, 0]
+    torch.testing.assert_close(ours.rotate_keys(rotated, 12), expect, atol=ATOL, rtol=ATOL)
+
+
+def test_dense_layout_equals_gathered_slots(models: tuple) -> None:
+    """Row i = slot i with no gather; an idle row writes only the reserved last position."""
+    ours, _ = models
+    gen = torch.Generator().manual_seed(4)
+    kv = SlotKVCache.allocate(TINY, slots=3, max_len=16, dtype=torch.float32)
+    for slot, n in ((0, 4), (2, 9)):
+        _feed(ours, kv, slot, torch.randn(n, TINY.hidden_size, generator=gen), 0)
+    idle_before = kv.k[0][1].clone()
+    gathered = SlotKVCache(k=[t.clone() for t in kv.k], v=[t.clone() for t in kv.v])
+    x = torch.randn(3, 1, TINY.hidden_size, generator=gen)
+    with torch.no_grad():
+        dense = ours(x, torch.tensor([[4], [kv.reserved_pos], [9]]), None, kv, kv_limit=12)
+        want = ours(x[[0, 2]], torch.tensor([[4], [9]]), torch.tensor([0, 2]), gathered)
+    torch.testing.assert_close(dense[[0, 2]], want, atol=ATOL, rtol=ATOL)
+    torch.testing.assert_close(kv.k[1][:-1, :, :-1], gathered.k[1][:-1, :, :-1], atol=ATOL, rtol=ATOL)
+    assert torch.equal(kv.k[0][1, :, :-1], idle_before[:, :-1])
