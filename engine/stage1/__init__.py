@@ -1,0 +1,1 @@
+"""Stage1 ("talker"): the TTS speech-token engine (model.md §5)."""

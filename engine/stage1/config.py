@@ -1,0 +1,50 @@
+"""Frozen Stage1 (TTS engine) settings; sampling defaults from model.md §5.3/§5.4."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TTSEngineConfig:
+    max_sessions: int = 64
+    max_batch: int = 32
+    # positions per turn (model.md §5.2: tts_max_turn_positions); also the KV length per slot
+    max_turn_positions: int = 8192
+    temperature: float = 0.8
+    repetition_penalty: float = 1.05
+    repetition_window: int = 16
+    # samples per unit; the last one is discarded, so a unit without EOS returns max_new_tokens - 1 codes
+    max_new_tokens: int = 26
+    use_cuda_graphs: bool = True
+    # torch.compile the single-code step before graph capture (CUDA only; compiles per bucket). Needed
+    # for P4 on an H200 (one unit 31 ms vs 65 ms graph-only at batch 1); fused kernels round differently
+    # from eager, so exact graph == eager (I10) holds for the uncompiled graph only.
+    compile_step: bool = False
+    batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
+    # condition-row counts (n + 1) with a captured prefill graph; longer units prefill eagerly
+    row_buckets: tuple[int, ...] = (8, 16, 32, 64)
+    # smallest attended-key bucket; buckets double up to max_turn_positions
+    min_kv_bucket: int = 256
+    # Q13: false reproduces the reference (a Stage0 turn start does not reset a TTS turn left open)
+    turn_start_resets_kv: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("max_sessions", "max_batch", "max_turn_positions", "repetition_window",
+                     "max_new_tokens", "min_kv_bucket"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"TTSEngineConfig.{name}: must be > 0")
+        if self.temperature <= 0 or self.repetition_penalty <= 0:
+            raise ValueError("TTSEngineConfig: temperature and repetition_penalty must be > 0")
+        if list(self.batch_buckets) != sorted(self.batch_buckets) or self.batch_buckets[-1] < self.max_batch:
+            raise ValueError("TTSEngineConfig.batch_buckets: must be ascending and reach max_batch")
+
+    def batch_bucket(self, b: int) -> int:
+        return next(x for x in self.batch_buckets if x >= b)
+
+    def kv_bucket(self, needed: int) -> int:
+        """Smallest power-of-two multiple of min_kv_bucket ≥ needed, capped at max_turn_positions."""
+        size = self.min_kv_bucket
+        while size < needed:
+            size *= 2
+        return min(size, self.max_turn_positions)

@@ -1,0 +1,184 @@
+"""TTS model runner: the only owner of the TTS KV tensors and the CUDA graphs.
+
+`run_unit` runs one speaking unit for B sessions with no host sync: one ragged condition-row prefill
+that draws sample 0, then `max_new_tokens - 1` single-code steps, each reading its inputs from a
+static `UnitState` at a device step counter and sampling in place from per-row uniforms. EOS rows keep
+stepping (their extra KV lies past the unit's end and is overwritten before it is ever attended); the
+engine trims after the single copy-out.
+
+On CUDA the step replays a graph per (batch bucket, kv bucket) and the prefill one per (batch bucket,
+row bucket, kv bucket), padded with scratch-slot rows; with `compile_step` the step is torch.compile'd
+before capture (fewer, fused kernels). On CPU both run eagerly through the same functions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from engine.model.tts import TTSKVCache, TTSModel
+from engine.stage1.config import TTSEngineConfig
+from engine.stage1.sampling import tts_sample
+from engine.stage1.state import UnitState
+
+
+def _allow_recompiles(limit: int) -> None:
+    """One compiled step per (batch bucket, kv bucket): raise dynamo's per-function recompile cap.
+
+    NOTE: dynamo's config is process-global; this only ever raises the cap.
+    """
+    import torch._dynamo
+
+    conf = torch._dynamo.config
+    name = "recompile_limit" if hasattr(conf, "recompile_limit") else "cache_size_limit"
+    setattr(conf, name, max(getattr(conf, name), limit))
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    cond: torch.Tensor | None  # [B, T, H] static condition rows (prefill graphs only)
+
+
+class TTSRunner:
+    def __init__(self, model: TTSModel, cfg: TTSEngineConfig, *, dtype: torch.dtype) -> None:
+        self.model, self.cfg = model, cfg
+        self.device = model.emb_text.weight.device
+        self.vocab = model.cfg.num_audio_tokens
+        self.kv = TTSKVCache.allocate(model.cfg, cfg.max_sessions, cfg.max_turn_positions,
+                                      dtype=dtype, device=self.device)
+        on_cuda = self.device.type == "cuda"
+        self.use_graphs = cfg.use_cuda_graphs and on_cuda
+        self._states: dict[int, UnitState] = {}  # per batch bucket, shared by its graphs
+        self._graphs: dict[tuple[int, ...], _Graph] = {}
+        self._pool: object | None = None
+        self._step_fn = self._step
+        if cfg.compile_step and on_cuda:  # fuse the ~45 small kernels per layer; graphs replay the result
+            _allow_recompiles(len(cfg.batch_buckets) * 8)
+            self._step_fn = torch.compile(self._step, fullgraph=True, dynamic=False)
+
+    # -- the two functions shared by eager and graph paths ----------------------------------------
+    def _prefill(self, cond: torch.Tensor, st: UnitState, kv_limit: int) -> None:
+        """Condition rows [B, T, H] at start .. start + n → sample 0 (from the audio_bos row)."""
+        b, t_max, w = cond.shape[0], cond.shape[1], self.cfg.repetition_window
+        row = torch.arange(t_max, device=cond.device)
+        valid = (row[None] <= st.n_rows[:, None]) & st.valid[:, None]  # [B, T]
+        pos = st.start[:, None] + row[None]  # [B, T]
+        hidden = self.model(cond, pos, st.slot, self.kv, valid=valid, kv_limit=kv_limit)  # [B, T, H]
+        logits = self.model.logits(hidden[torch.arange(b, device=cond.device), st.n_rows])  # [B, V]
+        st.samples[:, :w].fill_(self.vocab)  # empty penalty window
+        first = self._sample(logits, st.samples[:, :w], st.eos_blocked, st.u[:, 0])  # t = 0: no penalty
+        st.samples[:, w].copy_(first)
+        st.t.fill_(1)
+
+    def _step(self, st: UnitState, kv_limit: int) -> None:
+        """Feed sample t-1 at start + n + t, draw sample t."""
+        b, w = st.size, self.cfg.repetition_window
+        t = st.t.expand(b)[:, None]  # [B, 1]
+        code = st.samples.gather(1, t + (w - 1))[:, 0]  # [B]
+        window = st.samples.gather(1, t + torch.arange(w, device=t.device))  # samples t-w .. t-1
+        x = self.model.embed_codes(code)[:, None]  # [B, 1, H]
+        pos = (st.start + st.n_rows + st.t)[:, None]  # [B, 1]
+        h = self.model(x, pos, st.slot, self.kv, valid=st.valid[:, None], kv_limit=kv_limit)
+        out = self._sample(self.model.logits(h[:, 0]), window, st.eos_blocked, st.u.gather(1, t)[:, 0])
+        st.samples.scatter_(1, t + w, out[:, None])
+        st.t.add_(1)
+
+    def _sample(self, logits: torch.Tensor, window: torch.Tensor, eos_blocked: torch.Tensor,
+                u: torch.Tensor) -> torch.Tensor:
+        return tts_sample(logits, window, eos_blocked, u, temperature=self.cfg.temperature,
+                          penalty=self.cfg.repetition_penalty, eos_id=self.model.cfg.eos_code)
+
+    # -- graphs --------------------------------------------------------------------------------------
+    def _state(self, size: int) -> UnitState:
+        return UnitState.allocate(size, self.cfg.repetition_window, self.cfg.max_new_tokens, self.vocab,
+                                  self.kv.scratch, self.device)
+
+    def _capture(self, key: tuple[int, ...], fn: Callable[[], object], reset: Callable[[], object]) -> None:
+        """Warm up (compiling if enabled) on all-pad rows, whose writes reach the scratch slot only.
+
+        `reset` runs before each warm-up call but is NOT captured: the graph must not rewind `t`.
+        """
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(3):
+                reset()
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        reset()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            fn()
+        self._pool = graph.pool()
+        self._graphs[key] = _Graph(graph, None)
+
+    def _bucket_state(self, bucket: int) -> UnitState:
+        if bucket not in self._states:
+            self._states[bucket] = self._state(bucket)
+        return self._states[bucket]
+
+    def _step_graph(self, bucket: int, kv_limit: int) -> _Graph:
+        key = ("step", bucket, kv_limit)
+        if key not in self._graphs:
+            st = self._bucket_state(bucket)
+            st.make_padding(self.kv.scratch)
+            self._capture(key, lambda: self._step_fn(st, kv_limit), lambda: st.t.fill_(1))
+        return self._graphs[key]
+
+    def _prefill_graph(self, bucket: int, rows: int, kv_limit: int) -> _Graph:
+        key = ("prefill", bucket, rows, kv_limit)
+        if key not in self._graphs:
+            st = self._bucket_state(bucket)
+            st.make_padding(self.kv.scratch)
+            cond = torch.zeros(bucket, rows, self.model.cfg.hidden_size,
+                               dtype=self.model.emb_text.weight.dtype, device=self.device)
+            self._capture(key, lambda: self._prefill(cond, st, kv_limit), lambda: None)
+            self._graphs[key].cond = cond
+        return self._graphs[key]
+
+    @torch.inference_mode()
+    def capture(self, batches: tuple[int, ...], kv_limits: tuple[int, ...]) -> None:
+        """Capture the step graphs ahead of traffic (no-op on CPU); prefill graphs come on first use."""
+        if self.use_graphs:
+            for b in batches:
+                for kv_limit in kv_limits:
+                    self._step_graph(self.cfg.batch_bucket(b), kv_limit)
+
+    # -- one unit ------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def run_unit(self, cond: torch.Tensor, n_rows: list[int], start_pos: list[int], slots: list[int],
+                 eos_allowed: list[bool], u: torch.Tensor, *, use_graphs: bool | None = None) -> torch.Tensor:
+        """All samples of one unit for B sessions, on the device, with no host sync.
+
+        cond [B, T, H] condition rows on the device with `audio_bos` at row n_b (rows past it are
+        padding); per-row host lists n_rows, start_pos (the turn position of row 0), slots, eos_allowed;
+        u [B, S] fp64 with S = max_new_tokens. Returns samples [B, S] int64; sample t is fed at
+        start_pos + n + 1 + t for t < S - 1, the last one never.
+        """
+        b, t_max = cond.shape[0], cond.shape[1]
+        steps, w = self.cfg.max_new_tokens, self.cfg.repetition_window
+        code0 = max(s + n + 1 for s, n in zip(start_pos, n_rows, strict=True))  # highest position of sample 0
+        prefill_limit, step_limit = self.cfg.kv_bucket(code0), self.cfg.kv_bucket(code0 + steps - 1)
+        graphs = self.use_graphs if use_graphs is None else (use_graphs and self.use_graphs)
+        bucket = self.cfg.batch_bucket(b)
+        st = self._bucket_state(bucket) if graphs else self._state(b)
+        step = self._step_graph(bucket, step_limit) if graphs else None
+        rows = next((r for r in self.cfg.row_buckets if r >= t_max), None) if graphs else None
+        prefill = self._prefill_graph(bucket, rows, prefill_limit) if rows is not None else None
+        st.load(start=start_pos, n_rows=n_rows, slots=slots, eos_allowed=eos_allowed, u=u,
+                scratch=self.kv.scratch)
+        if prefill is not None and prefill.cond is not None:
+            prefill.cond[:b, :t_max].copy_(cond)
+            prefill.graph.replay()
+        else:
+            padded = cond if st.size == b else torch.cat([cond, cond.new_zeros(st.size - b, *cond.shape[1:])])
+            self._prefill(padded, st, prefill_limit)
+        for _ in range(1, steps):
+            if step is not None:
+                step.graph.replay()
+            else:
+                self._step_fn(st, step_limit)
+        return st.samples[:b, w:].clone()

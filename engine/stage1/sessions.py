@@ -1,0 +1,71 @@
+"""Per-session Stage1 state (model.md §5.5) and the slot free-list for the TTS KV."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.stage1.types import Fence, NoFreeSlotError, TTSUnitRequest
+
+# project convention (model.md §3.5.4): generators llm = seed, tts = seed + 1, vocoder = seed + 2
+TTS_SEED_OFFSET = 1
+
+
+class SlotTable:
+    """Free-list of KV slot indices; the lowest free slot is handed out first."""
+
+    def __init__(self, slots: int) -> None:
+        self._free = list(range(slots - 1, -1, -1))
+
+    def acquire(self) -> int:
+        if not self._free:
+            raise NoFreeSlotError("every TTS KV slot is in use")
+        return self._free.pop()
+
+    def release(self, slot: int) -> None:
+        self._free.append(slot)
+        self._free.sort(reverse=True)
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+
+@dataclass
+class TTSSession:
+    """State one session owns in Stage1. `tts_pos` = KV length of the open turn (0: no open turn)."""
+
+    session_id: str
+    slot: int
+    fence: Fence
+    generator: torch.Generator
+    tts_pos: int = 0
+    queue: deque[TTSUnitRequest] = field(default_factory=deque)
+    units_done: int = 0
+
+    @classmethod
+    def open(cls, session_id: str, slot: int, fence: Fence, seed: int) -> TTSSession:
+        gen = torch.Generator(device="cpu").manual_seed(seed + TTS_SEED_OFFSET)
+        return cls(session_id=session_id, slot=slot, fence=fence, generator=gen)
+
+    def take_uniforms(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(generator state before, `count` fp64 uniforms), without committing the draws.
+
+        The unit may stop early on EOS; `commit_draws` then rewinds and advances by exactly the draws
+        used, so the stream of draws equals one scalar draw per sampling step (§5.4 draw accounting).
+        """
+        state = self.generator.get_state()
+        return state, torch.rand(count, dtype=torch.float64, generator=self.generator)
+
+    def commit_draws(self, state: torch.Tensor, used: int) -> None:
+        self.generator.set_state(state)
+        torch.rand(used, dtype=torch.float64, generator=self.generator)
+
+    def projected_end(self, rows: int, max_samples: int) -> int:
+        """Worst-case turn position after the queued units and one more unit with `rows` rows."""
+        pos = self.tts_pos
+        for req in self.queue:
+            pos = 0 if req.end_of_turn else pos + req.n_rows + 1 + max_samples
+        return pos + rows + 1 + max_samples

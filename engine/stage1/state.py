@@ -1,0 +1,67 @@
+"""Static per-batch tensors of one TTS unit, shared by the prefill and single-code step graphs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class UnitState:
+    """Inputs/outputs of one unit for `size` rows (pad rows: scratch slot, never valid).
+
+    The step reads its code, position, penalty window and uniform from `samples` / `u` at the device
+    step counter `t`, writes its sample back and advances `t`: a replay needs no host-side copy-in.
+    """
+
+    samples: torch.Tensor  # [B, W + S] int64: W empty-window columns (= V), then sample t at W + t
+    t: torch.Tensor  # [1] int64, the sample index the next step produces (1 .. S-1)
+    start: torch.Tensor  # [B] int64, turn position of condition row 0
+    n_rows: torch.Tensor  # [B] int64, text rows n (audio_bos sits at row n)
+    slot: torch.Tensor  # [B] int64
+    valid: torch.Tensor  # [B] bool, False for pad rows
+    eos_blocked: torch.Tensor  # [B] bool
+    u: torch.Tensor  # [B, S] fp64
+
+    @classmethod
+    def allocate(cls, size: int, window: int, steps: int, vocab: int, scratch: int,
+                 device: torch.device) -> UnitState:
+        i64 = dict(dtype=torch.int64, device=device)
+        samples = torch.full((size, window + steps), vocab, **i64)
+        samples[:, window:] = 0  # sample columns must always hold valid codes (graph warm-up feeds them)
+        return cls(samples=samples, t=torch.ones(1, **i64),
+                   start=torch.zeros(size, **i64), n_rows=torch.zeros(size, **i64),
+                   slot=torch.full((size,), scratch, **i64),
+                   valid=torch.zeros(size, dtype=torch.bool, device=device),
+                   eos_blocked=torch.ones(size, dtype=torch.bool, device=device),
+                   u=torch.full((size, steps), 0.5, dtype=torch.float64, device=device))
+
+    @property
+    def size(self) -> int:
+        return self.samples.shape[0]
+
+    def make_padding(self, scratch: int) -> None:
+        """Turn every row into a pad row (before a capture: stale rows could index out of range)."""
+        self.start.fill_(0)
+        self.n_rows.fill_(0)
+        self.slot.fill_(scratch)
+        self.valid.fill_(False)
+
+    def load(self, *, start: list[int], n_rows: list[int], slots: list[int], eos_allowed: list[bool],
+             u: torch.Tensor, scratch: int) -> None:
+        """Copy one batch of b ≤ size rows in; rows past b become pad rows."""
+        b, dev = len(start), self.samples.device
+        host = torch.tensor([start, n_rows, slots, [int(not a) for a in eos_allowed]], dtype=torch.int64)
+        host = host.to(dev, non_blocking=True)  # one transfer for the four per-row columns
+        self.start[:b].copy_(host[0])
+        self.n_rows[:b].copy_(host[1])
+        self.slot[:b].copy_(host[2])
+        self.eos_blocked[:b].copy_(host[3].bool())
+        self.valid[:b].fill_(True)
+        self.u[:b].copy_(u, non_blocking=True)
+        if b < self.size:
+            self.start[b:].fill_(0)
+            self.n_rows[b:].fill_(0)
+            self.slot[b:].fill_(scratch)
+            self.valid[b:].fill_(False)

@@ -1,0 +1,194 @@
+"""Stage1 TTS engine: per-session speaking units in, codes out, batched across sessions.
+
+Owner: one engine thread calls every method (other threads post messages to it). A `step()` reads top
+to bottom: collect (one queued unit per session) → prepare (condition rows, per-row uniforms) → run
+(one prefill + single-code steps for the whole batch, `TTSRunner`) → postprocess (trim at EOS, commit
+draws, advance or reset the turn) → emit (results whose fence is still live).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from engine.model.tts import TTSModel
+from engine.stage1.config import TTSEngineConfig
+from engine.stage1.runner import TTSRunner
+from engine.stage1.sessions import SlotTable, TTSSession
+from engine.stage1.types import (
+    Fence,
+    HiddenDimError,
+    RowCountError,
+    SessionExistsError,
+    StaleFenceError,
+    TokenIdError,
+    TTSCancelResult,
+    TTSUnitRequest,
+    TTSUnitResult,
+    TurnCapacityError,
+    UnknownSessionError,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Work:
+    session: TTSSession
+    req: TTSUnitRequest
+    rng_state: torch.Tensor
+    u: torch.Tensor  # [S] fp64
+    start_pos: int
+    eos_allowed: bool
+
+
+class TTSEngine:
+    def __init__(self, model: TTSModel, cfg: TTSEngineConfig | None = None) -> None:
+        self.model, self.cfg = model.eval(), cfg or TTSEngineConfig()
+        self.mcfg = model.cfg
+        self.runner = TTSRunner(model, self.cfg, dtype=model.emb_text.weight.dtype)
+        self.slots = SlotTable(self.cfg.max_sessions)
+        self.sessions: dict[str, TTSSession] = {}
+        self._order: list[str] = []  # sessions in first-come order, for fair batch selection
+
+    # -- session lifecycle ------------------------------------------------------------------------
+    def open(self, session_id: str, fence: Fence, seed: int) -> None:
+        if session_id in self.sessions:
+            raise SessionExistsError(f"session {session_id!r} is already open")
+        slot = self.slots.acquire()
+        self.sessions[session_id] = TTSSession.open(session_id, slot, fence, seed)
+
+    def close(self, session_id: str, fence: Fence) -> bool:
+        """Release the session's slot; a close with another incarnation is a no-op (returns False)."""
+        s = self.sessions.get(session_id)
+        if s is None or s.fence.incarnation != fence.incarnation:
+            return False
+        del self.sessions[session_id]
+        self.slots.release(s.slot)
+        return True
+
+    def _session(self, session_id: str) -> TTSSession:
+        try:
+            return self.sessions[session_id]
+        except KeyError:
+            raise UnknownSessionError(f"no open TTS session {session_id!r}") from None
+
+    # -- inputs ------------------------------------------------------------------------------------
+    def submit(self, req: TTSUnitRequest) -> None:
+        """Validate and queue one unit. Any error is raised before a single piece of state changes."""
+        s = self._session(req.session_id)
+        self._check_fence(s, req.fence)
+        self._check_rows(req)
+        end = s.projected_end(req.n_rows, self.cfg.max_new_tokens)
+        if end > self.cfg.max_turn_positions:
+            raise TurnCapacityError(f"unit {req.unit_index} of {req.session_id!r} would reach turn position "
+                                    f"{end} > max_turn_positions {self.cfg.max_turn_positions}")
+        if req.fence.epoch > s.fence.epoch:  # a newer epoch implies the older one was cancelled
+            self._drop_older(s, req.fence)
+        s.queue.append(req)
+        if req.session_id not in self._order:
+            self._order.append(req.session_id)
+
+    def _check_fence(self, s: TTSSession, fence: Fence) -> None:
+        if fence.incarnation != s.fence.incarnation or fence.epoch < s.fence.epoch:
+            raise StaleFenceError(f"session {s.session_id!r}: fence {fence} is stale (current {s.fence})")
+
+    def _check_rows(self, req: TTSUnitRequest) -> None:
+        h, n = req.hidden, req.n_rows
+        if not isinstance(h, torch.Tensor) or not h.is_floating_point() or h.dim() != 2:
+            raise HiddenDimError("hidden must be a float tensor [n, llm_dim]")
+        if h.shape[1] != self.mcfg.llm_dim:
+            raise HiddenDimError(f"hidden dim {h.shape[1]} != llm_dim {self.mcfg.llm_dim}")
+        if h.shape[0] != n or len(req.is_turn_eos) != n:
+            raise RowCountError(f"rows disagree: {n} text ids, {h.shape[0]} hidden rows, "
+                                f"{len(req.is_turn_eos)} is_turn_eos flags")
+        bad = [t for t in req.text_ids if not 0 <= t < self.mcfg.num_text_tokens]
+        if bad:
+            raise TokenIdError(f"text ids {bad[:4]} outside [0, {self.mcfg.num_text_tokens})")
+
+    def cancel(self, session_id: str, fence: Fence, next_fence: Fence) -> TTSCancelResult:
+        """Adopt `next_fence` and drop this session's queued units of older epochs (protocol.md F-1…F-3).
+
+        The TTS turn state (KV, tts_pos) is kept: a barge-in closes the turn through Stage0 (Q13).
+        """
+        s = self._session(session_id)
+        if next_fence.incarnation != fence.incarnation or next_fence.epoch != fence.epoch + 1:
+            raise StaleFenceError(f"cancel of {session_id!r}: next_fence {next_fence} must be epoch + 1")
+        if fence.incarnation != s.fence.incarnation:
+            raise StaleFenceError(f"cancel of {session_id!r}: incarnation {fence.incarnation} is not live")
+        if s.fence.epoch > fence.epoch:  # F-2: a late cancel never moves the session backward
+            return TTSCancelResult(session_id, fence, (), noop=True)
+        dropped = self._drop_older(s, next_fence)
+        return TTSCancelResult(session_id, fence, dropped, noop=False)
+
+    def _drop_older(self, s: TTSSession, fence: Fence) -> tuple[int, ...]:
+        s.fence = fence
+        dropped = tuple(r.unit_index for r in s.queue if r.fence.epoch < fence.epoch)
+        kept = [r for r in s.queue if r.fence.epoch >= fence.epoch]
+        s.queue.clear()
+        s.queue.extend(kept)
+        return dropped
+
+    # -- the engine step -----------------------------------------------------------------------------
+    def pending(self) -> int:
+        return sum(len(s.queue) for s in self.sessions.values())
+
+    def step(self, *, use_graphs: bool | None = None) -> list[TTSUnitResult]:
+        work = self._collect()
+        if not work:
+            return []
+        cond = self._condition_rows(work)
+        u = torch.stack([w.u for w in work])  # [B, S]
+        samples = self.runner.run_unit(
+            cond, [w.req.n_rows for w in work], [w.start_pos for w in work],
+            [w.session.slot for w in work], [w.eos_allowed for w in work], u, use_graphs=use_graphs)
+        return self._postprocess(work, samples.cpu().tolist())  # the step's one host sync
+
+    def _collect(self) -> list[_Work]:
+        work: list[_Work] = []
+        self._order = [sid for sid in self._order if sid in self.sessions and self.sessions[sid].queue]
+        for sid in self._order[: self.cfg.max_batch]:
+            s = self.sessions[sid]
+            req = s.queue.popleft()
+            if self.cfg.turn_start_resets_kv and req.turn_start and s.tts_pos > 0:
+                s.tts_pos = 0
+            state, u = s.take_uniforms(self.cfg.max_new_tokens)
+            # §5.3: EOS may end the unit at turn start (tts_pos == 0, the TTS's own state) or turn end
+            work.append(_Work(s, req, state, u, s.tts_pos, s.tts_pos == 0 or req.end_of_turn))
+        # round-robin: the sessions served now go to the back
+        self._order = self._order[len(work):] + self._order[: len(work)]
+        return work
+
+    @torch.inference_mode()
+    def _condition_rows(self, work: list[_Work]) -> torch.Tensor:
+        """[B, T, H] rows cond_1..cond_n, emb_text(audio_bos) at row n, zeros after (§5.1)."""
+        dev, dtype = self.runner.device, self.model.emb_text.weight.dtype
+        t_max = max(w.req.n_rows for w in work) + 1
+        ids = torch.zeros(len(work), t_max, dtype=torch.int64)
+        hidden = torch.zeros(len(work), t_max, self.mcfg.llm_dim, dtype=dtype, device=dev)
+        for b, w in enumerate(work):
+            n = w.req.n_rows
+            ids[b, :n] = torch.tensor(w.req.text_ids, dtype=torch.int64)
+            hidden[b, :n] = w.req.hidden.to(device=dev, dtype=dtype)  # row i pairs t_i with its own h_i
+        cond = self.model.condition(ids.to(dev), hidden)  # [B, T, H]
+        n_rows = torch.tensor([w.req.n_rows for w in work], device=dev)
+        is_bos = torch.arange(t_max, device=dev)[None] == n_rows[:, None]  # [B, T]
+        return torch.where(is_bos[..., None], self.model.audio_bos_row(), cond)
+
+    def _postprocess(self, work: list[_Work], samples: list[list[int]]) -> list[TTSUnitResult]:
+        eos, out = self.mcfg.eos_code, []
+        for w, row in zip(work, samples, strict=True):
+            e = row.index(eos) if eos in row else None
+            codes = row[:e] if e is not None else row[:-1]  # the last sample is never fed (Q16)
+            draws = e + 1 if e is not None else len(row)
+            w.session.commit_draws(w.rng_state, draws)
+            end_pos = w.start_pos + w.req.n_rows + 1 + len(codes)
+            w.session.tts_pos = 0 if w.req.end_of_turn else end_pos
+            w.session.units_done += 1
+            result = TTSUnitResult(w.session.session_id, w.req.fence, w.req.unit_index, tuple(codes),
+                                   e is not None, draws, w.start_pos, end_pos, w.req.end_of_turn)
+            if w.req.fence.epoch >= w.session.fence.epoch:  # a cancel may have fenced it off meanwhile
+                out.append(result)
+        return out
