@@ -2,8 +2,12 @@
 
 Full size (model.md §1.2, dummy weights N(0, 0.02), §9.5) on a GPU:
     python bench/bench_stage0.py --batches 1,8,32,64 --context 2048 --prefill-context 4096 --json out.json
-CPU smoke test on the tiny model:
+    python bench/bench_stage0.py --compile max-autotune-no-cudagraphs --engine-batches 1,32 --json out.json
+CPU smoke test on the tiny model (graph sets run in eager replay):
     python bench/bench_stage0.py --tiny
+Rows: the model forward eager / in our CUDA graphs (decode and unit prefill, with --compile also compiled),
+then the engine's own `step()` (graphs and compile as configured by Stage0Config, scripted decisions §9.5,
+merged unit close): decode steps and unit-prefill steps, host work and the id read-back included.
 Prints a table last: median and p99 ms per step, beside the bandwidth floor and HF in the same process.
 """
 
@@ -23,8 +27,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 
 from engine.config import LLMConfig
 from engine.model.llm import Qwen3LLM, SlotKVCache
-from engine.stage0.graphs import DecodeGraphs
+from engine.stage0 import DecodeRules, Fence, SamplingParams, Stage0Config, Stage0Engine
+from engine.stage0.graphs import DecodeGraphs, PrefillGraphs
 from engine.stage0.runner import KV_LIMIT_QUANTUM
+from engine.stage0.script import DecisionScript, ScriptPlan
+from engine.stage0.session import Phase, UnitRecord
 
 FULL = LLMConfig(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
                  num_key_value_heads=8, head_dim=128, vocab_size=151748, max_position_embeddings=40960,
@@ -33,7 +40,11 @@ TINY = LLMConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, nu
                  num_key_value_heads=2, head_dim=32, vocab_size=320, max_position_embeddings=40960,
                  rope_theta=1e6, rms_norm_eps=1e-6)
 UNIT_PREFILL = 11  # `<unit>` + 10 audio embeddings
+MERGED_PREFILL = 13  # the previous unit's `[terminator, </unit>]` + the above (model.md §3.6)
 WEIGHT_STD = 0.02  # model.md §9.4 / §9.5
+BYTE_IDS = 256  # the bench tokenizer: one id per byte, the special tokens at the top of the vocabulary
+SPECIALS = ("<|im_start|> <|im_end|> <unit> </unit> <|audio_start|> <|audio_end|> <image> </image> <|listen|> "
+            "<|speak|> <|tts_bos|> <|chunk_eos|> <|chunk_tts_eos|> <|turn_eos|> <|tts_pad|>").split()
 
 
 def dummy_init(model: torch.nn.Module, seed: int = 0) -> None:
@@ -55,7 +66,11 @@ def timed(fn: Callable[[], object], iters: int, warmup: int, device: torch.devic
         fn()
         sync()
         samples.append((time.perf_counter() - t0) * 1e3)
-    samples.sort()
+    return stats(samples)
+
+
+def stats(samples: list[float]) -> tuple[float, float]:
+    samples = sorted(samples)
     return statistics.median(samples), samples[min(len(samples) - 1, int(0.99 * len(samples)))]
 
 
@@ -64,43 +79,172 @@ def floor_ms(cfg: LLMConfig, n_params: int, elem: int, kv_positions: int, bw: fl
     return (n_params * elem + kv_bytes) / bw * 1e3
 
 
+def quantized(n: int) -> int:
+    return -(-n // KV_LIMIT_QUANTUM) * KV_LIMIT_QUANTUM
+
+
+def random_kv(cfg: LLMConfig, slots: int, max_len: int, dev: torch.device, dtype: torch.dtype) -> SlotKVCache:
+    kv = SlotKVCache.allocate(cfg, slots, max_len, dtype=dtype, device=dev)
+    for t in (*kv.k, *kv.v):
+        t.normal_()  # never time on zeros
+    return kv
+
+
+def graph_modes(args: argparse.Namespace) -> list[str | None]:
+    return [] if args.no_graphs else [None] + ([args.compile] if args.compile else [])
+
+
 def bench_decode(model: Qwen3LLM, cfg: LLMConfig, b: int, args: argparse.Namespace, dev: torch.device,
                  dtype: torch.dtype) -> list[dict]:
-    kv = SlotKVCache.allocate(cfg, b, args.context + args.extra, dtype=dtype, device=dev)
-    for t in (*kv.k, *kv.v):
-        t.normal_()
+    kv = random_kv(cfg, b, args.context + args.extra, dev, dtype)
     x = torch.randn(b, 1, cfg.hidden_size, dtype=dtype, device=dev)
     pos = torch.full((b, 1), args.context, device=dev)
     slots = torch.arange(b)  # dense layout, as the engine's decode rows: row i = slot i
-    span = -(-(args.context + 1) // KV_LIMIT_QUANTUM) * KV_LIMIT_QUANTUM
+    span = quantized(args.context + 1)
+    out = []
+    pos_host = pos[:, 0].cpu()
+    with torch.no_grad():
+        for attention in args.decode_attention:  # the first one stays set for the rows after this
+            Qwen3LLM.decode_attention = attention
+            eager = timed(lambda: model.logits(model(x, pos, None, kv, kv_limit=span)[:, -1]),
+                          args.iters, args.warmup, dev)
+            out.append(dict(name=f"model eager decode [{attention}]", batch=b, ctx=args.context, ms=eager))
+            for mode in graph_modes(args):
+                graphs = DecodeGraphs.create(model, kv, (b,), (span,), compile_mode=mode,
+                                             eager_replay=dev.type != "cuda", compile_dynamic=False)
+                assert graphs is not None
+                ms = timed(lambda g=graphs: model.logits(g.run(x[:, 0], pos_host, slots, args.context + 1)),
+                           args.iters, args.warmup, dev)
+                name = f"graph decode [{attention}]" + (f" +{mode}" if mode else "")
+                out.append(dict(name=name, batch=b, ctx=args.context, ms=ms))
+        Qwen3LLM.decode_attention = args.decode_attention[0]
+    return out
+
+
+def bench_prefill(model: Qwen3LLM, cfg: LLMConfig, args: argparse.Namespace, dev: torch.device,
+                  dtype: torch.dtype) -> list[dict]:
+    ctx = args.prefill_context
+    kv = random_kv(cfg, 1, ctx + args.extra, dev, dtype)
+    span = quantized(ctx + MERGED_PREFILL)
+    slot = torch.zeros(1, dtype=torch.long, device=dev)
     out = []
     with torch.no_grad():
-        eager = timed(lambda: model.logits(model(x, pos, None, kv, kv_limit=span)[:, -1]),
-                      args.iters, args.warmup, dev)
-        out.append(dict(name="ours eager decode", batch=b, ctx=args.context, ms=eager))
-        modes = [None] + ([args.compile] if args.compile else [])
-        pos_host = pos[:, 0].cpu()
-        for mode in modes:
-            graphs = DecodeGraphs.create(model, kv, (b,), (span,), enabled=not args.no_graphs, compile_mode=mode)
-            if graphs is None:
-                continue
-            ms = timed(lambda g=graphs: model.logits(g.run(x[:, 0], pos_host, slots, args.context + 1)),
+        for n in (UNIT_PREFILL, MERGED_PREFILL):
+            x = torch.randn(n, cfg.hidden_size, dtype=dtype, device=dev)
+            pos = torch.arange(ctx, ctx + n, device=dev)[None]
+            ms = timed(lambda x=x, pos=pos: model.logits(model(x[None], pos, slot, kv, kv_limit=span)[:, -1]),
                        args.iters, args.warmup, dev)
-            name = "ours graph decode" + (" +compile" if mode else "")
-            out.append(dict(name=name, batch=b, ctx=args.context, ms=ms))
+            out.append(dict(name=f"model eager prefill {n}", batch=1, ctx=ctx, ms=ms))
+        for mode in graph_modes(args):
+            graphs = PrefillGraphs.create(model, kv, (1,), (UNIT_PREFILL, MERGED_PREFILL), (span,), compile_mode=mode,
+                                          eager_replay=dev.type != "cuda", compile_dynamic=False)
+            assert graphs is not None
+            for n in (UNIT_PREFILL, MERGED_PREFILL):
+                x = torch.randn(n, cfg.hidden_size, dtype=dtype, device=dev)
+                ms = timed(lambda g=graphs, x=x: model.logits(g.run([0], [ctx], [x])[0][-1:]),
+                           args.iters, args.warmup, dev)
+                out.append(dict(name=f"graph prefill {n}" + (f" +{mode}" if mode else ""), batch=1, ctx=ctx, ms=ms))
     return out
+
+
+class BenchTokenizer:
+    """`TextTokenizer` over bytes: ids 0..255 are bytes, the special tokens sit at the top of the vocabulary."""
+
+    def __init__(self, vocab: int) -> None:
+        self._special = {tok: vocab - 1 - i for i, tok in enumerate(SPECIALS)}
+        self._text = {v: k for k, v in self._special.items()}
+
+    def encode(self, text: str) -> list[int]:
+        ids, rest = [], text
+        while rest:
+            hit = next((t for t in self._special if rest.startswith(t)), None)
+            ids += [self._special[hit]] if hit else list(rest[0].encode())
+            rest = rest[len(hit) if hit else 1:]
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i for i in ids if i < BYTE_IDS).decode(errors="replace")
+
+    def token_id(self, token: str) -> int:
+        return self._special[token]
+
+    @property
+    def bad_token_ids(self) -> tuple[int, ...]:
+        return ()
+
+
+class BenchFrontEnd:
+    """Random unit embeddings on the device (the audio encoder is benchmarked elsewhere)."""
+
+    def __init__(self, cfg: LLMConfig, per_unit: int, dev: torch.device, dtype: torch.dtype) -> None:
+        self.shape, self.dev, self.dtype = (per_unit, cfg.hidden_size), dev, dtype
+
+    def new_state(self) -> None:
+        return None
+
+    def encode_unit(self, state: None, pcm: torch.Tensor, unit_index: int) -> torch.Tensor:
+        return torch.randn(self.shape, device=self.dev, dtype=self.dtype) * WEIGHT_STD
+
+    def encode_reference(self, pcm: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+def bench_engine(model: Qwen3LLM, cfg: LLMConfig, b: int, args: argparse.Namespace, dev: torch.device,
+                 dtype: torch.dtype) -> list[dict]:
+    """The engine's own step(): b sessions at `context` retained positions, every unit a scripted speak unit."""
+    rules = DecodeRules(force_listen_count=0)
+    # KV room for the timed units, the warm-up unit and the engine's two-unit admission margin
+    room = (args.engine_units + 3) * Stage0Config(max_frames_per_unit=0).unit_max_positions(rules)
+    config = Stage0Config(
+        max_sessions=b, eviction="off", max_context=args.context + room, max_frames_per_unit=0,
+        decode_batch_buckets=(b,), decode_kv_buckets=(quantized(args.context + room),),
+        prefill_batch_buckets=(b,), use_cuda_graphs=not args.no_graphs,
+        eager_replay_graphs=dev.type != "cuda" and not args.no_graphs, compile_mode=args.compile,
+        compile_dynamic=False if args.compile_static else None,
+        fuse_projections=not args.no_fuse, merge_unit_close=True, scripted_decisions=True, benchmark_mode=True)
+    tok = BenchTokenizer(cfg.vocab_size)
+    engine = Stage0Engine(model, tok, BenchFrontEnd(cfg, config.audio_embeddings_per_unit, dev, dtype),
+                          lambda event: None, config, rules)
+    # all speak units, so every session decodes in lock step (turn-end every `speak_units`)
+    engine.script = DecisionScript(engine.ids, tok.decode, cfg.vocab_size, ScriptPlan(listen_units=0, tail_listen_units=0))
+    sids = [f"s{i}" for i in range(b)]
+    for i, sid in enumerate(sids):
+        engine.open(sid, Fence(1, 0), params=SamplingParams(seed=i))
+    engine.run_until_idle()  # system prefixes
+    kv = engine.runner.kv
+    for sid in sids:  # pretend `context` positions are retained: random KV, one ledger entry
+        s = engine.session(sid)
+        for t in (*kv.k, *kv.v):
+            t[s.slot, :, s.cached_len:args.context].normal_()
+        s.ledger.append(UnitRecord(-1, args.context - s.prefix_len, (), "", True))
+        s.cached_len = args.context
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    kinds: dict[str, list[float]] = {"decode": [], "prefill": []}
+    for unit in range(args.engine_units + 1):  # unit 0 warms up
+        for sid in sids:
+            samples = config.first_unit_samples if unit == 0 else config.unit_samples
+            engine.append(sid, Fence(1, 0, seq=unit), torch.zeros(samples))
+        while True:
+            phases = {engine.session(sid).phase for sid in sids}
+            kind = "decode" if phases == {Phase.FEED} else "prefill" if Phase.IDLE in phases else None
+            sync()
+            t0 = time.perf_counter()
+            busy = engine.step()
+            sync()
+            if not busy:
+                break
+            if unit and kind:
+                kinds[kind].append((time.perf_counter() - t0) * 1e3)
+    ctx = args.context
+    return [dict(name=f"engine step {k}" + (f" +{args.compile}" if args.compile else ""), batch=b, ctx=ctx,
+                 ms=stats(v)) for k, v in kinds.items() if v]
 
 
 def bench_ours(model: Qwen3LLM, cfg: LLMConfig, args: argparse.Namespace, dev: torch.device,
                dtype: torch.dtype) -> list[dict]:
     out = [row for b in args.batches for row in bench_decode(model, cfg, b, args, dev, dtype)]
-    kv = SlotKVCache.allocate(cfg, 1, args.prefill_context + args.extra, dtype=dtype, device=dev)
-    x = torch.randn(1, UNIT_PREFILL, cfg.hidden_size, dtype=dtype, device=dev)
-    pos = torch.arange(args.prefill_context, args.prefill_context + UNIT_PREFILL, device=dev)[None]
-    with torch.no_grad():
-        ms = timed(lambda: model.logits(model(x, pos, torch.zeros(1, dtype=torch.long, device=dev), kv)[:, -1]),
-                   args.iters, args.warmup, dev)
-    out.append(dict(name="ours unit prefill", batch=1, ctx=args.prefill_context, ms=ms))
+    out += bench_prefill(model, cfg, args, dev, dtype)
+    out += [row for b in args.engine_batches for row in bench_engine(model, cfg, b, args, dev, dtype)]
     return out
 
 
@@ -179,13 +323,24 @@ def main() -> None:
     ap.add_argument("--bandwidth", type=float, default=4.24e12, help="device bytes/s (H200 measured)")
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--no-graphs", action="store_true")
-    ap.add_argument("--compile", default=None, help="also time a torch.compile'd graph (e.g. max-autotune-no-cudagraphs)")
+    ap.add_argument("--compile", default=None,
+                    help="torch.compile mode for the graphs and the engine (default, max-autotune-no-cudagraphs)")
+    ap.add_argument("--engine-batches", default="1,32", help="sessions for the engine step rows ('' = none)")
+    ap.add_argument("--engine-units", type=int, default=5, help="timed units per engine run")
+    ap.add_argument("--compile-static", action="store_true",
+                    help="engine: compile every graph shape separately (Stage0Config.compile_dynamic=False)")
+    ap.add_argument("--no-fuse", action="store_true", help="separate q/k/v and gate/up matmuls")
+    ap.add_argument("--no-fold", action="store_true", help="SDPA enable_gqa instead of kv-head-major query rows")
+    ap.add_argument("--decode-attention", default="matmul,sdpa",
+                    help="decode attention variants for the decode rows; the first one is used elsewhere")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if args.tiny:
         args.context, args.prefill_context, args.iters, args.hf_iters = 64, 128, 5, 3
-        args.batches, args.hf_batches = "1,8", "1"
+        args.batches, args.hf_batches, args.engine_batches, args.engine_units = "1,8", "1", "1,4", 2
     args.batches = [int(b) for b in args.batches.split(",")]
+    args.engine_batches = [int(b) for b in args.engine_batches.split(",") if b]
+    args.decode_attention = args.decode_attention.split(",")
     args.hf_batches = [int(b) for b in args.hf_batches.split(",") if b]
     dev = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -193,6 +348,10 @@ def main() -> None:
     with torch.device(dev):
         model = Qwen3LLM(cfg).to(dtype).eval()
     dummy_init(model)
+    Qwen3LLM.fold_gqa = not args.no_fold
+    Qwen3LLM.decode_attention = args.decode_attention[0]
+    if not args.no_fuse:
+        model.fuse_projections()  # parameters become views of the fused weights: no extra memory
     n_params = sum(p.numel() for p in model.parameters())
     elem = torch.finfo(dtype).bits // 8
     rows = bench_ours(model, cfg, args, dev, dtype)
@@ -206,9 +365,9 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump(dict(device=str(torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"),
                            params=n_params, rows=rows), f, indent=2)
-    print(f"{'what':28s} {'batch':>5s} {'ctx':>6s} {'median ms':>10s} {'p99 ms':>8s} {'floor ms':>9s} {'x floor':>8s}")
+    print(f"{'what':44s} {'batch':>5s} {'ctx':>6s} {'median ms':>10s} {'p99 ms':>8s} {'floor ms':>9s} {'x floor':>8s}")
     for r in rows:
-        print(f"{r['name']:28s} {r['batch']:5d} {r['ctx']:6d} {r['median_ms']:10.3f} {r['p99_ms']:8.3f} "
+        print(f"{r['name']:44s} {r['batch']:5d} {r['ctx']:6d} {r['median_ms']:10.3f} {r['p99_ms']:8.3f} "
               f"{r['floor_ms']:9.3f} {r['median_ms'] / r['floor_ms']:8.2f}")
 
 

@@ -92,14 +92,32 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, h, bias=False)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.register_buffer("qkv_weight", None, persistent=False)  # [(heads + 2 kvh) D, H] once fused
+
+    def fuse(self) -> None:
+        """One [q; k; v] matmul instead of three; q/k/v_proj.weight become views of it (same keys)."""
+        self.qkv_weight = _fuse_into(self.q_proj, self.k_proj, self.v_proj)
+
+    def _apply(self, fn, recurse=True):  # noqa: ANN001, ANN202 - nn.Module signature
+        # a device/dtype move copies parameters and buffer apart: alias them again so a later
+        # load_state_dict still reaches the fused weight
+        out = super()._apply(fn, recurse)
+        if self.qkv_weight is not None:
+            self.fuse()
+        return out
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: SlotKVCache,
                 write_slot: torch.Tensor, write_pos: torch.Tensor, slot_ids: torch.Tensor | None,
-                mask: torch.Tensor, kv_limit: int) -> torch.Tensor:
+                mask: torch.Tensor, kv_limit: int, mode: str) -> torch.Tensor:
         b, t, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(b, t, self.n_heads, self.head_dim)).transpose(1, 2)
-        k = self.k_norm(self.k_proj(x).view(b, t, self.n_kv, self.head_dim)).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim)  # [B, T, kvh, D]
+        nq, nk = self.n_heads * self.head_dim, self.n_kv * self.head_dim
+        if self.qkv_weight is not None:
+            q, k, v = F.linear(x, self.qkv_weight).split((nq, nk, nk), dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = self.q_norm(q.view(b, t, self.n_heads, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(k.view(b, t, self.n_kv, self.head_dim)).transpose(1, 2)
+        v = v.view(b, t, self.n_kv, self.head_dim)  # [B, T, kvh, D]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # [B, heads, T, D]
         k_cache, v_cache = kv.k[self.layer], kv.v[self.layer]
         # advanced indices around a slice: the indexed view is [B, T, kvh, D]
@@ -109,9 +127,36 @@ class Attention(nn.Module):
             keys, values = k_cache[:b, :, :kv_limit], v_cache[:b, :, :kv_limit]  # [B, kvh, L, D]
         else:
             keys, values = k_cache[slot_ids, :, :kv_limit], v_cache[slot_ids, :, :kv_limit]  # gathered
-        out = F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask,
-                                             enable_gqa=True)  # [B, heads, T, D]
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+        out = self._attend(q, keys.to(q.dtype), values.to(q.dtype), mask, mode)  # [B, heads, T, D]
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, nq))
+
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                mode: str) -> torch.Tensor:
+        """q [B, heads, T, D], keys/values [B, kvh, L, D], mask additive → [B, heads, T, D]."""
+        b, _, t, d = q.shape
+        if mode == "gqa":  # mask [B, 1, T, L]
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+        # query head h reads kv head h // groups: stack each group's queries as extra rows of one kv head
+        # (mask [B, 1, g T, L]), so K/V are read once and never expanded to all heads
+        qf = q.reshape(b, self.n_kv, (self.n_heads // self.n_kv) * t, d)  # [B, kvh, g T, D]
+        if mode == "fold":
+            out = F.scaled_dot_product_attention(qf, keys, values, attn_mask=mask)
+        else:  # "matmul": two batched GEMMs, parallel over keys (a fused kernel runs one block per kv head);
+            # scores rounded to the model dtype, softmax in fp32, as transformers' eager attention does
+            scores = torch.matmul(qf * d ** -0.5, keys.transpose(-1, -2)).float() + mask  # [B, kvh, g T, L]
+            out = torch.matmul(torch.softmax(scores, dim=-1).to(values.dtype), values)
+        return out.view(b, self.n_heads, t, d)
+
+
+def _fuse_into(*linears: nn.Linear) -> torch.Tensor:
+    """Concatenate bias-free Linear weights along the output dim; each Linear's weight becomes a view."""
+    fused = torch.cat([lin.weight.detach() for lin in linears])  # [sum(out), in]
+    start = 0
+    for lin in linears:
+        n, grad = lin.weight.shape[0], lin.weight.requires_grad
+        lin.weight = nn.Parameter(fused[start:start + n], requires_grad=grad)
+        start += n
+    return fused
 
 
 class MLP(nn.Module):
@@ -120,9 +165,22 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.register_buffer("gate_up_weight", None, persistent=False)  # [2 I, H] once fused
+
+    def fuse(self) -> None:
+        self.gate_up_weight = _fuse_into(self.gate_proj, self.up_proj)
+
+    def _apply(self, fn, recurse=True):  # noqa: ANN001, ANN202 - nn.Module signature
+        out = super()._apply(fn, recurse)
+        if self.gate_up_weight is not None:
+            self.fuse()
+        return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_weight is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -149,6 +207,11 @@ class Qwen3Model(nn.Module):
 class Qwen3LLM(nn.Module):
     """Qwen3ForCausalLM weights (checkpoint keys minus `llm.`) with a slot-KV forward."""
 
+    # grouped-query attention as kv-head-major rows (no K/V expansion); False = SDPA's enable_gqa
+    fold_gqa: bool = True
+    # single-token (decode) attention: "matmul" (two GEMMs over the folded rows) or "sdpa"
+    decode_attention: str = "matmul"
+
     def __init__(self, cfg: LLMConfig) -> None:
         super().__init__()
         self.cfg = cfg
@@ -157,6 +220,19 @@ class Qwen3LLM(nn.Module):
         inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32)
                                              / cfg.head_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)  # [D/2]
+
+    def fuse_projections(self) -> Qwen3LLM:
+        """Load-time fusion: q/k/v and gate/up run as one matmul each. The fused weights are
+        non-persistent buffers whose slices are the original parameters, so state_dict keys, values and
+        load_state_dict are unchanged (and a device/dtype move keeps them aliased)."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+        return self
+
+    @property
+    def fused(self) -> bool:
+        return self.model.layers[0].mlp.gate_up_weight is not None
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings, unscaled (model.md §1.2). ids [...] → [..., H]."""
@@ -188,11 +264,18 @@ class Qwen3LLM(nn.Module):
         write_slot = torch.where(valid, rows[:, None], kv.scratch)  # [B, T]
         write_pos = torch.where(valid, input_pos, 0)
         key_idx = torch.arange(kv_limit, device=x.device)
-        mask = (key_idx <= write_pos[..., None])[:, None]  # [B, 1, T, L], causal within the slot
+        visible = (key_idx <= write_pos[..., None])[:, None]  # [B, 1, T, L], causal within the slot
+        mode = "matmul" if t == 1 and self.decode_attention == "matmul" else "fold" if self.fold_gqa else "gqa"
+        if mode != "gqa":  # rows of a kv head are (group, query): the same causal row repeats per group
+            g = self.cfg.num_attention_heads // self.cfg.num_key_value_heads
+            visible = visible.expand(b, g, t, kv_limit).reshape(b, 1, g * t, kv_limit)  # [B, 1, g T, L]
+        # additive bias built once, not converted from bool by every layer's attention call
+        mask = torch.zeros(visible.shape, dtype=torch.float32 if mode == "matmul" else x.dtype,
+                           device=x.device).masked_fill_(~visible, float("-inf"))
         cos, sin = self.rope(write_pos, x.dtype)
         h = x
         for layer in self.model.layers:
-            h = layer(h, cos, sin, kv, write_slot, write_pos, slot_ids, mask, kv_limit)
+            h = layer(h, cos, sin, kv, write_slot, write_pos, slot_ids, mask, kv_limit, mode)
         return self.model.norm(h)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

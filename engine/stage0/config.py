@@ -5,6 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
+CLOSE_POSITIONS = 2  # `[terminator, </unit>]` (§3.6)
+# torch.compile modes that leave graph capture to the engine (the others capture CUDA graphs themselves)
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
+
 
 class TextTokenizer(Protocol):
     """What Stage0 needs from a tokenizer. `decode` must skip special tokens."""
@@ -78,13 +82,44 @@ class Stage0Config:
     default_prompt: str = "Streaming Omni Conversation."
     empty_ref_audio_markers: bool = True  # Q25
     decode_batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
-    decode_kv_buckets: tuple[int, ...] = (1024, 2048, 4096)  # graph attention spans; the slot length is added
-    use_cuda_graphs: bool = True  # no-op off CUDA
-    compile_decode: str | None = None  # torch.compile mode for the graphed decode step, e.g. "max-autotune-no-cudagraphs"
+    # graph attention spans (decode and prefill); the slot length is added. Steady-state sessions sit between
+    # `window_low` and `window_high`, hence the upper buckets.
+    decode_kv_buckets: tuple[int, ...] = (1024, 2048, 4096, 6144)
+    use_cuda_graphs: bool = True  # no-op off CUDA (unless `eager_replay_graphs`)
+    # tests/debug: build the graph sets (buckets, static buffers, copy-in/out) but replay eagerly, any device
+    eager_replay_graphs: bool = False
+    # Unit prefills in CUDA graphs: rows per graph; the lengths are `prefill_lengths()`. () = eager prefill.
+    prefill_batch_buckets: tuple[int, ...] = (1, 2, 4, 8)
+    # torch.compile mode applied to the forward before graph capture ("default" or
+    # "max-autotune-no-cudagraphs"); None = eager kernels. Only used where graphs are captured.
+    compile_mode: str | None = None
+    # q/k/v and gate/up as one matmul each (`Qwen3LLM.fuse_projections`, applied to the model at engine start)
+    fuse_projections: bool = True
+    # torch.compile `dynamic`: None compiles the first shape static and recompiles once with symbolic sizes
+    # (fast capture); False compiles every graph shape separately (slow capture, fastest kernels).
+    compile_dynamic: bool | None = None
+    # §3.6: defer `[terminator, </unit>]` and feed it in front of the next unit's prefill (one forward per
+    # unit). UnitDone is emitted as soon as the terminator is known; the close is owed until then.
+    merge_unit_close: bool = False
+    # §9.5 benchmark-only: replace every sampled id by a script (all kernels still run). Rejected unless
+    # `benchmark_mode` is set, which only benchmark entry points do.
+    scripted_decisions: bool = False
+    benchmark_mode: bool = False
 
     def __post_init__(self) -> None:
         if self.max_sessions < 1 or self.window_low > self.window_high or self.window_low < 1:
             raise ValueError(f"bad Stage0Config: {self}")
+        if self.compile_mode is not None and self.compile_mode not in COMPILE_MODES:
+            raise ValueError(f"compile_mode {self.compile_mode!r}: use one of {COMPILE_MODES} or None")
+        if self.scripted_decisions and not self.benchmark_mode:
+            raise ValueError("scripted_decisions is benchmark-only (set benchmark_mode in a benchmark)")
+
+    def prefill_lengths(self) -> tuple[int, ...]:
+        """Positions of the common multi-token rows: a separate close, then a unit prefill with the previous
+        close merged in front (an unmerged unit pads up to it), with 0..max frames."""
+        close, unit = CLOSE_POSITIONS, 1 + self.audio_embeddings_per_unit
+        frame = self.frame_embeddings + 2  # `<image>` + embeddings + `</image>`
+        return (close, *(close + unit + k * frame for k in range(self.max_frames_per_unit + 1)))
 
     def unit_max_positions(self, rules: DecodeRules) -> int:
         """Upper bound of one unit's KV span: `<unit>` + frames + audio + A1 + fed tokens + close."""

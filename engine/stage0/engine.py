@@ -17,10 +17,11 @@ import torch
 from engine.model.llm import Qwen3LLM, SlotKVCache
 from engine.stage0.config import DecodeRules, SpecialIds, Stage0Config, TextTokenizer
 from engine.stage0.frontend import UnitFrontEnd
-from engine.stage0.graphs import DecodeGraphs
+from engine.stage0.graphs import DecodeGraphs, PrefillGraphs
 from engine.stage0.loop import StepLoop
 from engine.stage0.runner import ModelRunner
 from engine.stage0.sampling import SamplerIds, SamplingParams, UniformStream
+from engine.stage0.script import DecisionScript
 from engine.stage0.session import Phase, Session, UnitJob
 from engine.stage0.slots import SlotTable
 from engine.stage0.types import (
@@ -49,12 +50,19 @@ class Stage0Engine(StepLoop):
         self.sampler_ids = SamplerIds(chunk_eos=self.ids.chunk_eos, turn_eos=self.ids.turn_eos,
                                       listen_bias=self.ids.listen,
                                       masked=(self.ids.tts_pad, *self.ids.bad_token_ids, self.ids.chunk_eos))
+        if config.fuse_projections and not model.fused:
+            model.fuse_projections()  # same parameters (views), so the caller's model is unchanged in value
         p = next(model.parameters())
         kv = SlotKVCache.allocate(model.cfg, config.max_sessions, config.slot_len(rules), dtype=p.dtype,
                                   device=p.device)
-        graphs = DecodeGraphs.create(model, kv, config.decode_batch_buckets, config.decode_kv_buckets,
-                                     enabled=config.use_cuda_graphs, compile_mode=config.compile_decode)
-        self.runner = ModelRunner(model, kv, graphs)
+        how = dict(enabled=config.use_cuda_graphs or config.eager_replay_graphs, compile_mode=config.compile_mode,
+                   eager_replay=config.eager_replay_graphs, compile_dynamic=config.compile_dynamic)
+        graphs = DecodeGraphs.create(model, kv, config.decode_batch_buckets, config.decode_kv_buckets, **how)
+        prefill = PrefillGraphs.create(model, kv, config.prefill_batch_buckets, config.prefill_lengths(),
+                                       config.decode_kv_buckets, **how)
+        self.runner = ModelRunner(model, kv, graphs, prefill)
+        self.script = DecisionScript(self.ids, tokenizer.decode, model.cfg.vocab_size) \
+            if config.scripted_decisions else None
         self.slots = SlotTable(config.max_sessions)
         self.sessions: dict[str, Session] = {}
         self.closed: set[str] = set()
@@ -102,7 +110,8 @@ class Stage0Engine(StepLoop):
                 raise TooManyFramesError(f"{session_id}: {len(frames)} frames > {self.config.max_frames_per_unit}")
             if frames and not hasattr(self.frontend, "encode_frame"):
                 raise FrontEndError("this front end has no vision encoder")
-            room = self.runner.kv.reserved_pos - s.cached_len - (s.prefix_rows.shape[0] if s.prefix_rows is not None else 0)
+            room = self.runner.kv.reserved_pos - s.cached_len - len(s.pending_close) - (
+                s.prefix_rows.shape[0] if s.prefix_rows is not None else 0)
             if self.config.eviction == "off" and room < (len(s.queue) + 2) * self.config.unit_max_positions(s.rules):
                 raise CapacityError(f"{session_id}: the session context is full (eviction off)")
             s.queue.append(UnitJob(fence=fence, index=s.appended, pcm=pcm, frames=tuple(frames),

@@ -1,95 +1,233 @@
-"""CUDA graphs for the single-token decode step (STYLE.md practice 5).
+"""CUDA graphs for the Stage0 forward steps (STYLE.md practice 5): decode and unit prefill.
 
-Decode uses the dense layout: row i of the batch is KV slot i, so attention reads the cache as a view
-with no gather. A graph is captured per (batch bucket ≥ highest live slot + 1, attention-span bucket),
-all in one memory pool. Replay is copy-in → replay → slice-out; idle rows write to the reserved position.
-`DenseDecode.run` is also the eager path (CPU tests exercise the same layout); `create()` returns None
-off CUDA.
+Every captured shape is a `StaticStep`: static input buffers padded with dummy rows, a static output, and
+a `replay`. A run is copy-in → replay → copy-out into tensors the caller owns (the next replay overwrites
+the static output). All graphs of one set share a memory pool.
+
+- `DecodeGraphs`: single-token rows in the dense layout (row i = KV slot i, attention reads the cache as a
+  view), one graph per (batch bucket ≥ highest live slot + 1, attention-span bucket). Idle rows write to
+  `kv.reserved_pos`.
+- `PrefillGraphs`: multi-token rows (a unit `<unit>` + frames + audio, optionally after the previous unit's
+  `[terminator, </unit>]`, or a separate 2-position close) in the gathered layout, one graph per
+  (batch bucket, length bucket, span bucket). Dummy rows and padded positions write to the scratch slot.
+
+Off CUDA (or with `eager_replay=True`) `replay` calls the step function on the same static buffers, so CPU
+tests exercise the bucketing and copy-in/copy-out logic. `compile_mode` wraps the model forward in
+`torch.compile` before capture; modes that bring their own CUDA graphs are refused.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from engine.model.llm import Qwen3LLM, SlotKVCache
+from engine.stage0.config import COMPILE_MODES
+from engine.stage0.hostio import to_device
+
+
+class GraphShapeError(RuntimeError):
+    """Inputs do not fit the captured static buffers (shape, dtype or bucket drift)."""
 
 
 @dataclass
-class _Graph:
-    graph: torch.cuda.CUDAGraph
-    x: torch.Tensor  # [b, 1, H]
-    pos: torch.Tensor  # [b, 1]
-    out: torch.Tensor  # [b, 1, H]
+class StaticStep:
+    x: torch.Tensor  # [b, T, H]
+    pos: torch.Tensor  # [b, T] absolute positions
+    slots: torch.Tensor | None  # [b] (gathered layout) or None (dense: row i = slot i)
+    valid: torch.Tensor | None  # [b, T] bool, gathered layout only
+    span: int  # attention span (kv_limit)
+    out: torch.Tensor | None = None  # [b, T, H] final-norm hidden, written by replay
+    replay: Callable[[], object] | None = None
+
+    def check(self, rows: int, length: int, dtype: torch.dtype) -> None:
+        b, t, _ = self.x.shape
+        if rows > b or length > t or dtype != self.x.dtype:
+            raise GraphShapeError(f"{rows} rows × {length} positions ({dtype}) do not fit the static "
+                                  f"step {tuple(self.x.shape)} ({self.x.dtype})")
 
 
-def _bucket(value: int, buckets: tuple[int, ...]) -> int:
-    return min(b for b in buckets if b >= value)
+def bucket(value: int, buckets: tuple[int, ...]) -> int:
+    fits = [b for b in buckets if b >= value]
+    if not fits:
+        raise GraphShapeError(f"{value} exceeds the largest bucket {max(buckets)}")
+    return min(fits)
 
 
-def dense_inputs(kv: SlotKVCache, x: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
-                 rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scatter live rows to their slots: x [N, H] → [rows, 1, H]; pos [N] → [rows, 1] (idle: reserved)."""
-    dense_x = torch.zeros(rows, 1, x.shape[-1], dtype=x.dtype, device=x.device)
-    dense_pos = torch.full((rows, 1), kv.reserved_pos, dtype=torch.long, device=x.device)
-    dense_x[slots, 0] = x
-    dense_pos[slots, 0] = pos
-    return dense_x, dense_pos
+def compile_step(model: Qwen3LLM, mode: str | None, dynamic: bool | None = None) -> Callable[..., torch.Tensor]:
+    if mode is None:
+        return model
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"compile mode {mode!r}: use one of {COMPILE_MODES} (the engine captures its own graphs)")
+    # dynamic=None: the first shape compiles static, a second shape recompiles once with symbolic sizes
+    return torch.compile(model, mode=mode, dynamic=dynamic)
 
 
-class DecodeGraphs:
-    def __init__(self, model: Qwen3LLM, kv: SlotKVCache, batch_buckets: tuple[int, ...],
-                 kv_buckets: tuple[int, ...], compile_mode: str | None = None) -> None:
+class StepGraphs:
+    """Static steps keyed by shape, captured once into one pool."""
+
+    def __init__(self, model: Qwen3LLM, kv: SlotKVCache, compile_mode: str | None = None,
+                 eager_replay: bool = False, compile_dynamic: bool | None = None) -> None:
         self.model, self.kv = model, kv
-        # torch.compile fuses the many small decode kernels; the graph then removes launch overhead
-        self.fn = model if compile_mode is None else torch.compile(model, mode=compile_mode, dynamic=False)
+        self.fn = compile_step(model, compile_mode, compile_dynamic)
+        self.device = kv.k[0].device
+        self.dtype = next(model.parameters()).dtype
+        self.eager_replay = eager_replay or self.device.type != "cuda"
+        self.steps: dict[tuple[int, ...], StaticStep] = {}
+        self._pool = None
+
+    def _step(self, key: tuple[int, ...]) -> StaticStep:
+        st = self.steps.get(key)
+        if st is None:
+            raise GraphShapeError(f"no static step was captured for shape {key}")
+        return st
+
+    def _recompile_room(self) -> contextlib.AbstractContextManager:
+        if self.fn is self.model:
+            return contextlib.nullcontext()  # not compiled: leave torch._dynamo unimported
+        cfg = torch._dynamo.config
+        return cfg.patch(recompile_limit=max(cfg.recompile_limit, cfg.accumulated_recompile_limit))
+
+    def _call(self, st: StaticStep) -> torch.Tensor:
+        return self.fn(st.x, st.pos, st.slots, self.kv, valid=st.valid, kv_limit=st.span)
+
+    @torch.no_grad()
+    def _capture(self, key: tuple[int, ...], st: StaticStep) -> None:
+        # a new shape may recompile (every shape with dynamic=False, and the decode and prefill sets share the
+        # forward's code object), so lift the per-code limit to the accumulated one while capturing; capture
+        # is the only place the compiled function runs
+        with self._recompile_room():
+            if self.eager_replay:
+                st.out = self._call(st).clone()
+                st.replay = lambda: st.out.copy_(self._call(st))
+            else:
+                stream = torch.cuda.Stream()
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):  # warm-up outside the graph (allocator, kernels, compile)
+                    for _ in range(2):
+                        self._call(st)
+                torch.cuda.current_stream().wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self._pool):
+                    st.out = self._call(st)
+                self._pool = graph.pool()
+                st.replay = graph.replay
+        self.steps[key] = st
+
+
+class DecodeGraphs(StepGraphs):
+    def __init__(self, model: Qwen3LLM, kv: SlotKVCache, batch_buckets: tuple[int, ...],
+                 kv_buckets: tuple[int, ...], compile_mode: str | None = None, eager_replay: bool = False,
+                 compile_dynamic: bool | None = None) -> None:
+        super().__init__(model, kv, compile_mode, eager_replay, compile_dynamic)
         self.batch_buckets = tuple(sorted({min(b, kv.slots) for b in batch_buckets} | {kv.slots}))
         self.kv_buckets = tuple(sorted({b for b in kv_buckets if b < kv.max_len} | {kv.max_len}))
-        self._graphs: dict[tuple[int, int], _Graph] = {}
-        self._pool = None
 
     @classmethod
     def create(cls, model: Qwen3LLM, kv: SlotKVCache, batch_buckets: tuple[int, ...],
-               kv_buckets: tuple[int, ...] = (), enabled: bool = True,
-               compile_mode: str | None = None) -> DecodeGraphs | None:
-        if not enabled or kv.k[0].device.type != "cuda":
+               kv_buckets: tuple[int, ...] = (), enabled: bool = True, compile_mode: str | None = None,
+               eager_replay: bool = False, compile_dynamic: bool | None = None) -> DecodeGraphs | None:
+        """None when disabled, or off CUDA unless `eager_replay` (tests)."""
+        if not enabled or (kv.k[0].device.type != "cuda" and not eager_replay):
             return None
-        graphs = cls(model, kv, batch_buckets, kv_buckets, compile_mode)
+        graphs = cls(model, kv, batch_buckets, kv_buckets, compile_mode, eager_replay, compile_dynamic)
         graphs.capture()
         return graphs
 
-    @torch.no_grad()
     def capture(self) -> None:
-        dev, h = self.kv.k[0].device, self.model.cfg.hidden_size
-        dtype = next(self.model.parameters()).dtype
+        h = self.model.cfg.hidden_size
         # largest first so the shared pool is sized by the biggest graph
         for b in sorted(self.batch_buckets, reverse=True):
             for span in sorted(self.kv_buckets, reverse=True):
-                g = _Graph(torch.cuda.CUDAGraph(), torch.zeros(b, 1, h, dtype=dtype, device=dev),
-                           torch.full((b, 1), self.kv.reserved_pos, dtype=torch.long, device=dev),
-                           torch.empty(0))
-                stream = torch.cuda.Stream()
-                stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(stream):  # warm-up outside the graph (allocator, kernels)
-                    for _ in range(2):
-                        self.fn(g.x, g.pos, None, self.kv, kv_limit=span)
-                torch.cuda.current_stream().wait_stream(stream)
-                with torch.cuda.graph(g.graph, pool=self._pool):
-                    g.out = self.fn(g.x, g.pos, None, self.kv, kv_limit=span)
-                self._pool = g.graph.pool()
-                self._graphs[(b, span)] = g
+                st = StaticStep(x=torch.zeros(b, 1, h, dtype=self.dtype, device=self.device),
+                                pos=torch.full((b, 1), self.kv.reserved_pos, dtype=torch.long, device=self.device),
+                                slots=None, valid=None, span=span)
+                self._capture((b, span), st)
 
     @torch.no_grad()
     def run(self, x: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, reach: int | None = None) -> torch.Tensor:
-        """x [N, H], pos [N], slots [N] (distinct) → final-norm hidden [N, H]. reach: max(pos) + 1."""
-        dev = self.kv.k[0].device
-        rows = _bucket(int(slots.max()) + 1, self.batch_buckets)  # slots live on the host: no sync
-        pos, slots = pos.to(dev, non_blocking=True), slots.to(dev, non_blocking=True)
-        span = _bucket(reach if reach is not None else self.kv.max_len, self.kv_buckets)
-        g = self._graphs[(rows, span)]
-        dense_x, dense_pos = dense_inputs(self.kv, x.to(dev, g.x.dtype), pos, slots, rows)
-        g.x.copy_(dense_x)
-        g.pos.copy_(dense_pos)
-        g.graph.replay()
-        return g.out[slots, 0]  # advanced indexing copies out of the graph's buffer
+        """x [N, H] (device), pos [N] and slots [N] (host, distinct) → final-norm hidden [N, H] (owned).
+
+        reach: max(pos) + 1, the positions attention must span (default: the whole slot)."""
+        rows = bucket(int(slots.max()) + 1, self.batch_buckets)
+        span = bucket(self.kv.max_len if reach is None else reach, self.kv_buckets)
+        st = self._step((rows, span))
+        st.check(rows, 1, x.dtype)
+        dense_pos = torch.full((rows,), self.kv.reserved_pos, dtype=torch.long)
+        dense_pos[slots] = pos
+        packed = to_device(torch.cat([dense_pos, slots]), self.device)  # one host → device copy
+        dev_slots = packed[rows:]
+        st.x.zero_()
+        st.x[dev_slots, 0] = x
+        st.pos.copy_(packed[:rows, None])
+        st.replay()
+        assert st.out is not None
+        return st.out[dev_slots, 0]  # advanced indexing copies out of the static output
+
+
+class PrefillGraphs(StepGraphs):
+    def __init__(self, model: Qwen3LLM, kv: SlotKVCache, batch_buckets: tuple[int, ...],
+                 len_buckets: tuple[int, ...], kv_buckets: tuple[int, ...], compile_mode: str | None = None,
+                 eager_replay: bool = False, compile_dynamic: bool | None = None) -> None:
+        super().__init__(model, kv, compile_mode, eager_replay, compile_dynamic)
+        self.batch_buckets = tuple(sorted({min(b, kv.slots) for b in batch_buckets}))
+        self.len_buckets = tuple(sorted(set(len_buckets)))
+        self.kv_buckets = tuple(sorted({b for b in kv_buckets if b < kv.max_len} | {kv.max_len}))
+
+    @classmethod
+    def create(cls, model: Qwen3LLM, kv: SlotKVCache, batch_buckets: tuple[int, ...],
+               len_buckets: tuple[int, ...], kv_buckets: tuple[int, ...] = (), enabled: bool = True,
+               compile_mode: str | None = None, eager_replay: bool = False,
+               compile_dynamic: bool | None = None) -> PrefillGraphs | None:
+        if not enabled or not batch_buckets or not len_buckets or (
+                kv.k[0].device.type != "cuda" and not eager_replay):
+            return None
+        graphs = cls(model, kv, batch_buckets, len_buckets, kv_buckets, compile_mode, eager_replay,
+                     compile_dynamic)
+        graphs.capture()
+        return graphs
+
+    def capture(self) -> None:
+        h, dev = self.model.cfg.hidden_size, self.device
+        for b in sorted(self.batch_buckets, reverse=True):
+            for t in sorted(self.len_buckets, reverse=True):
+                for span in sorted(self.kv_buckets, reverse=True):
+                    st = StaticStep(x=torch.zeros(b, t, h, dtype=self.dtype, device=dev),
+                                    pos=torch.zeros(b, t, dtype=torch.long, device=dev),
+                                    slots=torch.full((b,), self.kv.scratch, dtype=torch.long, device=dev),
+                                    valid=torch.zeros(b, t, dtype=torch.bool, device=dev), span=span)
+                    self._capture((b, t, span), st)
+
+    def covers(self, rows: int, length: int) -> bool:
+        return rows <= self.batch_buckets[-1] and length <= self.len_buckets[-1]
+
+    @torch.no_grad()
+    def run(self, slots: list[int], starts: list[int], embeds: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Row i: `embeds[i]` [T_i, H] at positions starts[i]… of slot slots[i] → hidden [T_i, H] (owned)."""
+        n, lengths = len(slots), [e.shape[0] for e in embeds]
+        b, t = bucket(n, self.batch_buckets), bucket(max(lengths), self.len_buckets)
+        span = bucket(max(s + k for s, k in zip(starts, lengths, strict=True)), self.kv_buckets)
+        st = self._step((b, t, span))
+        st.check(n, max(lengths), embeds[0].dtype)
+        # dummy rows and padding: scratch slot, invalid (write to scratch position 0, read only themselves)
+        host = torch.zeros(b, 2 * t + 1, dtype=torch.long)  # [pos | valid | slot] per row
+        host[:, -1] = self.kv.scratch
+        for i, (slot, start, k) in enumerate(zip(slots, starts, lengths, strict=True)):
+            host[i, :k] = torch.arange(start, start + k)
+            host[i, t:t + k] = 1
+            host[i, -1] = slot
+        packed = to_device(host, self.device)  # one host → device copy
+        st.x.zero_()
+        for i, e in enumerate(embeds):
+            st.x[i, :lengths[i]] = e
+        assert st.slots is not None and st.valid is not None
+        st.pos.copy_(packed[:, :t])
+        st.valid.copy_(packed[:, t:2 * t].bool())
+        st.slots.copy_(packed[:, -1])
+        st.replay()
+        assert st.out is not None
+        out = st.out[:n].clone()  # [n, t, H], owned by the caller
+        return [out[i, :k] for i, k in enumerate(lengths)]

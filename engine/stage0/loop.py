@@ -1,10 +1,11 @@
 """The engine step: collect → schedule → run → postprocess → emit (STYLE.md practice 2).
 
 Every session with work contributes one row per step: its system prefix, a unit prefill (`<unit>` +
-frames + audio), an A1 `<|turn_eos|>`, a decoded token, or a unit close `[terminator, </unit>]`. Multi-token
-rows share one padded forward; single-token rows share another (the CUDA-graph path on GPU). Sampling
-then runs batched over every row that needs a draw, with the session's own uniforms.
-"""
+frames + audio), an A1 `<|turn_eos|>`, a decoded token, or a unit close `[terminator, </unit>]`. With
+`merge_unit_close` the close is owed instead and fed in front of the next unit's prefill (one forward per
+unit, §3.6), and the unit is finished as soon as its terminator is known. The runner routes the rows
+(decode graphs, prefill graphs, eager); sampling then runs batched over every row that needs a draw, with
+the session's own uniforms, and the ids come back in one read-back, the step's only host sync."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.stage0.decode import Feed, Stop, UnitDecoder
+from engine.stage0.hostio import read_back
 from engine.stage0.runner import Row
 from engine.stage0.sampling import SamplingBatch, sample
 from engine.stage0.session import Phase, Session, UnitRecord, UnitRun
@@ -52,11 +54,11 @@ class StepLoop:
             if not work:
                 return False
             hidden: dict[str, torch.Tensor] = {}
-            for group in ([w for w in work if w[1].embeds.shape[0] > 1], [w for w in work if w[1].embeds.shape[0] == 1]):
-                if group:
-                    for (s, row), h in zip(group, self.runner.forward([r for _, r in group]), strict=True):
-                        hidden[s.session_id] = h
-                        s.cached_len += row.embeds.shape[0]
+            for (s, row), h in zip(work, self.runner.forward([r for _, r in work]), strict=True):
+                hidden[s.session_id] = h
+                s.cached_len += row.length
+                if s.phase is Phase.PREFILL:
+                    s.pending_close = ()  # fed in front of this prefill
             self._postprocess([s for s, _ in work], hidden)
             return True
 
@@ -65,8 +67,10 @@ class StepLoop:
         if s.phase is Phase.IDLE and s.pending_prompt is not None:
             s.prompt, s.pending_prompt = s.pending_prompt, None
             s.prefix_rows = self._prefix_embeds(s.prompt, s.ref_audio)
-            s.cached_len, s.prefix_len, s.ledger = 0, 0, []
+            s.cached_len, s.prefix_len, s.ledger, s.pending_close = 0, 0, [], ()
             s.phase = Phase.PREFIX
+        if s.phase is Phase.CLOSE and self.config.merge_unit_close:
+            self._defer_close(s)  # a cancel's close: owed to the next prefill like any other
         if s.phase is Phase.IDLE and s.queue:
             self._start_unit(s)
         ids, unit = self.ids, s.unit
@@ -75,15 +79,18 @@ class StepLoop:
             return Row(s.slot, s.cached_len, s.prefix_rows)
         if s.phase is Phase.PREFILL:
             try:
-                return Row(s.slot, s.cached_len, self._unit_embeds(s))
+                embeds = self._unit_embeds(s)
+                if s.pending_close:  # §3.6: the previous unit's close merged into this forward
+                    embeds = torch.cat([self.runner.embed(list(s.pending_close)), embeds])
+                return Row(s.slot, s.cached_len, embeds)
             except Exception as exc:  # noqa: BLE001 - any encoder failure fails this unit only; nothing was fed
                 self._fail_unit(s, f"{type(exc).__name__}: {exc}")
                 return None
         if s.phase is Phase.TURN_EOS:
-            return Row(s.slot, s.cached_len, self.runner.embed([ids.turn_eos]))
+            return Row(s.slot, s.cached_len, token=ids.turn_eos)
         if s.phase is Phase.FEED:
             assert unit is not None and unit.pending_token is not None
-            return Row(s.slot, s.cached_len, self.runner.embed([unit.pending_token]))
+            return Row(s.slot, s.cached_len, token=unit.pending_token)
         if s.phase is Phase.CLOSE:
             assert unit is not None and unit.terminator is not None
             return Row(s.slot, s.cached_len, self.runner.embed([unit.terminator, ids.unit_close]))
@@ -93,7 +100,7 @@ class StepLoop:
         job = s.queue.popleft()
         if s.pending_params is not None:
             s.params, s.pending_params = s.pending_params, None
-        s.unit = UnitRun(job=job, index=job.index, start_len=s.cached_len, started_at=time.perf_counter())
+        s.unit = UnitRun(job=job, index=job.index, start_len=s.owed_len, started_at=time.perf_counter())
         s.phase = Phase.PREFILL
 
     def _fail_unit(self: Stage0Engine, s: Session, error: str) -> None:
@@ -165,12 +172,14 @@ class StepLoop:
         uniforms = [s.stream.peek(2) for s in rows]
         batch = SamplingBatch.build([s.params for s in rows], [s.history for s in rows], uniforms,
                                     logits.shape[-1], logits.device)
-        token, draws, appended = (t.tolist() for t in sample(logits, batch, self.sampler_ids))  # one sync
+        token, draws, appended = read_back(torch.stack(sample(logits, batch, self.sampler_ids)).long())  # the sync
         for s, t, d, a in zip(rows, token, draws, appended, strict=True):
+            assert s.unit is not None and s.unit.decoder is not None
+            if self.script is not None:  # §9.5 benchmark mode: the kernels ran, only the id is replaced
+                t = self.script.choose(s.params.seed, s.unit.index, s.unit.decoder.j, t)
             s.stream.consume(d)
             if a:
                 s.history.append(t)
-            assert s.unit is not None and s.unit.decoder is not None
             self._act(s, s.unit.decoder.step(t))
 
     def _act(self: Stage0Engine, s: Session, action: Feed | Stop) -> None:
@@ -184,6 +193,14 @@ class StepLoop:
         if unit.decoder.j == 0:  # a terminator decision is reported before the close runs
             self._emit(TokenEvent(s.session_id, unit.job.fence, unit.index, 0, action.terminator, "", None,
                                   False, False, True))
+        if self.config.merge_unit_close:
+            self._defer_close(s)
+
+    def _defer_close(self: Stage0Engine, s: Session) -> None:
+        """Finish the unit now and owe `[terminator, </unit>]` to the next prefill (§3.6)."""
+        assert s.unit is not None and s.unit.terminator is not None
+        s.pending_close = (s.unit.terminator, self.ids.unit_close)
+        self._finish_unit(s)
 
     def _fed(self: Stage0Engine, s: Session, h: torch.Tensor) -> None:
         unit = s.unit
@@ -201,7 +218,7 @@ class StepLoop:
         unit = s.unit
         assert unit is not None and unit.decoder is not None and unit.terminator is not None
         dec = unit.decoder
-        s.ledger.append(UnitRecord(unit.index, s.cached_len - unit.start_len, tuple(dec.unit_ids), dec.text,
+        s.ledger.append(UnitRecord(unit.index, s.owed_len - unit.start_len, tuple(dec.unit_ids), dec.text,
                                    dec.is_listen))
         rows = () if dec.is_listen or unit.aborted else tuple(dec.rows)
         self._emit(UnitDone(s.session_id, unit.job.fence, unit.index, dec.is_listen, unit.terminator, rows,
@@ -212,10 +229,11 @@ class StepLoop:
 
     def _evict(self: Stage0Engine, s: Session) -> None:
         """`basic` mode (§7.4): drop the oldest whole units until the cache is back under `window_low`."""
-        if self.config.eviction != "basic" or s.cached_len <= self.config.window_high:
+        if self.config.eviction != "basic" or s.owed_len <= self.config.window_high:
             return
         drop, n = 0, 0
-        while s.cached_len - drop > self.config.window_low and n < len(s.ledger):
+        keep_last = 1 if s.pending_close else 0  # the unit whose close is owed stays in the cache
+        while s.owed_len - drop > self.config.window_low and n < len(s.ledger) - keep_last:
             drop += s.ledger[n].span
             n += 1
         evict_span(self.model, self.runner.kv, s.slot, s.prefix_len, drop, s.cached_len)

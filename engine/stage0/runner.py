@@ -1,9 +1,14 @@
 """The model runner: the only owner of the LLM weights and the KV tensors.
 
-`forward(rows)` pads ragged rows into one batch (padding writes land in the scratch slot), runs the LLM,
-and returns each row's final-norm hidden states. Single-token batches go through the CUDA-graph runner
-when one is active (GPU only) and use the dense slot layout either way; everything else runs eager
-with gathered slots.
+`forward(rows)` returns each row's final-norm hidden states. Rows are split by kind:
+
+- single-token rows (decoded tokens, A1 `<|turn_eos|>`): one batched embedding lookup, then the dense slot
+  layout (row = slot), through `DecodeGraphs` when captured;
+- multi-token rows that fit a prefill bucket (unit prefills, closes): through `PrefillGraphs` when
+  captured, in chunks of the largest batch bucket;
+- everything else (system prefixes, or no graphs): one eager padded forward with gathered slots.
+
+Padding writes land in the scratch slot (gathered) or the reserved position (dense).
 """
 
 from __future__ import annotations
@@ -13,7 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from engine.model.llm import Qwen3LLM, SlotKVCache
-from engine.stage0.graphs import DecodeGraphs, dense_inputs
+from engine.stage0.graphs import DecodeGraphs, PrefillGraphs
+from engine.stage0.hostio import to_device
 
 KV_LIMIT_QUANTUM = 256  # eager attention spans a multiple of this many positions (fewer shapes)
 
@@ -22,51 +28,95 @@ KV_LIMIT_QUANTUM = 256  # eager attention spans a multiple of this many position
 class Row:
     slot: int
     start: int  # cache length before the row = position of its first input
-    embeds: torch.Tensor  # [T, H]
+    embeds: torch.Tensor | None = None  # [T, H]
+    token: int | None = None  # or one token id, embedded together with the batch's other tokens
+
+    @property
+    def length(self) -> int:
+        return 1 if self.embeds is None else self.embeds.shape[0]
 
 
 class ModelRunner:
-    def __init__(self, model: Qwen3LLM, kv: SlotKVCache, graphs: DecodeGraphs | None = None) -> None:
+    def __init__(self, model: Qwen3LLM, kv: SlotKVCache, graphs: DecodeGraphs | None = None,
+                 prefill_graphs: PrefillGraphs | None = None) -> None:
         self.model = model
         self.kv = kv
-        self.graphs = graphs
+        self.graphs = graphs  # decode
+        self.prefill_graphs = prefill_graphs
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
 
     @torch.no_grad()
     def embed(self, ids: list[int]) -> torch.Tensor:
         """[T] ids → [T, H] embeddings on the runner's device."""
-        return self.model.embed(torch.tensor(ids, dtype=torch.long, device=self.device))
+        return self.model.embed(to_device(torch.tensor(ids, dtype=torch.long), self.device))
 
     @torch.no_grad()
     def forward(self, rows: list[Row]) -> list[torch.Tensor]:
-        """Returns per-row hidden states [T_i, H]."""
-        b, t = len(rows), max(r.embeds.shape[0] for r in rows)
-        reach = max(r.start + r.embeds.shape[0] for r in rows)
-        kv_limit = min(self.kv.max_len, -(-reach // KV_LIMIT_QUANTUM) * KV_LIMIT_QUANTUM)
-        if t == 1:  # decode: dense layout (row = slot), no KV gather; CUDA graph when captured
-            x = torch.stack([r.embeds[0] for r in rows])  # [B, H]
-            pos = torch.tensor([r.start for r in rows], dtype=torch.long)
-            slots = torch.tensor([r.slot for r in rows], dtype=torch.long)
-            if self.graphs is not None:
-                hidden = self.graphs.run(x, pos, slots, reach)  # [B, H]
-            else:
-                dense_x, dense_pos = dense_inputs(self.kv, x.to(self.dtype), pos.to(self.device),
-                                                  slots.to(self.device), int(slots.max()) + 1)
-                hidden = self.model(dense_x, dense_pos, None, self.kv, kv_limit=kv_limit)[slots.to(self.device), 0]
-            return [hidden[i:i + 1] for i in range(b)]
+        """Returns per-row hidden states [T_i, H], in row order."""
+        out: list[torch.Tensor | None] = [None] * len(rows)
+        single = [i for i, r in enumerate(rows) if r.length == 1]
+        multi = [i for i in range(len(rows)) if rows[i].length > 1]
+        pg = self.prefill_graphs
+        graphed = [i for i in multi if pg is not None and pg.covers(1, rows[i].length)]
+        eager = [i for i in multi if i not in graphed]
+        if single:
+            for i, h in zip(single, self._decode([rows[i] for i in single]), strict=True):
+                out[i] = h[None]
+        if graphed:
+            assert pg is not None
+            chunk = pg.batch_buckets[-1]
+            for c in range(0, len(graphed), chunk):
+                part = graphed[c:c + chunk]
+                hidden = pg.run([rows[i].slot for i in part], [rows[i].start for i in part],
+                                [self._embeds(rows[i]) for i in part])
+                for i, h in zip(part, hidden, strict=True):
+                    out[i] = h
+        if eager:
+            for i, h in zip(eager, self._eager([rows[i] for i in eager]), strict=True):
+                out[i] = h
+        return out  # type: ignore[return-value] - every index is filled above
+
+    def _embeds(self, row: Row) -> torch.Tensor:
+        return row.embeds.to(self.dtype) if row.embeds is not None else self.embed([row.token])  # type: ignore[list-item]
+
+    def _decode(self, rows: list[Row]) -> torch.Tensor:
+        """Single-token rows → [N, H]: dense layout (row = slot), no KV gather; CUDA graph when captured."""
+        if all(r.embeds is None for r in rows):  # the usual case: one lookup, one host → device copy
+            x = self.embed([r.token for r in rows])  # type: ignore[misc]  # [N, H]
+        else:
+            x = torch.cat([self._embeds(r) for r in rows])  # [N, H]
+        pos = torch.tensor([r.start for r in rows], dtype=torch.long)
+        slots = torch.tensor([r.slot for r in rows], dtype=torch.long)
+        reach = int(pos.max()) + 1
+        if self.graphs is not None:
+            return self.graphs.run(x, pos, slots, reach)
+        n = int(slots.max()) + 1
+        dense_pos = torch.full((n, 1), self.kv.reserved_pos, dtype=torch.long)
+        dense_pos[slots, 0] = pos
+        dense_x = torch.zeros(n, 1, x.shape[-1], dtype=self.dtype, device=self.device)
+        dev_slots = to_device(slots, self.device)
+        dense_x[dev_slots, 0] = x
+        hidden = self.model(dense_x, to_device(dense_pos, self.device), None, self.kv, kv_limit=self._limit(reach))
+        return hidden[dev_slots, 0]
+
+    def _eager(self, rows: list[Row]) -> list[torch.Tensor]:
+        b, t = len(rows), max(r.length for r in rows)
+        reach = max(r.start + r.length for r in rows)
         x = torch.zeros(b, t, self.model.cfg.hidden_size, dtype=self.dtype, device=self.device)
         pos = torch.zeros(b, t, dtype=torch.long)
         valid = torch.zeros(b, t, dtype=torch.bool)
         for i, r in enumerate(rows):
-            n = r.embeds.shape[0]
-            x[i, :n] = r.embeds.to(self.dtype)
-            pos[i, :n] = torch.arange(r.start, r.start + n)
-            valid[i, :n] = True
+            x[i, :r.length] = self._embeds(r)
+            pos[i, :r.length] = torch.arange(r.start, r.start + r.length)
+            valid[i, :r.length] = True
         slots = torch.tensor([r.slot for r in rows], dtype=torch.long)
-        hidden = self.model(x, pos.to(self.device, non_blocking=True), slots.to(self.device, non_blocking=True),
-                            self.kv, valid=valid.to(self.device, non_blocking=True), kv_limit=kv_limit)
-        return [hidden[i, :r.embeds.shape[0]] for i, r in enumerate(rows)]
+        hidden = self.model(x, to_device(pos, self.device), to_device(slots, self.device), self.kv,
+                            valid=to_device(valid, self.device), kv_limit=self._limit(reach))
+        return [hidden[i, :r.length] for i, r in enumerate(rows)]
+
+    def _limit(self, reach: int) -> int:
+        return min(self.kv.max_len, -(-reach // KV_LIMIT_QUANTUM) * KV_LIMIT_QUANTUM)
 
     @torch.no_grad()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.stage0.hostio import to_device
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -109,23 +111,18 @@ class SamplingBatch:
             cols += recent
         hist = torch.zeros(b, vocab, dtype=torch.bool, device=device)
         if cols:
-            hist[torch.tensor(rows).to(device, non_blocking=True), torch.tensor(cols).to(device, non_blocking=True)] = True
-
-        def col(vals: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(vals, dtype=dtype).to(device, non_blocking=True)
-
+            pairs = to_device(torch.tensor([rows, cols], dtype=torch.long), device)  # [2, n]
+            hist[pairs[0], pairs[1]] = True
+        # every per-row scalar travels in one fp64 block (exact for these ints, bools and fp32 roundings)
+        table = to_device(torch.tensor(
+            [[p.greedy, p.temperature, p.top_k, p.top_p, p.repetition_penalty, p.turn_eos_length_penalty,
+              p.listen_prob_scale, p.listen_top_k, u[0], u[1]] for p, u in zip(params, uniforms, strict=True)],
+            dtype=torch.float64), device).T  # [10, B]
         return cls(
-            greedy=col([p.greedy for p in params], torch.bool),
-            temperature=col([p.temperature for p in params], torch.float32),
-            top_k=col([p.top_k for p in params], torch.long),
-            top_p=col([p.top_p for p in params], torch.float32),
-            repetition_penalty=col([p.repetition_penalty for p in params], torch.float32),
-            turn_eos_penalty=col([p.turn_eos_length_penalty for p in params], torch.float32),
-            listen_scale=col([p.listen_prob_scale for p in params], torch.float32),
-            listen_top_k=col([p.listen_top_k for p in params], torch.long),
-            history=hist,
-            u_a=col([u[0] for u in uniforms], torch.float64),
-            u_b=col([u[1] for u in uniforms], torch.float64),
+            greedy=table[0].bool(), temperature=table[1].float(), top_k=table[2].long(), top_p=table[3].float(),
+            repetition_penalty=table[4].float(), turn_eos_penalty=table[5].float(),
+            listen_scale=table[6].float(), listen_top_k=table[7].long(), history=hist,
+            u_a=table[8], u_b=table[9],
         )
 
 
@@ -143,7 +140,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, ids: SamplerIds) -> tuple
     a_hit = a_tok == ids.chunk_eos
     # Step B1: masks
     y = x.clone()
-    y[:, list(ids.masked)] = float("-inf")
+    y[:, to_device(torch.tensor(ids.masked, dtype=torch.long), x.device)] = float("-inf")  # no pageable copy
     # B2: repetition penalty divides regardless of sign (Q2)
     y = torch.where(batch.history, y / batch.repetition_penalty[:, None], y)
     # B3: `<|turn_eos|>` length penalty (Q3)

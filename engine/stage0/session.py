@@ -94,11 +94,19 @@ class Session:
     pending_prompt: str | None = None
     override_next: bool = False  # F-5: a cancel that found the turn open forces listen + `<|turn_eos|>`
     prefix_rows: torch.Tensor | None = None  # [P, H] embeddings of the system prefix to feed
+    # `merge_unit_close`: the last unit's `[terminator, </unit>]`, owed to the KV until the next prefill
+    pending_close: tuple[int, ...] = ()
 
     def ledger_total(self) -> int:
         return sum(r.span for r in self.ledger)
 
+    @property
+    def owed_len(self) -> int:
+        """The cache length once an owed (merged) close is fed."""
+        return self.cached_len + len(self.pending_close)
+
     def check_accounting(self) -> None:
-        """I12: ledger spans sum to the cache length minus the prefix whenever no unit is in flight."""
+        """I12: ledger spans sum to the cache length (with an owed close) minus the prefix whenever no unit
+        is in flight."""
         if self.unit is None and self.phase is Phase.IDLE:
-            assert self.ledger_total() == self.cached_len - self.prefix_len, (self.session_id,)
+            assert self.ledger_total() == self.owed_len - self.prefix_len, (self.session_id,)

@@ -141,3 +141,59 @@ def test_dense_layout_equals_gathered_slots(models: tuple) -> None:
     torch.testing.assert_close(dense[[0, 2]], want, atol=ATOL, rtol=ATOL)
     torch.testing.assert_close(kv.k[1][:-1, :, :-1], gathered.k[1][:-1, :, :-1], atol=ATOL, rtol=ATOL)
     assert torch.equal(kv.k[0][1, :, :-1], idle_before[:, :-1])
+
+
+def _clone(model: Qwen3LLM) -> Qwen3LLM:
+    twin = Qwen3LLM(model.cfg).eval()
+    twin.load_state_dict(model.state_dict())
+    return twin
+
+
+@pytest.mark.parametrize(("fold_gqa", "decode_attention"), [(True, "matmul"), (True, "sdpa"), (False, "sdpa")])
+def test_fused_projections_keep_keys_and_outputs(models: tuple, fold_gqa: bool, decode_attention: str,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """fuse_projections(): same state_dict keys and values, same outputs as transformers (every attention
+    variant; the segments include single-token decode steps); a later load_state_dict (also after a dtype
+    move) reaches the fused matmuls."""
+    ours, ref = models
+    monkeypatch.setattr(Qwen3LLM, "fold_gqa", fold_gqa)
+    monkeypatch.setattr(Qwen3LLM, "decode_attention", decode_attention)
+    fused = _clone(ours).fuse_projections()
+    assert fused.fused and set(fused.state_dict()) == set(ours.state_dict())
+    for key, value in ours.state_dict().items():
+        assert torch.equal(fused.state_dict()[key], value)
+    emb = torch.randn(23, TINY.hidden_size, generator=torch.Generator().manual_seed(5))
+    hidden_ref, _ = _reference(ref, emb)
+    for segments in ([23], [11, 1, 1, 2, 8]):
+        kv = SlotKVCache.allocate(TINY, slots=2, max_len=32, dtype=torch.float32)
+        outs, start = [], 0
+        for n in segments:
+            outs.append(_feed(fused, kv, 1, emb[start:start + n], start))
+            start += n
+        torch.testing.assert_close(torch.cat(outs), hidden_ref, atol=ATOL, rtol=ATOL)
+    moved = fused.to(torch.float64)
+    moved.load_state_dict({k: v.mul(0.5) for k, v in ours.state_dict().items()})
+    attn = moved.model.layers[0].self_attn
+    assert attn.qkv_weight.dtype == torch.float64
+    assert attn.q_proj.weight.untyped_storage().data_ptr() == attn.qkv_weight.untyped_storage().data_ptr()
+    torch.testing.assert_close(attn.qkv_weight[:attn.q_proj.weight.shape[0]],
+                               ours.model.layers[0].self_attn.q_proj.weight.double() * 0.5)
+    gate_up = moved.model.layers[1].mlp.gate_up_weight
+    torch.testing.assert_close(gate_up[TINY.intermediate_size:], ours.model.layers[1].mlp.up_proj.weight.double() * 0.5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_bf16_decode_attention_variants_agree(models: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 on the GPU (§9.6 tolerance 2e-2 on logits): matmul decode attention = SDPA kernels."""
+    ours, _ = models
+    model = _clone(ours).cuda().to(torch.bfloat16).fuse_projections()
+    emb = torch.randn(30, TINY.hidden_size, generator=torch.Generator().manual_seed(6)).cuda().bfloat16()
+    logits = []
+    for attention in ("matmul", "sdpa"):
+        monkeypatch.setattr(Qwen3LLM, "decode_attention", attention)
+        kv = SlotKVCache.allocate(TINY, slots=2, max_len=32, dtype=torch.bfloat16, device="cuda")
+        with torch.no_grad():
+            model(emb[None, :29], torch.arange(29, device="cuda")[None], torch.tensor([1], device="cuda"), kv)
+            h = model(emb[None, 29:], torch.tensor([[29]], device="cuda"), torch.tensor([1], device="cuda"), kv)
+        logits.append(model.logits(h).float())
+    torch.testing.assert_close(logits[0], logits[1], atol=2e-2, rtol=2e-2)

@@ -14,7 +14,7 @@ ATOL = 1e-5
 def make_engine(model=None, sessions: int = 8, rules: DecodeRules = DecodeRules(force_listen_count=0),  # noqa: B008 - frozen
                 **cfg) -> tuple[Stage0Engine, list]:
     events: list = []
-    config = Stage0Config(max_sessions=sessions, use_cuda_graphs=False, **cfg)
+    config = Stage0Config(max_sessions=sessions, **{"use_cuda_graphs": False, **cfg})
     engine = Stage0Engine(model or tiny_llm(), tiny_tokenizer(), FakeFrontEnd(), events.append, config, rules)
     return engine, events
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.model.llm import SlotKVCache
+from engine.model.llm import Qwen3LLM, SlotKVCache
 from engine.stage0 import DecodeRules, TokenEvent, UnitDone
 from engine.stage0.graphs import DecodeGraphs
 from tests.engine.test_stage0_engine import by_session, make_engine, run_schedule
@@ -16,9 +16,15 @@ ATOL = 1e-5
 
 
 @pytest.mark.filterwarnings("ignore:TensorFloat32 tensor cores")  # inductor's advice on fp32 matmuls
-@pytest.mark.parametrize("compile_mode", [None, "default"])
-def test_graph_decode_step_equals_eager(compile_mode: str | None) -> None:
+@pytest.mark.parametrize(("compile_mode", "fuse", "attention"), [
+    (None, False, "sdpa"), (None, True, "matmul"), ("default", False, "sdpa"), ("default", True, "matmul"),
+    ("max-autotune-no-cudagraphs", True, "matmul")])
+def test_graph_decode_step_equals_eager(compile_mode: str | None, fuse: bool, attention: str,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(Qwen3LLM, "decode_attention", attention)  # the eager reference uses the same variant
     model = tiny_llm().cuda()
+    if fuse:  # fused q/k/v and gate/up matmuls inside the graph; the eager reference below is unfused
+        model.fuse_projections()
     kv = SlotKVCache.allocate(TINY, 4, 64, dtype=torch.float32, device="cuda")
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -32,7 +38,7 @@ def test_graph_decode_step_equals_eager(compile_mode: str | None) -> None:
     pos, slots = torch.tensor([17, 30, 5]), torch.tensor([1, 2, 0])
     got = graphs.run(x, pos, slots, reach=31).clone()
     with torch.no_grad():
-        want = model(x[:, None], pos[:, None].cuda(), slots.cuda(), eager_kv)[:, 0]
+        want = tiny_llm().cuda()(x[:, None], pos[:, None].cuda(), slots.cuda(), eager_kv)[:, 0]
     torch.testing.assert_close(got, want, atol=ATOL, rtol=ATOL)
     for a, b in zip(kv.k, eager_kv.k, strict=True):
         torch.testing.assert_close(a[:-1, :, :-1], b[:-1, :, :-1], atol=ATOL, rtol=ATOL)  # not scratch/reserved

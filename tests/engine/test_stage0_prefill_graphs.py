@@ -1,0 +1,224 @@
+"""Graph sets (model.md §9.6 I10): unit-prefill and decode static steps against the eager forward.
+
+On CPU the graph sets run in eager replay (same buckets, static buffers, copy-in/copy-out); the CUDA tests
+capture real graphs, with and without torch.compile, and are skipped here.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.model.llm import Qwen3LLM, SlotKVCache
+from engine.stage0 import DecodeRules, Stage0Config, TokenEvent, UnitDone
+from engine.stage0.graphs import DecodeGraphs, GraphShapeError, PrefillGraphs
+from engine.stage0.runner import Row
+from tests.engine.test_stage0_engine import by_session, make_engine, run_schedule
+from tests.engine.test_stage0_helpers import TINY, tiny_llm
+
+ATOL = 1e-5
+# small slots and few buckets keep the number of captured shapes (and CPU time) low
+SMALL = dict(eviction="off", max_context=1024, decode_kv_buckets=(256,), decode_batch_buckets=(1, 2, 4))
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+tf32_advice = pytest.mark.filterwarnings("ignore:TensorFloat32 tensor cores")  # inductor, fp32 matmuls
+
+
+def _filled_kv(model: Qwen3LLM, device: str, lengths: dict[int, int], max_len: int = 96) -> SlotKVCache:
+    kv = SlotKVCache.allocate(TINY, 4, max_len, dtype=torch.float32, device=device)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for slot, n in lengths.items():
+            x = torch.randn(1, n, TINY.hidden_size, generator=gen).to(device)
+            model(x, torch.arange(n, device=device)[None], torch.tensor([slot], device=device), kv)
+    return kv
+
+
+def _copy(kv: SlotKVCache) -> SlotKVCache:
+    return SlotKVCache(k=[t.clone() for t in kv.k], v=[t.clone() for t in kv.v])
+
+
+def _check_prefill(device: str, compile_mode: str | None = None, eager_replay: bool = False) -> None:
+    model = tiny_llm().to(device)
+    starts = {0: 5, 1: 40, 2: 17, 3: 9}
+    kv = _filled_kv(model, device, starts)
+    eager_kv = _copy(kv)
+    graphs = PrefillGraphs.create(model, kv, (1, 2, 4), (2, 13, 20), (32,), compile_mode=compile_mode,
+                                  eager_replay=eager_replay)
+    assert graphs is not None and set(graphs.kv_buckets) == {32, kv.max_len}
+    gen = torch.Generator().manual_seed(1)
+    for slots, lengths in (([1], [11]), ([2, 0, 3], [13, 11, 2])):  # unit; merged close + unit, unit, close
+        embeds = [torch.randn(n, TINY.hidden_size, generator=gen).to(device) for n in lengths]
+        got = graphs.run(slots, [starts[s] for s in slots], embeds)
+        for slot, e, h in zip(slots, embeds, got, strict=True):  # eager reference, one row at a time
+            with torch.no_grad():
+                want = model(e[None], torch.arange(starts[slot], starts[slot] + e.shape[0], device=device)[None],
+                             torch.tensor([slot], device=device), eager_kv)[0]
+            torch.testing.assert_close(h, want, atol=ATOL, rtol=ATOL)
+            starts[slot] += e.shape[0]
+    for a, b in zip(kv.k + kv.v, eager_kv.k + eager_kv.v, strict=True):
+        torch.testing.assert_close(a[:-1], b[:-1], atol=ATOL, rtol=ATOL)  # every slot but scratch
+
+
+def test_prefill_eager_replay_equals_eager_forward() -> None:
+    _check_prefill("cpu", eager_replay=True)
+
+
+def test_decode_eager_replay_equals_eager_forward() -> None:
+    model = tiny_llm()
+    kv = _filled_kv(model, "cpu", {0: 5, 1: 17, 2: 30, 3: 9}, max_len=64)
+    eager_kv = _copy(kv)
+    graphs = DecodeGraphs.create(model, kv, (1, 2, 4), (32,), eager_replay=True)
+    assert graphs is not None
+    x = torch.randn(3, TINY.hidden_size, generator=torch.Generator().manual_seed(2))
+    pos, slots = torch.tensor([17, 30, 5]), torch.tensor([1, 2, 0])
+    got = graphs.run(x, pos, slots, reach=31)
+    with torch.no_grad():
+        want = model(x[:, None], pos[:, None], slots, eager_kv)[:, 0]
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=ATOL)
+    for a, b in zip(kv.k, eager_kv.k, strict=True):
+        torch.testing.assert_close(a[:-1, :, :-1], b[:-1, :, :-1], atol=ATOL, rtol=ATOL)
+
+
+def test_shape_drift_fails_loudly() -> None:
+    model = tiny_llm()
+    kv = SlotKVCache.allocate(TINY, 4, 64, dtype=torch.float32)
+    prefill = PrefillGraphs.create(model, kv, (1, 2), (13,), (32,), eager_replay=True)
+    decode = DecodeGraphs.create(model, kv, (1, 4), (32,), eager_replay=True)
+    assert prefill is not None and decode is not None
+    with pytest.raises(GraphShapeError):  # longer than the largest length bucket
+        prefill.run([0], [0], [torch.zeros(14, TINY.hidden_size)])
+    with pytest.raises(GraphShapeError):  # more rows than the largest batch bucket
+        prefill.run([0, 1, 2], [0, 0, 0], [torch.zeros(3, TINY.hidden_size)] * 3)
+    with pytest.raises(GraphShapeError):  # dtype drift
+        prefill.run([0], [0], [torch.zeros(3, TINY.hidden_size, dtype=torch.float64)])
+    with pytest.raises(GraphShapeError):
+        decode.run(torch.zeros(1, TINY.hidden_size, dtype=torch.float64), torch.tensor([3]), torch.tensor([0]))
+    assert not prefill.covers(1, 14) and not prefill.covers(3, 2) and prefill.covers(2, 13)
+
+
+def test_runner_routes_rows_by_kind() -> None:
+    """Decode rows, graphed unit rows (in chunks) and an eager prefix row in one call = each row eager."""
+    engine, _ = make_engine(eager_replay_graphs=True, prefill_batch_buckets=(1, 2), **SMALL)
+    runner = engine.runner
+    assert runner.graphs is not None and runner.prefill_graphs is not None
+    gen = torch.Generator().manual_seed(3)
+    emb = [torch.randn(n, TINY.hidden_size, generator=gen) for n in (30, 20, 25, 12)]
+    rows = [Row(s, 0, e) for s, e in enumerate(emb)]  # 30 > largest length bucket: eager
+    runner.forward(rows)
+    ref_kv = _copy(runner.kv)
+    step = [Row(0, 30, token=7), Row(1, 20, torch.randn(13, TINY.hidden_size, generator=gen)),
+            Row(2, 25, torch.randn(2, TINY.hidden_size, generator=gen)),
+            Row(3, 12, torch.randn(11, TINY.hidden_size, generator=gen)),
+            Row(4, 0, torch.randn(40, TINY.hidden_size, generator=gen))]
+    got = runner.forward(step)
+    for r, h in zip(step, got, strict=True):
+        x = runner.embed([r.token]) if r.embeds is None else r.embeds
+        with torch.no_grad():
+            want = engine.model(x[None], torch.arange(r.start, r.start + r.length)[None], torch.tensor([r.slot]),
+                                ref_kv)[0]
+        assert h.shape == want.shape
+        torch.testing.assert_close(h, want, atol=ATOL, rtol=ATOL)
+
+
+def _engine_runs(model: Qwen3LLM, **cfg: object) -> list[list]:
+    arrivals = {f"s{i}": 3 * i for i in range(4)}
+    runs = []
+    for graphs in (True, False):
+        engine, events = make_engine(model, sessions=4, rules=DecodeRules(force_listen_count=1), **SMALL,
+                                     **cfg, eager_replay_graphs=graphs)
+        if graphs:
+            assert engine.runner.graphs is not None and engine.runner.prefill_graphs is not None
+        run_schedule(engine, arrivals, units=4)
+        runs.append(events)
+    return [[by_session(run, sid) for sid in arrivals] for run in runs]
+
+
+def _assert_same_events(got: list, want: list, atol: float = ATOL) -> None:
+    def key(e: TokenEvent | UnitDone) -> tuple:
+        return (type(e), e.unit_index, e.token_id if isinstance(e, TokenEvent) else e.terminator)
+
+    assert [key(e) for e in got] == [key(e) for e in want]
+    for a, b in zip(got, want, strict=True):
+        if isinstance(a, TokenEvent) and a.hidden is not None:
+            torch.testing.assert_close(a.hidden, b.hidden, atol=atol, rtol=atol)
+    assert any(isinstance(e, UnitDone) for e in got)
+
+
+@pytest.mark.parametrize("merge", [False, True])
+def test_engine_with_eager_replay_graphs_equals_eager_engine(merge: bool) -> None:
+    graphed, eager = _engine_runs(tiny_llm(), merge_unit_close=merge)
+    for got, want in zip(graphed, eager, strict=True):
+        _assert_same_events(got, want)
+
+
+def test_config_refuses_compile_modes_with_their_own_graphs() -> None:
+    for mode in ("reduce-overhead", "max-autotune"):
+        with pytest.raises(ValueError, match="compile_mode"):
+            Stage0Config(compile_mode=mode)
+    assert Stage0Config().compile_mode is None and Stage0Config().prefill_lengths() == (2, 13, 79, 145)
+
+
+def test_engine_compiles_before_capture(monkeypatch: pytest.MonkeyPatch) -> None:
+    """compile_mode wraps the forward that the graph sets capture (a recording stand-in for torch.compile)."""
+    calls: list[tuple] = []
+
+    def fake_compile(model: Qwen3LLM, mode: str, dynamic: bool | None) -> object:
+        def fn(*args: object, **kwargs: object) -> torch.Tensor:
+            calls.append((mode, dynamic))
+            return model(*args, **kwargs)
+        return fn
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    engine, _ = make_engine(eager_replay_graphs=True, compile_mode="max-autotune-no-cudagraphs",
+                            compile_dynamic=False, **{**SMALL, "decode_batch_buckets": (1,)},
+                            prefill_batch_buckets=(1,))
+    captured = len(calls)
+    assert captured == len(engine.runner.graphs.steps) + len(engine.runner.prefill_graphs.steps)
+    assert set(calls) == {("max-autotune-no-cudagraphs", False)}
+
+
+@pytest.mark.slow
+def test_compiled_prefill_eager_replay_equals_eager_forward() -> None:
+    """torch.compile (inductor on CPU) inside the prefill graph set: one shape, so one compile."""
+    model = tiny_llm()
+    starts = {0: 5, 1: 40}
+    kv = _filled_kv(model, "cpu", starts, max_len=64)
+    eager_kv = _copy(kv)
+    graphs = PrefillGraphs.create(model, kv, (2,), (13,), (kv.max_len,), compile_mode="default",
+                                  eager_replay=True, compile_dynamic=False)
+    assert graphs is not None and len(graphs.steps) == 1
+    gen = torch.Generator().manual_seed(4)
+    embeds = [torch.randn(n, TINY.hidden_size, generator=gen) for n in (13, 11)]
+    got = graphs.run([1, 0], [starts[1], starts[0]], embeds)
+    with torch.no_grad():
+        for slot, e, h in zip((1, 0), embeds, got, strict=True):
+            want = model(e[None], torch.arange(starts[slot], starts[slot] + e.shape[0])[None], torch.tensor([slot]),
+                         eager_kv)[0]
+            torch.testing.assert_close(h, want, atol=ATOL, rtol=ATOL)
+
+
+# ---- CUDA (I10): real graphs, eager kernels and torch.compile ---------------------------------------------
+@cuda
+@tf32_advice
+@pytest.mark.parametrize("compile_mode", [None, "default"])
+def test_cuda_prefill_graph_equals_eager(compile_mode: str | None) -> None:
+    _check_prefill("cuda", compile_mode)
+
+
+@cuda
+@tf32_advice
+@pytest.mark.parametrize("compile_mode", [None, "default"])
+def test_cuda_engine_graphs_equal_eager_engine(compile_mode: str | None) -> None:
+    model = tiny_llm().cuda()
+    arrivals = {f"s{i}": 3 * i for i in range(4)}
+    runs = []
+    for graphs in (True, False):
+        engine, events = make_engine(model, sessions=4, rules=DecodeRules(force_listen_count=1), **SMALL,
+                                     merge_unit_close=True, prefill_batch_buckets=(1, 4), use_cuda_graphs=graphs,
+                                     compile_mode=compile_mode if graphs else None)
+        if graphs:
+            assert engine.runner.graphs is not None and engine.runner.prefill_graphs is not None
+        run_schedule(engine, arrivals, units=4)
+        runs.append(events)
+    for sid in arrivals:
+        _assert_same_events(by_session(runs[0], sid), by_session(runs[1], sid), atol=1e-4)
