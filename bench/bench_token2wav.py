@@ -1,0 +1,225 @@
+"""Token2Wav chunk benchmark (targets.md P5): one 25-code chunk (28 with look-ahead) → 24 kHz PCM16.
+
+Full-size flow (§1.6) and HiFT (§1.7) with seeded random weights, a 10 s voice prompt (P = 500),
+5 Euler steps; batch 1 / 8 / 32; eager vs CUDA graphs; beside the Step-Audio2 reference chunk call
+(`Token2wav.stream` body, batch 1) in the same process. CUDA events, median / p99.
+Also times the turn-start first call with and without the `first_hop` option.
+`--tiny`: CPU smoke run at tiny dims.
+
+    python bench/bench_token2wav.py [--tiny] [--iters 30] [--batches 1,8,32] [--out result.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+import time
+import types
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.token2wav.assets import TINY_HIFT, Token2WavModels  # noqa: E402
+from engine.token2wav.config import TINY_FLOW, FlowConfig, HiFTConfig, StreamConfig  # noqa: E402
+from engine.token2wav.flow import Flow  # noqa: E402
+from engine.token2wav.graphs import GraphCache  # noqa: E402
+from engine.token2wav.hift import HiFT  # noqa: E402
+from engine.token2wav.stream import PendingCall, new_session, run_flow_batch  # noqa: E402
+from engine.token2wav.voice import VoicePack, build_voice_cache  # noqa: E402
+from engine.weights import init_module_  # noqa: E402
+
+
+class Timer:
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def __call__(self, fn, iters: int, setup=None, warmup: int = 2) -> list[float]:
+        out = []
+        for i in range(warmup + iters):
+            if setup is not None:
+                setup()
+            if self.cuda:
+                torch.cuda.synchronize()
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                fn()
+                b.record()
+                b.synchronize()
+                ms = a.elapsed_time(b)
+            else:
+                t0 = time.perf_counter()
+                fn()
+                ms = (time.perf_counter() - t0) * 1e3
+            if i >= warmup:
+                out.append(ms)
+        return out
+
+
+def stats(ms: list[float]) -> dict:
+    return {"median_ms": float(np.median(ms)), "p99_ms": float(np.percentile(ms, 99)), "n": len(ms)}
+
+
+def build_models(tiny: bool, device: torch.device, flow_dtype: torch.dtype = torch.float32) -> Token2WavModels:
+    fcfg, hcfg = (TINY_FLOW, TINY_HIFT) if tiny else (FlowConfig(), HiFTConfig())
+    gen = torch.Generator().manual_seed(0)
+    flow, hift = Flow(fcfg), HiFT(hcfg)
+    init_module_(flow, gen)
+    init_module_(hift, gen)
+    return Token2WavModels(flow.to(device, flow_dtype).eval(), hift.to(device).eval(), fcfg, hcfg, "A")
+
+
+def make_voice(p_tok: int, vocab: int) -> VoicePack:
+    g = torch.Generator().manual_seed(1)
+    return VoicePack(torch.randint(0, vocab, (p_tok,), generator=g, dtype=torch.int32),
+                     torch.randn(192, generator=g), torch.randn(2 * p_tok, 80, generator=g))
+
+
+def bench_ours(models, vc, scfg, batch: int, graphs: GraphCache, timer: Timer, iters: int, n_tok: int) -> dict:
+    sessions = [new_session(models, vc, scfg, seed=i) for i in range(batch)]
+    g = torch.Generator().manual_seed(2)
+    toks = [torch.randint(0, models.flow_cfg.vocab_size, (n_tok,), generator=g).tolist() for _ in range(batch)]
+
+    def reset() -> None:
+        for s in sessions:
+            s.reset_exec()
+
+    def chunk() -> None:
+        calls = [PendingCall(t, False) for t in toks]
+        run_flow_batch(models, sessions, calls, graphs.estimator, graphs.encoder)
+        ins = [s.hift_inputs(c) for s, c in zip(sessions, calls, strict=True)]
+        mel, src, ini, noise = (torch.cat([x[k] for x in ins], dim=0) for k in range(4))
+        speech, source = graphs.vocoder(mel, src, ini, noise)
+        for i, (s, c) in enumerate(zip(sessions, calls, strict=True)):
+            s.finish_phase(c, ins[i][0], speech[i:i + 1], source[i:i + 1])   # includes the D2H copy
+
+    with torch.inference_mode():
+        result = stats(timer(chunk, iters, setup=reset))
+        if PROFILE.get("on"):
+            reset()
+            acts = [torch.profiler.ProfilerActivity.CPU] + (
+                [torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+            with torch.profiler.profile(activities=acts) as prof:
+                chunk()
+            key = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+            print(prof.key_averages().table(sort_by=key, row_limit=18, max_name_column_width=60))
+        return result
+
+
+PROFILE: dict[str, bool] = {}
+
+
+def ref_module(name: str):
+    site = Path("lib") / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages" / "stepaudio2"
+    repo = Path(__file__).resolve().parents[1]
+    folder = next((p for p in (Path(sys.prefix) / site, *repo.glob(".venv/lib/python3*/site-packages/stepaudio2"))
+                   if p.is_dir()), Path(sys.prefix) / site)
+    if "stepaudio2" not in sys.modules:
+        pkg = types.ModuleType("stepaudio2")
+        pkg.__path__ = [str(folder)]
+        sys.modules["stepaudio2"] = pkg
+    return importlib.import_module(f"stepaudio2.{name}")
+
+
+def bench_reference(models, voice, scfg, timer: Timer, iters: int, device: torch.device) -> dict:
+    """The reference `Token2wav.stream` body on the stepaudio2 modules (full size only, batch 1)."""
+    c = models.flow_cfg
+    enc = ref_module("cosyvoice2.transformer.upsample_encoder_v2").UpsampleConformerEncoderV2(
+        input_size=c.input_size, output_size=c.enc_dim, pre_lookahead_len=c.pre_lookahead_len,
+        num_blocks=c.enc_blocks, num_up_blocks=c.enc_up_blocks, up_stride=c.up_stride,
+        attention_heads=c.enc_heads, linear_units=c.enc_linear_units)
+    dit = ref_module("cosyvoice2.flow.decoder_dit").DiT(
+        in_channels=c.dit_in_channels, out_channels=c.dit_out_channels, mlp_ratio=c.dit_mlp_ratio,
+        depth=c.dit_depth, num_heads=c.dit_heads, head_dim=c.dit_head_dim, hidden_size=c.dit_hidden)
+    cfm = ref_module("cosyvoice2.flow.flow_matching").CausalConditionalCFM(dit, inference_cfg_rate=c.cfg_rate)
+    flow = ref_module("cosyvoice2.flow.flow").CausalMaskedDiffWithXvec(
+        input_size=c.input_size, output_size=c.mel_dim, spk_embed_dim=c.spk_embed_dim, vocab_size=c.vocab_size,
+        encoder=enc, decoder=cfm)
+    flow.load_state_dict(models.flow.state_dict())
+    hg = ref_module("flashcosyvoice.modules.hifigan")
+    hift = hg.HiFTGenerator()
+    from engine.token2wav.assets import hift_file_state
+    hift.load_state_dict({k.removeprefix("generator."): v for k, v in hift_file_state(models.hift).items()})
+    flow, hift = flow.to(device).eval(), hift.to(device).eval()
+    p = voice.prompt_mel.shape[0]
+    spk = voice.spk_embedding[None].to(device)
+    pad = torch.full((1, 3), scfg.silence_code, dtype=torch.long)
+    toks = torch.cat([voice.prompt_tokens[None].long(), pad], dim=1).to(device)
+    base = flow.setup_cache(toks, voice.prompt_mel[None].to(device), spk, n_timesteps=scfg.n_timesteps)
+    base = {k: v.clone() for k, v in base.items()}
+    chunk_toks = torch.randint(0, c.vocab_size, (1, 28), generator=torch.Generator().manual_seed(2)).to(device)
+    window = torch.from_numpy(np.hamming(2 * 3840)).to(device)
+    state: dict = {}
+
+    def reset() -> None:
+        state["cache"] = {k: v.clone() for k, v in base.items()}
+
+    def chunk() -> None:
+        mel, cache = flow.inference_chunk(chunk_toks, spk, state["cache"], False, scfg.n_timesteps)
+        if cache["estimator_att_cache"].shape[4] > p + 100:
+            a = cache["estimator_att_cache"]
+            cache["estimator_att_cache"] = torch.cat([a[..., :p, :], a[..., -100:, :]], dim=4)
+        speech, source = hift(mel, torch.zeros(1, 1, 0, device=device))
+        speech = speech * 1.0
+        speech[..., :3840] = speech[..., :3840] * window[:3840] + speech[..., :3840] * window[3840:]
+        pcm = (np.clip(speech.cpu().numpy(), -1.0, 1.0) * 32767.0).astype("<i2")
+        del pcm, source
+
+    return stats(timer(chunk, iters, setup=reset))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--prompt-tokens", type=int, default=250)   # 10 s → P = 500 mel frames
+    ap.add_argument("--first-hop", type=int, default=5)
+    ap.add_argument("--no-reference", action="store_true")
+    ap.add_argument("--out", default="")
+    ap.add_argument("--profile", action="store_true", help="print a torch.profiler table per run")
+    ap.add_argument("--flow-dtype", choices=("fp32", "fp16"), default="fp32")
+    ap.add_argument("--tf32", action="store_true", help="allow TF32 matmuls (changes fp32 numerics)")
+    args = ap.parse_args()
+    PROFILE["on"] = args.profile
+    device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
+    iters = min(args.iters, 3) if args.tiny else args.iters
+    batches = [1, 2] if args.tiny else [int(b) for b in args.batches.split(",")]
+    torch.backends.cuda.matmul.allow_tf32 = args.tf32
+    flow_dtype = torch.float16 if args.flow_dtype == "fp16" else torch.float32
+    models = build_models(args.tiny, device, flow_dtype)
+    scfg = StreamConfig()
+    voice = make_voice(8 if args.tiny else args.prompt_tokens, models.flow_cfg.vocab_size)
+    vc = build_voice_cache(models.flow, voice, scfg)
+    timer = Timer(device)
+    results: dict = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+                     "tiny": args.tiny, "prompt_frames": vc.prompt_frames, "n_timesteps": scfg.n_timesteps,
+                     "flow_dtype": args.flow_dtype, "tf32": args.tf32}
+    for graphs_on in (False, True):
+        graphs = GraphCache(models.flow.decoder.estimator, models.hift, graphs_on, encoder=models.flow.encoder)
+        mode = "graph" if graphs.enabled else "eager"
+        if graphs_on and not graphs.enabled:
+            continue
+        for b in batches:
+            results[f"ours_{mode}_b{b}"] = r = bench_ours(models, vc, scfg, b, graphs, timer, iters, 28)
+            print(f"ours {mode:5s} batch {b:2d}: median {r['median_ms']:.1f} ms  p99 {r['p99_ms']:.1f} ms", flush=True)
+        hop = scfg.prefix_len + args.first_hop
+        results[f"first_call_{mode}_hop{args.first_hop}"] = r = bench_ours(models, vc, scfg, 1, graphs, timer, iters, hop)
+        print(f"ours {mode:5s} first call, first_hop {args.first_hop} ({hop} codes): "
+              f"median {r['median_ms']:.1f} ms (vs 28 codes: {results[f'ours_{mode}_b1']['median_ms']:.1f})")
+    if not args.tiny and not args.no_reference and args.flow_dtype == "fp32":
+        del vc
+        torch.cuda.empty_cache() if device.type == "cuda" else None
+        results["reference_b1"] = r = bench_reference(models, voice, scfg, timer, iters, device)
+        print(f"reference batch  1: median {r['median_ms']:.1f} ms  p99 {r['p99_ms']:.1f} ms")
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=2))
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()

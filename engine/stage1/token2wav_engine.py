@@ -1,0 +1,235 @@
+"""Token2Wav engine: codes → 24 kHz PCM16 chunks per session and turn, batched across sessions.
+
+One owner thread calls `submit` / `cancel` / `step`. A unit is planned at submit time (§6.4: silence
+prefix, 25 + 3 codes per call, flush rules, last-chunk flush at turn end); `step` runs at most one
+call per session: collect → bucket (exact shapes) → flow batch → HiFT batch → finish → emit. Chunks
+are emitted as soon as their call finishes; the §6.6 left pad of a short unit goes out first.
+Per-voice base caches are built once and cloned per turn (never shared by reference, §6.8).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from engine.stage1.types import Fence
+from engine.token2wav.assets import Token2WavModels
+from engine.token2wav.batch import flow_bucket_key, group_by, hift_bucket_key
+from engine.token2wav.config import StreamConfig
+from engine.token2wav.graphs import GraphCache
+from engine.token2wav.stream import PendingCall, SessionStream, StreamInputError, new_session, run_flow_batch
+from engine.token2wav.voice import VoiceCache, build_voice_cache
+
+
+class Token2WavError(Exception):
+    """Base of every Token2Wav engine error; raising one changes no session's state."""
+
+
+class UnknownSessionError(Token2WavError, KeyError):
+    pass
+
+
+class UnknownVoiceError(Token2WavError, KeyError):
+    pass
+
+
+class SessionExistsError(Token2WavError):
+    pass
+
+
+class StaleFenceError(Token2WavError):
+    """Incarnation differs, or the epoch is older than the session's (protocol.md F-1…F-4)."""
+
+
+class CodeRangeError(Token2WavError, ValueError):
+    """A speech code is outside [0, vocab_size)."""
+
+
+@dataclass(frozen=True)
+class Token2WavEngineConfig:
+    stream: StreamConfig = StreamConfig()   # n_timesteps (default 5), trims, flush rule, first_hop
+    max_batch: int = 32                     # sessions per flow / HiFT batch
+    use_cuda_graphs: bool = True            # estimator + vocoder graphs at exact shapes (GPU only)
+    max_graphs: int = 32
+
+
+@dataclass(frozen=True)
+class PcmChunk:
+    """24 kHz mono PCM16 of one session; `unit_final` marks the unit's last chunk."""
+
+    session_id: str
+    fence: Fence
+    unit_index: int
+    pcm: np.ndarray            # int16 [n]
+    unit_final: bool
+    end_of_turn: bool
+
+
+@dataclass(frozen=True)
+class Token2WavCancelResult:
+    session_id: str
+    fence: Fence
+    dropped_units: tuple[int, ...]
+    noop: bool
+
+
+@dataclass
+class _Item:
+    unit_index: int
+    fence: Fence
+    end_of_turn: bool
+    unit_final: bool
+    call: PendingCall | None = None   # None: emit `zeros` samples of silence (pad or listen unit)
+    zeros: int = 0
+    reset_after: bool = False         # end of turn: reset the execution state after this item
+
+
+@dataclass
+class _Session:
+    stream: SessionStream
+    fence: Fence
+    queue: deque[_Item] = field(default_factory=deque)
+
+
+class Token2WavEngine:
+    def __init__(self, models: Token2WavModels, cfg: Token2WavEngineConfig | None = None) -> None:
+        self.models, self.cfg = models, cfg or Token2WavEngineConfig()
+        self.graphs = GraphCache(models.flow.decoder.estimator, models.hift, self.cfg.use_cuda_graphs,
+                                 self.cfg.max_graphs, encoder=models.flow.encoder)
+        self.voices: dict[str, VoiceCache] = {}
+        self.sessions: dict[str, _Session] = {}
+
+    # -- voices and sessions ------------------------------------------------------------------------
+    def add_voice(self, voice_id: str, pack: Any) -> VoiceCache:
+        """Build the voice's immutable base cache once (§6.2); later calls reuse it."""
+        if voice_id not in self.voices:
+            self.voices[voice_id] = build_voice_cache(self.models.flow, pack, self.cfg.stream)
+        return self.voices[voice_id]
+
+    def open(self, session_id: str, fence: Fence, voice_id: str, seed: int) -> None:
+        if session_id in self.sessions:
+            raise SessionExistsError(f"session {session_id!r} is already open")
+        if voice_id not in self.voices:
+            raise UnknownVoiceError(f"voice {voice_id!r} was never added")
+        stream = new_session(self.models, self.voices[voice_id], self.cfg.stream, seed)
+        self.sessions[session_id] = _Session(stream, fence)
+
+    def close(self, session_id: str, fence: Fence) -> bool:
+        s = self.sessions.get(session_id)
+        if s is None or s.fence.incarnation != fence.incarnation:
+            return False
+        del self.sessions[session_id]
+        return True
+
+    def _session(self, session_id: str, fence: Fence) -> _Session:
+        s = self.sessions.get(session_id)
+        if s is None:
+            raise UnknownSessionError(f"no open Token2Wav session {session_id!r}")
+        if fence.incarnation != s.fence.incarnation or fence.epoch < s.fence.epoch:
+            raise StaleFenceError(f"session {session_id!r}: fence {fence} is stale (current {s.fence})")
+        return s
+
+    # -- inputs -------------------------------------------------------------------------------------
+    def submit(self, session_id: str, fence: Fence, unit_index: int, codes: Sequence[int],
+               end_of_turn: bool) -> int:
+        """Queue one speak unit's codes; returns the samples the unit will emit (pad included)."""
+        s = self._session(session_id, fence)
+        try:
+            s.stream.check_codes(codes)
+        except StreamInputError as exc:
+            raise CodeRangeError(str(exc)) from None
+        if fence.epoch > s.fence.epoch:       # a newer epoch implies the older one was cancelled
+            self._drop_older(s, fence)
+        plan = s.stream.plan_unit(codes, end_of_turn)
+        items = [_Item(unit_index, fence, end_of_turn, False, zeros=plan.pad)] if plan.pad else []
+        items += [_Item(unit_index, fence, end_of_turn, False, call=c) for c in plan.calls]
+        if not items:                          # end of turn with an empty buffer: nothing to emit
+            items = [_Item(unit_index, fence, end_of_turn, False)]
+        items[-1].unit_final = True
+        items[-1].reset_after = end_of_turn
+        s.queue.extend(items)
+        return plan.samples + plan.pad
+
+    def submit_listen(self, session_id: str, fence: Fence, unit_index: int) -> None:
+        """A listen unit: 1 s of zeros (§6.6), in order with the session's other output."""
+        s = self._session(session_id, fence)
+        s.queue.append(_Item(unit_index, fence, False, True, zeros=self.cfg.stream.unit_samples))
+
+    def cancel(self, session_id: str, fence: Fence, next_fence: Fence) -> Token2WavCancelResult:
+        """Adopt `next_fence`, drop this session's queued work and reset its turn (F-1…F-3, Q13)."""
+        s = self.sessions.get(session_id)
+        if s is None:
+            raise UnknownSessionError(f"no open Token2Wav session {session_id!r}")
+        if next_fence.incarnation != fence.incarnation or next_fence.epoch != fence.epoch + 1:
+            raise StaleFenceError(f"cancel of {session_id!r}: next_fence {next_fence} must be epoch + 1")
+        if fence.incarnation != s.fence.incarnation:
+            raise StaleFenceError(f"cancel of {session_id!r}: incarnation {fence.incarnation} is not live")
+        if s.fence.epoch > fence.epoch:
+            return Token2WavCancelResult(session_id, fence, (), noop=True)
+        return Token2WavCancelResult(session_id, fence, self._drop_older(s, next_fence), noop=False)
+
+    def _drop_older(self, s: _Session, fence: Fence) -> tuple[int, ...]:
+        s.fence = fence
+        dropped = tuple(sorted({i.unit_index for i in s.queue if i.fence.epoch < fence.epoch}))
+        s.queue = deque(i for i in s.queue if i.fence.epoch >= fence.epoch)
+        s.stream.reset_turn()
+        return dropped
+
+    def pending(self) -> int:
+        return sum(len(s.queue) for s in self.sessions.values())
+
+    # -- the step -------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[PcmChunk]:
+        out: list[PcmChunk] = []
+        work: list[tuple[str, _Session, _Item]] = []
+        for sid, s in self.sessions.items():
+            self._drain_silence(sid, s, out)
+            if s.queue and len(work) < self.cfg.max_batch:
+                work.append((sid, s, s.queue[0]))
+        if not work:
+            return out
+        self._run_flow(work)
+        self._run_hift(work, out)
+        for sid, s, _ in work:
+            s.queue.popleft()
+            self._drain_silence(sid, s, out)
+        return out
+
+    def _drain_silence(self, sid: str, s: _Session, out: list[PcmChunk]) -> None:
+        while s.queue and s.queue[0].call is None:
+            item = s.queue.popleft()
+            if item.zeros or item.unit_final:
+                out.append(PcmChunk(sid, item.fence, item.unit_index, np.zeros(item.zeros, np.int16),
+                                    item.unit_final, item.end_of_turn))
+            if item.reset_after:
+                s.stream.reset_exec()
+
+    def _run_flow(self, work: list[tuple[str, _Session, _Item]]) -> None:
+        n_ts = self.cfg.stream.n_timesteps
+        keys = [flow_bucket_key(s.stream.flow_cache, len(i.call.tokens), i.call.last, n_ts)
+                for _, s, i in work if i.call is not None]
+        for group in group_by(keys):
+            sessions = [work[g][1].stream for g in group]
+            calls = [work[g][2].call for g in group]
+            run_flow_batch(self.models, sessions, calls, self.graphs.estimator,  # type: ignore[arg-type]
+                           self.graphs.encoder)
+
+    def _run_hift(self, work: list[tuple[str, _Session, _Item]], out: list[PcmChunk]) -> None:
+        inputs = [s.stream.hift_inputs(i.call) for _, s, i in work if i.call is not None]
+        keys = [hift_bucket_key(x[0].shape[2], x[1].shape[2]) for x in inputs]
+        for group in group_by(keys):
+            mel, src, ini, noise = (torch.cat([inputs[g][k] for g in group], dim=0) for k in range(4))
+            speech, source = self.graphs.vocoder(mel, src, ini, noise)
+            for row, g in enumerate(group):
+                sid, s, item = work[g]
+                assert item.call is not None
+                pcm = s.stream.finish_phase(item.call, inputs[g][0], speech[row:row + 1], source[row:row + 1])
+                out.append(PcmChunk(sid, item.fence, item.unit_index, pcm, item.unit_final, item.end_of_turn))
+                if item.reset_after:
+                    s.stream.reset_exec()

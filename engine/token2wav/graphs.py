@@ -1,0 +1,95 @@
+"""CUDA graphs for the DiT estimator step and the HiFT vocoder at bucketed (exact) shapes.
+
+Replay is copy-in → replay → slice-out. Static outputs are scratch: callers copy them into session
+storage before the next replay (`solve_chunk` copies caches at once; HiFT outputs are cloned here).
+On CPU, or when disabled, both runners call the eager modules. Graphs share one memory pool.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from engine.token2wav.dit import DiT
+from engine.token2wav.encoder import UpsampleConformerEncoder
+from engine.token2wav.hift import HiFT
+
+
+class _Graph:
+    def __init__(self, fn: Callable[..., tuple[torch.Tensor, ...]], inputs: tuple[torch.Tensor, ...],
+                 pool: object) -> None:
+        self.inputs = tuple(t.clone() for t in inputs)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):                      # warm-up: cuBLAS/cuFFT plans before capture
+                fn(*self.inputs)
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.outputs = fn(*self.inputs)
+
+    def run(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        for dst, src in zip(self.inputs, inputs, strict=True):
+            if dst.shape != src.shape:
+                raise RuntimeError(f"graph input shape drift: {tuple(src.shape)} != {tuple(dst.shape)}")
+            dst.copy_(src)
+        self.graph.replay()
+        return self.outputs
+
+
+class GraphCache:
+    """Lazily captured graphs keyed by exact input shapes, at most `max_graphs` of each kind."""
+
+    def __init__(self, dit: DiT, hift: HiFT, enabled: bool, max_graphs: int = 32,
+                 encoder: UpsampleConformerEncoder | None = None) -> None:
+        self.dit, self.hift, self.enc, self.max_graphs = dit, hift, encoder, max_graphs
+        self.enabled = enabled and torch.cuda.is_available() and next(dit.parameters()).is_cuda
+        self.pool = torch.cuda.graph_pool_handle() if self.enabled else None
+        self.dit_graphs: dict[tuple, _Graph] = {}
+        self.hift_graphs: dict[tuple, _Graph] = {}
+        self.enc_graphs: dict[tuple, _Graph] = {}
+
+    def _get(self, table: dict[tuple, _Graph], fn: Callable, inputs: tuple[torch.Tensor, ...],
+             extra: tuple = ()) -> _Graph | None:
+        key = (*extra, *(tuple(t.shape) for t in inputs))
+        graph = table.get(key)
+        if graph is None and len(table) < self.max_graphs:
+            graph = table[key] = _Graph(fn, inputs, self.pool)
+        return graph
+
+    def estimator(self, x: torch.Tensor, mu: torch.Tensor, t: torch.Tensor, spks: torch.Tensor,
+                  cond: torch.Tensor, cnn: torch.Tensor | None, att: torch.Tensor | None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if not self.enabled or cnn is None or att is None:
+            return self.dit.forward_chunk(x, mu, t, spks, cond, cnn, att)
+        inputs = (x, mu, t, spks, cond, cnn, att)
+        graph = self._get(self.dit_graphs, self.dit.forward_chunk, inputs)
+        if graph is None:
+            return self.dit.forward_chunk(*inputs)
+        v, new_cnn, new_att = graph.run(inputs)
+        return v, new_cnn, new_att
+
+    def encoder(self, xs: torch.Tensor, last: bool, cnn: torch.Tensor | None, att: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        assert self.enc is not None
+        if not self.enabled or cnn is None or att is None:
+            return self.enc.forward_chunk(xs, last, cnn, att)
+        enc = self.enc
+        inputs = (xs, cnn, att)
+        graph = self._get(self.enc_graphs, lambda x, c, a: enc.forward_chunk(x, last, c, a), inputs, (last,))
+        if graph is None:
+            return enc.forward_chunk(xs, last, cnn, att)
+        h, new_cnn, new_att = graph.run(inputs)
+        # NOTE: static outputs are scratch: clone the caches (they outlive the next replay)
+        return h, new_cnn.clone(), new_att.clone()
+
+    def vocoder(self, mel: torch.Tensor, source: torch.Tensor, rand_ini: torch.Tensor, noise: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        inputs = (mel, source, rand_ini, noise)
+        graph = self._get(self.hift_graphs, self.hift.forward, inputs) if self.enabled else None
+        if graph is None:
+            return self.hift(*inputs)
+        speech, src = graph.run(inputs)
+        return speech.clone(), src.clone()

@@ -1,0 +1,248 @@
+"""Per-session Token2Wav streaming state and `stream(tokens, last)` (model.md §6.3–§6.9).
+
+A call is split in phases so that the engine can batch the heavy ones across sessions:
+  flow_phase  (batchable: same m, same `last`, same cache lengths) → mel [80, F] per session
+  trim_phase  (per session: Q17 estimator trim, Q18 conformer trim)
+  hift_phase  (batchable: same mel length, same cached-source length) → speech per session
+  finish_phase (per session: cross-fade, HiFT caches, lead-in/tail rule, int16 round trip)
+Every tensor a session keeps is owned by it (fresh results or clones, never views into scratch, §6.8).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from engine.token2wav.assets import Token2WavModels
+from engine.token2wav.cfm import EstimatorFn
+from engine.token2wav.config import StreamConfig
+from engine.token2wav.flow import EncoderFn, FlowCache
+from engine.token2wav.hift import draw_nsf
+from engine.token2wav.voice import VoiceCache
+
+
+class StreamInputError(ValueError):
+    """Bad codes or a call that breaks the streaming rules."""
+
+
+@dataclass
+class HiFTCache:
+    mel: torch.Tensor       # [1, 80, ≤ 8]
+    source: torch.Tensor    # [1, 1, ≤ 3840]
+    speech: torch.Tensor    # [1, ≤ 3840]
+
+
+@dataclass
+class PendingCall:
+    tokens: list[int]
+    last: bool
+    mel: torch.Tensor | None = None       # [1, 80, F] once the flow phase ran
+
+
+@dataclass
+class UnitPlan:
+    """The `stream` calls of one unit (§6.4), the samples they will emit and the §6.6 left pad."""
+
+    calls: list[PendingCall]
+    samples: int
+    pad: int
+    end_of_turn: bool
+
+
+def _empty_hift(device: torch.device, mel_dim: int) -> HiFTCache:
+    return HiFTCache(torch.zeros(1, mel_dim, 0, device=device), torch.zeros(1, 1, 0, device=device),
+                     torch.zeros(1, 0, device=device))
+
+
+@dataclass
+class SessionStream:
+    """One session's Token2Wav state (§6.9). Create with `new_session`."""
+
+    models: Token2WavModels
+    voice: VoiceCache
+    scfg: StreamConfig
+    hift_gen: torch.Generator
+    flow_cache: FlowCache = field(init=False)
+    hift_cache: HiFTCache = field(init=False)
+    buffer: list[int] = field(init=False)
+    turn_units: int = field(init=False)
+
+    plan_mel: int = field(init=False)     # HiFT mel-cache frames after every planned call
+
+    def __post_init__(self) -> None:
+        self.reset_turn()
+
+    def reset_turn(self) -> None:
+        """Turn start / A1 / cancel: both the planning and the execution state (§6.3)."""
+        self.reset_plan()
+        self.reset_exec()
+
+    def reset_plan(self) -> None:
+        self.buffer = [self.scfg.silence_code] * self.scfg.prefix_len
+        self.turn_units = 0
+        self.plan_mel = 0
+
+    def reset_exec(self) -> None:
+        """Clone the voice's base cache; empty HiFT caches. The base cache itself is never written."""
+        self.flow_cache = self.voice.flow.clone()
+        self.hift_cache = _empty_hift(self.voice.spk_proj.device, self.models.flow_cfg.mel_dim)
+
+    def owned_tensors(self) -> list[torch.Tensor]:
+        h = self.hift_cache
+        return [*self.flow_cache.tensors(), h.mel, h.source, h.speech]
+
+    # ------------------------------------------------------------------ unit planning (§6.4)
+    def check_codes(self, codes: Sequence[int]) -> None:
+        vocab = self.models.flow_cfg.vocab_size
+        bad = [c for c in codes if not isinstance(c, (int, np.integer)) or not 0 <= int(c) < vocab]
+        if bad:
+            raise StreamInputError(f"codes out of range [0, {vocab}): {bad[:5]}")
+
+    def plan_unit(self, codes: Sequence[int], end_of_turn: bool) -> UnitPlan:
+        """Apply §6.4 rules 1–3 (and the optional smaller first hop) to the planning buffer.
+
+        Planning runs ahead of execution, so an engine can queue several units; the end-of-turn
+        unit resets the planning state at once and the execution state after its last call.
+        """
+        self.check_codes(codes)
+        s = self.scfg
+        self.buffer.extend(int(c) for c in codes)
+        calls: list[PendingCall] = []
+        if self.turn_units == 0 and s.first_hop and len(self.buffer) >= s.prefix_len + s.first_hop:
+            m = s.prefix_len + s.first_hop          # earlier first audio: a short first call
+            calls.append(PendingCall(self.buffer[:m], False))
+            self.buffer = self.buffer[s.first_hop:]
+        flush_all = s.force_flush == "always" or self.turn_units == 0
+        threshold = s.min_flush if flush_all else s.chunk_call
+        while len(self.buffer) >= threshold:
+            m = min(s.chunk_call, len(self.buffer))
+            calls.append(PendingCall(self.buffer[:m], False))
+            self.buffer = self.buffer[min(s.chunk_new, m - s.prefix_len):]
+        if end_of_turn and self.buffer:
+            calls.append(PendingCall(self.buffer, True))
+            self.buffer = []
+        self.turn_units += 1
+        samples = self._plan_samples(calls)
+        pad = 0 if end_of_turn else max(0, s.unit_samples - samples)
+        if end_of_turn:
+            self.reset_plan()
+        return UnitPlan(calls, samples, pad, end_of_turn)
+
+    def _plan_samples(self, calls: Sequence[PendingCall]) -> int:
+        """Samples these calls will emit (§6.5 step 7), known before any of them runs."""
+        spf = self.models.hift_cfg.samples_per_frame
+        total = 0
+        for c in calls:
+            n = len(c.tokens)
+            frames = self.models.flow_cfg.up_stride * (n if c.last else n - self.scfg.prefix_len)
+            total += (self.plan_mel + frames) * spf if c.last else frames * spf
+            self.plan_mel = min(self.scfg.mel_cache_frames, self.plan_mel + frames)
+        return total
+
+    # ------------------------------------------------------------------ phases of one call (§6.5)
+    def trim_phase(self, cache: FlowCache) -> FlowCache:
+        s, p = self.scfg, self.voice.prompt_frames
+        keep = s.cache_keep_frames
+        est = cache.estimator_att
+        if est.shape[4] > p + keep:
+            head, tail = (p, keep) if s.flow_cache_trim == "reference" else (keep, p)
+            est = torch.cat([est[:, :, :, :, :head], est[:, :, :, :, -tail:]], dim=4)
+        att = cache.conformer_att
+        if att.shape[3] > p + keep:
+            if s.conformer_cache_trim == "v0.1.2":
+                att = torch.cat([att[:, :, :, :p], att[:, :, :, -keep:]], dim=3)
+            else:
+                stride, n_tok = self.models.flow_cfg.up_stride, self.models.flow_cfg.enc_blocks
+                tok = att[:n_tok, :, :, : att.shape[3] // stride]
+                tok = torch.cat([tok[:, :, :, : p // stride], tok[:, :, :, -(keep // stride):]], dim=3)
+                mel = att[n_tok:]
+                mel = torch.cat([mel[:, :, :, :p], mel[:, :, :, -keep:]], dim=3)
+                att = torch.cat([tok.repeat(1, 1, 1, stride, 1), mel], dim=0)
+        return FlowCache(cache.conformer_cnn, att, cache.estimator_cnn, est)
+
+    def hift_inputs(self, call: PendingCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        assert call.mel is not None
+        mel = torch.cat([self.hift_cache.mel, call.mel.to(self.hift_cache.mel.dtype)], dim=2)   # fp16 flow option
+        rand_ini, noise = draw_nsf(self.hift_gen, mel.shape[2], self.models.hift_cfg, mel.device)
+        return mel, self.hift_cache.source, rand_ini, noise
+
+    def finish_phase(self, call: PendingCall, mel_in: torch.Tensor, speech: torch.Tensor,
+                     source: torch.Tensor) -> np.ndarray:
+        """Cross-fade, update HiFT caches, apply the lead-in/tail rule; returns int16 PCM."""
+        n_over = self.scfg.mel_cache_frames * self.models.hift_cfg.samples_per_frame
+        cached = self.hift_cache.speech
+        first = cached.shape[-1] == 0
+        if not first:
+            w = _hamming(2 * n_over, speech.device)
+            speech = speech.clone()
+            speech[:, :n_over] = speech[:, :n_over] * w[:n_over] + cached[:, -n_over:] * w[n_over:]
+        self.hift_cache = HiFTCache(mel_in[:, :, -self.scfg.mel_cache_frames:].clone(),
+                                    source[:, :, -n_over:].clone(), speech[:, -n_over:].clone())
+        if not call.last:
+            speech = speech[:, :-n_over]
+            if first:
+                speech = torch.cat([speech.new_zeros(1, n_over), speech], dim=1)
+        return to_pcm16(speech[0], self.scfg)
+
+    # ------------------------------------------------------------------ single-session entry points
+    @torch.inference_mode()
+    def stream(self, tokens: Sequence[int], last: bool, estimator: EstimatorFn | None = None) -> np.ndarray:
+        """One §6.5 call for this session alone; returns int16 PCM at 24 kHz."""
+        self.check_codes(tokens)
+        # a non-last call must leave >= 2 frames for the look-ahead conv cache
+        min_len = 1 if last else self.scfg.prefix_len + self.models.flow_cfg.pre_lookahead_conv2_kernel - 1
+        if len(tokens) < min_len:
+            raise StreamInputError(f"stream: {len(tokens)} tokens are too few (last={last})")
+        call = PendingCall([int(t) for t in tokens], last)
+        run_flow_batch(self.models, [self], [call], estimator)
+        mel, src, ini, noise = self.hift_inputs(call)
+        speech, source = self.models.hift(mel, src, ini, noise)
+        return self.finish_phase(call, mel, speech, source)
+
+    def synthesize_unit(self, codes: Sequence[int], end_of_turn: bool) -> np.ndarray:
+        """§6.4 + §6.6 for one speak unit; returns the unit's float32 audio (int16 / 32768)."""
+        plan = self.plan_unit(codes, end_of_turn)
+        pcm = [np.zeros(plan.pad, np.int16)] + [self.stream(c.tokens, c.last) for c in plan.calls]
+        if end_of_turn:
+            self.reset_exec()
+        out = np.concatenate(pcm)
+        assert out.shape[0] == plan.samples + plan.pad
+        return out.astype(np.float32) / self.scfg.pcm_unscale
+
+
+@functools.lru_cache(maxsize=8)
+def _hamming(n: int, device: torch.device) -> torch.Tensor:
+    """Symmetric Hamming window in float64, as the reference's np.hamming; read-only, cached per device."""
+    return torch.from_numpy(np.hamming(n)).to(device)
+
+
+def to_pcm16(speech: torch.Tensor, scfg: StreamConfig) -> np.ndarray:
+    """clip → ×32767 in fp32 → int16 by truncation toward zero (Q23)."""
+    return (speech.float().clamp(-1.0, 1.0) * scfg.pcm_scale).to(torch.int16).cpu().numpy()
+
+
+def new_session(models: Token2WavModels, voice: VoiceCache, scfg: StreamConfig, seed: int) -> SessionStream:
+    device = voice.spk_proj.device
+    return SessionStream(models, voice, scfg, torch.Generator(device=device).manual_seed(seed))
+
+
+def run_flow_batch(models: Token2WavModels, sessions: Sequence[SessionStream], calls: Sequence[PendingCall],
+                   estimator: EstimatorFn | None = None, encoder: EncoderFn | None = None) -> None:
+    """Flow phase + trims for sessions whose calls share (m, last) and whose caches share shapes."""
+    from engine.token2wav.batch import owned, split_flow_cache, stack_flow_caches
+
+    dev = sessions[0].voice.spk_proj.device
+    tokens = torch.tensor([c.tokens for c in calls], dtype=torch.long, device=dev)
+    spk = torch.cat([s.voice.spk_proj for s in sessions], dim=0)
+    cache = sessions[0].flow_cache if len(sessions) == 1 else stack_flow_caches([s.flow_cache for s in sessions])
+    mel, new = models.flow.forward_chunk(tokens, spk, cache, calls[0].last, sessions[0].voice.n_timesteps,
+                                         estimator, encoder)
+    parts = [new] if len(sessions) == 1 else split_flow_cache(new, len(sessions))
+    for i, (s, c) in enumerate(zip(sessions, calls, strict=True)):
+        trimmed = s.trim_phase(parts[i])
+        s.flow_cache = owned(trimmed, new) if len(sessions) > 1 else trimmed
+        c.mel = mel[i:i + 1].clone() if len(sessions) > 1 else mel
