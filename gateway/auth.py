@@ -1,0 +1,146 @@
+"""API-key authentication and the browser origin allow-list (issue 9).
+
+A key arrives as `Authorization: Bearer <key>` (SDKs, servers) or, from browsers that cannot set headers,
+as the WebSocket subprotocol `openai-insecure-api-key.<key>` next to `realtime` (OpenAI's browser form:
+`["realtime", "openai-insecure-api-key.KEY"]`). The server then echoes `realtime` (or the beta selector),
+never the key-bearing entry. Keys are compared in constant time over SHA-256 digests, so neither content
+nor length leaks through timing.
+
+Policy: off by default when bound to loopback; required as soon as a key is configured. protocol.md §1.1
+leaves authentication to deployments and defines no code for it, so a refusal uses OpenAI's code
+`invalid_api_key` (HTTP 401) and `origin_not_allowed` (HTTP 403); on a WebSocket both are handshake errors
+(error event, then close 1008, §1.8: a client-caused handshake error). Unknown to a client, they read as
+non-retryable `invalid_request_error` (§1.6).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import ipaddress
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from gateway.protocol.errors import Effect, ProtocolError
+
+log = logging.getLogger(__name__)
+
+KEY_SUBPROTOCOL_PREFIX = "openai-insecure-api-key."
+ECHO_SUBPROTOCOLS = ("realtime", "openai-beta.realtime-v1")
+PUBLIC_HTTP_PATHS = frozenset({"/health", "/ready", "/metrics"})  # probes and scrapers carry no key
+HTTP_STATUS = {"invalid_api_key": 401, "origin_not_allowed": 403}
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass(frozen=True, slots=True)
+class AuthConfig:
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    allowed_origins: tuple[str, ...] = ()  # exact `scheme://host[:port]`; empty or "*" = any origin
+    required: bool = False
+
+    @classmethod
+    def build(cls, bind_host: str, api_keys: Iterable[str] = (), allowed_origins: Iterable[str] = ()) -> AuthConfig:
+        keys = tuple(k for k in api_keys if k)
+        if not keys and not is_loopback(bind_host):
+            log.warning("gateway bound to %s without an API key: put it behind an authenticating proxy", bind_host)
+        return cls(keys, tuple(o.rstrip("/").lower() for o in allowed_origins if o), required=bool(keys))
+
+
+def _error(code: str, message: str) -> ProtocolError:
+    return ProtocolError(code, message, effect=Effect.HANDSHAKE)
+
+
+def bearer_key(headers: Mapping[str, str]) -> str | None:
+    """`headers` keys lower-case. Returns the token of `Authorization: Bearer <token>`."""
+    value = headers.get("authorization", "")
+    scheme, _, token = value.strip().partition(" ")
+    return (token.strip() or None) if scheme.lower() == "bearer" else None
+
+
+def subprotocol_key(subprotocols: Sequence[str]) -> str | None:
+    for p in subprotocols:
+        if p.startswith(KEY_SUBPROTOCOL_PREFIX) and len(p) > len(KEY_SUBPROTOCOL_PREFIX):
+            return p[len(KEY_SUBPROTOCOL_PREFIX):]
+    return None
+
+
+def select_subprotocol(subprotocols: Sequence[str]) -> str | None:
+    """The subprotocol to echo: the first offered known one; never the key-bearing entry."""
+    return next((p for p in subprotocols if p in ECHO_SUBPROTOCOLS), None)
+
+
+class Authenticator:
+    def __init__(self, config: AuthConfig) -> None:
+        self.config = config
+        self._digests = tuple(hashlib.sha256(k.encode()).digest() for k in config.api_keys)
+
+    def key_ok(self, presented: str | None) -> bool:
+        if not self.config.required:
+            return True
+        if presented is None:
+            return False
+        d = hashlib.sha256(presented.encode()).digest()
+        ok = False
+        for ref in self._digests:  # no early exit: every configured key is compared
+            ok |= hmac.compare_digest(d, ref)
+        return ok
+
+    def origin_ok(self, origin: str | None) -> bool:
+        allowed = self.config.allowed_origins
+        if origin is None or not allowed or "*" in allowed:
+            return True  # non-browser clients send no Origin
+        return origin.rstrip("/").lower() in allowed
+
+    def check_http(self, headers: Mapping[str, str]) -> None:
+        """Raises ProtocolError(invalid_api_key | origin_not_allowed). `headers` keys lower-case."""
+        if not self.origin_ok(headers.get("origin")):
+            raise _error("origin_not_allowed", "origin not allowed")
+        if not self.key_ok(bearer_key(headers)):
+            raise _error("invalid_api_key", "missing or invalid API key")
+
+    def check_websocket(self, headers: Mapping[str, str], subprotocols: Sequence[str]) -> str | None:
+        """WebSocket upgrade: header or subprotocol key. Returns the subprotocol to echo (or None)."""
+        if not self.origin_ok(headers.get("origin")):
+            raise _error("origin_not_allowed", "origin not allowed")
+        key = bearer_key(headers) or subprotocol_key(subprotocols)
+        if not self.key_ok(key):
+            raise _error("invalid_api_key", "missing or invalid API key")
+        return select_subprotocol(subprotocols)
+
+
+class HttpAuthMiddleware:
+    """ASGI middleware for the HTTP routes (`app.add_middleware(HttpAuthMiddleware, authenticator=...)`).
+
+    WebSocket scopes pass through: the route checks them with `check_websocket`, so that a refusal is a
+    typed handshake error on the socket (§1.6) instead of a bare HTTP 403 from the upgrade.
+    """
+
+    def __init__(self, app, authenticator: Authenticator) -> None:  # noqa: ANN001 - any ASGI app
+        self.app, self.auth = app, authenticator
+
+    async def __call__(self, scope, receive, send) -> None:  # noqa: ANN001 - ASGI signature
+        # CORS preflights carry no credentials by design; they pass to the app (or its CORS middleware).
+        if scope["type"] != "http" or scope.get("path") in PUBLIC_HTTP_PATHS or scope.get("method") == "OPTIONS":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        try:
+            self.auth.check_http(headers)
+        except ProtocolError as err:
+            from starlette.responses import JSONResponse  # noqa: PLC0415 - keeps the checks free of starlette
+
+            body = {"error": {"type": "invalid_request_error", "code": err.code, "message": err.message,
+                              "param": None}}
+            extra = {"www-authenticate": "Bearer"} if err.code == "invalid_api_key" else None
+            await JSONResponse(body, status_code=HTTP_STATUS[err.code], headers=extra)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
