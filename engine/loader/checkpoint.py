@@ -3,7 +3,9 @@
 Real mode reads sharded safetensors strictly (shards.py), fuses weight norm in fp32 and casts every
 thinker/TTS weight to `dtype`; Token2Wav stays fp32. Dummy mode builds the same full-size modules from
 config.json alone, directly on the target device, with the seeded §9.4 recipe (benchmarks, §9.5).
-Progress is logged at INFO per component with time and bytes.
+Progress is logged at INFO per component with time and bytes; each record's `extra` carries
+`component`, `bytes` (parameter bytes) and `device_bytes` (the CUDA allocator's growth while the
+component was materialised; None off CUDA), so a benchmark can read memory per component off the log.
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu",
         _init_dummy(model, device, dtype, seed)
     else:
         _load_weights(model, path, device, dtype)
+    model.reset_rope_()  # the skeleton was built on meta: RoPE tables are recomputed, never loaded
     model.eval()
     t2w = None
     if with_token2wav:
@@ -96,6 +99,7 @@ def _load_weights(model: MiniCPMO, path: Path, device: torch.device, dtype: torc
         log.debug("dropping optional keys: %s", sorted(dropped))
     for prefix, module in model.components().items():
         t0 = time.perf_counter()
+        before = _device_allocated(device)
         keys = sorted(k for k in wanted if k.startswith(prefix + "."))
         # Plain tensors go straight to the target device (no host copy of a large component on GPU
         # loads); weight-norm pairs are fused on the CPU in fp32 so W is the same on every device.
@@ -105,10 +109,12 @@ def _load_weights(model: MiniCPMO, path: Path, device: torch.device, dtype: torc
         state = {k[len(prefix) + 1:]: v for k, v in raw.items()}
         _strict_match(prefix, module, state)
         materialize_(module, state, device=device, dtype=dtype)
+        del raw, state  # file tensors that were cast (not adopted) are freed before measuring
+        grown = _device_growth(device, before)
         nbytes = index.nbytes(keys)
         log.info("loaded %s: %d tensors, %.1f MiB in %.2f s", prefix, len(keys), nbytes / _MIB,
                  time.perf_counter() - t0,
-                 extra={"component": prefix, "tensors": len(keys), "bytes": nbytes})
+                 extra={"component": prefix, "tensors": len(keys), "bytes": nbytes, "device_bytes": grown})
 
 
 def _strict_match(prefix: str, module: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
@@ -127,14 +133,23 @@ def _strict_match(prefix: str, module: torch.nn.Module, state: dict[str, torch.T
 
 def _init_dummy(model: MiniCPMO, device: torch.device, dtype: torch.dtype, seed: int) -> None:
     t0 = time.perf_counter()
-    materialize_(model, None, device=device, dtype=dtype)
+    for prefix, module in model.components().items():  # one component at a time: memory per component
+        before = _device_allocated(device)
+        materialize_(module, None, device=device, dtype=dtype)
+        _log_part(prefix, module, _device_growth(device, before))
     generator = torch.Generator(device=device).manual_seed(seed)
     init_weights_(model, generator)
-    for prefix, module in model.components().items():
-        nbytes = sum(p.numel() * p.element_size() for p in module.parameters())
-        log.info("dummy %s: %.1f MiB", prefix, nbytes / _MIB,
-                 extra={"component": prefix, "bytes": nbytes})
     log.info("dummy weights initialised in %.2f s (seed %d)", time.perf_counter() - t0, seed)
+
+
+def _device_allocated(device: torch.device) -> int | None:
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else None
+
+
+def _device_growth(device: torch.device, before: int | None) -> int | None:
+    """Bytes the CUDA caching allocator hands out now minus `before` (None off CUDA)."""
+    now = _device_allocated(device)
+    return None if now is None or before is None else now - before
 
 
 def _token2wav(path: Path, device: torch.device, flow_dtype: torch.dtype, *, dummy: bool,
@@ -147,8 +162,11 @@ def _token2wav(path: Path, device: torch.device, flow_dtype: torch.dtype, *, dum
     from engine.token2wav.assets import load_token2wav  # lazy: Token2Wav is optional for text tests
 
     t0 = time.perf_counter()
+    before = _device_allocated(device)
     t2w = load_token2wav(asset_dir, device, flow_dtype)
-    log.info("loaded token2wav in %.2f s", time.perf_counter() - t0)
+    log.info("loaded token2wav in %.2f s", time.perf_counter() - t0,
+             extra={"component": "token2wav", "bytes": _module_bytes(t2w.flow, t2w.hift),
+                    "device_bytes": _device_growth(device, before)})
     return t2w
 
 
@@ -160,10 +178,25 @@ def _dummy_token2wav(device: torch.device, flow_dtype: torch.dtype, seed: int) -
     t0 = time.perf_counter()
     flow_cfg, hift_cfg = FlowConfig(), HiFTConfig()
     flow, hift = build_tiny_modules(seed, flow_cfg, hift_cfg)
-    t2w = Token2WavModels(flow.to(device=device, dtype=flow_dtype).eval(), hift.to(device).eval(),
-                          flow_cfg, hift_cfg, "A")
+    before = _device_allocated(device)
+    flow = flow.to(device=device, dtype=flow_dtype).eval()
+    _log_part("token2wav.flow", flow, _device_growth(device, before))
+    before = _device_allocated(device)
+    hift = hift.to(device).eval()
+    _log_part("token2wav.hift", hift, _device_growth(device, before))
+    t2w = Token2WavModels(flow, hift, flow_cfg, hift_cfg, "A")
     log.info("dummy token2wav (full size) built in %.2f s", time.perf_counter() - t0)
     return t2w
+
+
+def _module_bytes(*modules: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for m in modules for p in m.parameters())
+
+
+def _log_part(component: str, module: torch.nn.Module, device_bytes: int | None) -> None:
+    nbytes = _module_bytes(module)
+    log.info("dummy %s: %.1f MiB", component, nbytes / _MIB,
+             extra={"component": component, "bytes": nbytes, "device_bytes": device_bytes})
 
 
 def flow_vocab_size(t2w: Any) -> int | None:

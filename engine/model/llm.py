@@ -7,96 +7,46 @@ its cache index), and the slot of every row. It writes the new K/V into the owni
 final-norm hidden states; `logits()` applies the lm_head to the positions the caller selects.
 
 Shapes never depend on data, so a decode step at a fixed batch bucket can be captured in a CUDA graph.
+The layers shared with the TTS backbone live in layers.py; Qwen3 adds per-head q/k RMSNorm, fused
+projections and the folded-GQA attention variants.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from engine.config import LLMConfig
+from engine.model.layers import (
+    DecoderLayer,
+    GatedMLP,
+    RMSNorm,
+    SlotAttention,
+    SlotKVCache,
+    apply_rope,
+    fuse_linears,
+    rope_cos_sin,
+    rope_inv_freq,
+    rotate_half,
+    slot_layout,
+)
+
+__all__ = ["Attention", "Qwen3LLM", "Qwen3Model", "RMSNorm", "SlotKVCache", "apply_rope", "rotate_half"]
 
 
-@dataclass
-class SlotKVCache:
-    """Preallocated K/V per layer, indexed by session slot. Slot `scratch` absorbs padded writes."""
+class Attention(SlotAttention):
+    """Qwen3 attention: q/k RMSNorm per head before RoPE; optional fused [q; k; v] matmul."""
 
-    k: list[torch.Tensor]  # per layer [slots + 1, kv_heads, max_len, head_dim]
-    v: list[torch.Tensor]
-
-    @classmethod
-    def allocate(cls, cfg: LLMConfig, slots: int, max_len: int, *, dtype: torch.dtype,
-                 device: torch.device | str = "cpu") -> SlotKVCache:
-        shape = (slots + 1, cfg.num_key_value_heads, max_len, cfg.head_dim)
-        k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
-        v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
-        return cls(k=k, v=v)
-
-    @property
-    def slots(self) -> int:
-        return self.k[0].shape[0] - 1
-
-    @property
-    def scratch(self) -> int:
-        return self.k[0].shape[0] - 1
-
-    @property
-    def max_len(self) -> int:
-        return self.k[0].shape[2]
-
-    @property
-    def reserved_pos(self) -> int:
-        """The last position of every slot is never used for tokens: idle dense rows write there."""
-        return self.max_len - 1
-
-    def bytes_per_slot(self) -> int:
-        one = self.k[0][0]
-        return 2 * len(self.k) * one.numel() * one.element_size()
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # fp32 statistics, as transformers' Qwen3RMSNorm does
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return x * cos + rotate_half(x) * sin
-
-
-class Attention(nn.Module):
     def __init__(self, cfg: LLMConfig, layer: int) -> None:
-        super().__init__()
-        self.layer = layer
-        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        h = cfg.hidden_size
-        self.q_proj = nn.Linear(h, self.n_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, h, bias=False)
+        super().__init__(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, layer)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.register_buffer("qkv_weight", None, persistent=False)  # [(heads + 2 kvh) D, H] once fused
 
     def fuse(self) -> None:
         """One [q; k; v] matmul instead of three; q/k/v_proj.weight become views of it (same keys)."""
-        self.qkv_weight = _fuse_into(self.q_proj, self.k_proj, self.v_proj)
+        self.qkv_weight = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
 
     def _apply(self, fn, recurse=True):  # noqa: ANN001, ANN202 - nn.Module signature
         # a device/dtype move copies parameters and buffer apart: alias them again so a later
@@ -106,32 +56,19 @@ class Attention(nn.Module):
             self.fuse()
         return out
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: SlotKVCache,
-                write_slot: torch.Tensor, write_pos: torch.Tensor, slot_ids: torch.Tensor | None,
-                mask: torch.Tensor, kv_limit: int, mode: str) -> torch.Tensor:
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         b, t, _ = x.shape
         nq, nk = self.n_heads * self.head_dim, self.n_kv * self.head_dim
         if self.qkv_weight is not None:
             q, k, v = F.linear(x, self.qkv_weight).split((nq, nk, nk), dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q = self.q_norm(q.view(b, t, self.n_heads, self.head_dim)).transpose(1, 2)
-        k = self.k_norm(k.view(b, t, self.n_kv, self.head_dim)).transpose(1, 2)
-        v = v.view(b, t, self.n_kv, self.head_dim)  # [B, T, kvh, D]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # [B, heads, T, D]
-        k_cache, v_cache = kv.k[self.layer], kv.v[self.layer]
-        # advanced indices around a slice: the indexed view is [B, T, kvh, D]
-        k_cache[write_slot, :, write_pos] = k.transpose(1, 2).to(k_cache.dtype)
-        v_cache[write_slot, :, write_pos] = v.to(v_cache.dtype)
-        if slot_ids is None:  # dense: row i is slot i, a view with no copy
-            keys, values = k_cache[:b, :, :kv_limit], v_cache[:b, :, :kv_limit]  # [B, kvh, L, D]
-        else:
-            keys, values = k_cache[slot_ids, :, :kv_limit], v_cache[slot_ids, :, :kv_limit]  # gathered
-        out = self._attend(q, keys.to(q.dtype), values.to(q.dtype), mask, mode)  # [B, heads, T, D]
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, nq))
+        q = self.q_norm(q.view(b, t, self.n_heads, self.head_dim))
+        k = self.k_norm(k.view(b, t, self.n_kv, self.head_dim))
+        return q, k, v.view(b, t, self.n_kv, self.head_dim)  # [B, T, heads|kvh, D]
 
-    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
-                mode: str) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+               mode: str) -> torch.Tensor:
         """q [B, heads, T, D], keys/values [B, kvh, L, D], mask additive → [B, heads, T, D]."""
         b, _, t, d = q.shape
         if mode == "gqa":  # mask [B, 1, T, L]
@@ -148,59 +85,14 @@ class Attention(nn.Module):
         return out.view(b, self.n_heads, t, d)
 
 
-def _fuse_into(*linears: nn.Linear) -> torch.Tensor:
-    """Concatenate bias-free Linear weights along the output dim; each Linear's weight becomes a view."""
-    fused = torch.cat([lin.weight.detach() for lin in linears])  # [sum(out), in]
-    start = 0
-    for lin in linears:
-        n, grad = lin.weight.shape[0], lin.weight.requires_grad
-        lin.weight = nn.Parameter(fused[start:start + n], requires_grad=grad)
-        start += n
-    return fused
-
-
-class MLP(nn.Module):
-    def __init__(self, cfg: LLMConfig) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-        self.register_buffer("gate_up_weight", None, persistent=False)  # [2 I, H] once fused
-
-    def fuse(self) -> None:
-        self.gate_up_weight = _fuse_into(self.gate_proj, self.up_proj)
-
-    def _apply(self, fn, recurse=True):  # noqa: ANN001, ANN202 - nn.Module signature
-        out = super()._apply(fn, recurse)
-        if self.gate_up_weight is not None:
-            self.fuse()
-        return out
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up_weight is None:
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
-
-
-class DecoderLayer(nn.Module):
-    def __init__(self, cfg: LLMConfig, layer: int) -> None:
-        super().__init__()
-        self.self_attn = Attention(cfg, layer)
-        self.mlp = MLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, x: torch.Tensor, *attn_args: object) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), *attn_args)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
 class Qwen3Model(nn.Module):
     def __init__(self, cfg: LLMConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(Attention(cfg, i), GatedMLP(cfg.hidden_size, cfg.intermediate_size), cfg.hidden_size,
+                         cfg.rms_norm_eps)
+            for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -217,9 +109,12 @@ class Qwen3LLM(nn.Module):
         self.cfg = cfg
         self.model = Qwen3Model(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32)
-                                             / cfg.head_dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)  # [D/2]
+        self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta), persistent=False)  # [D/2]
+
+    def reset_rope_(self) -> None:
+        """Recompute `inv_freq` in fp32 (after a meta build or a dtype cast); on the CPU, as at
+        construction, so the table is bit-identical on every device."""
+        self.inv_freq = rope_inv_freq(self.cfg.head_dim, self.cfg.rope_theta).to(self.lm_head.weight.device)
 
     def fuse_projections(self) -> Qwen3LLM:
         """Load-time fusion: q/k/v and gate/up run as one matmul each. The fused weights are
@@ -240,9 +135,7 @@ class Qwen3LLM(nn.Module):
 
     def rope(self, pos: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """pos [B, T] → cos, sin [B, 1, T, D], computed in fp32 then cast (as transformers does)."""
-        freqs = pos.to(torch.float32)[..., None] * self.inv_freq  # [B, T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        return rope_cos_sin(pos, self.inv_freq, dtype)
 
     def forward(self, x: torch.Tensor, input_pos: torch.Tensor, slot_ids: torch.Tensor | None,
                 kv: SlotKVCache, valid: torch.Tensor | None = None,
@@ -257,25 +150,19 @@ class Qwen3LLM(nn.Module):
         Returns final-norm hidden [B, T, H].
         """
         b, t, _ = x.shape
-        kv_limit = kv.max_len if kv_limit is None else min(kv_limit, kv.max_len)
-        if valid is None:
-            valid = torch.ones(b, t, dtype=torch.bool, device=x.device)
-        rows = torch.arange(b, device=x.device) if slot_ids is None else slot_ids
-        write_slot = torch.where(valid, rows[:, None], kv.scratch)  # [B, T]
-        write_pos = torch.where(valid, input_pos, 0)
-        key_idx = torch.arange(kv_limit, device=x.device)
-        visible = (key_idx <= write_pos[..., None])[:, None]  # [B, 1, T, L], causal within the slot
+        lay = slot_layout(input_pos, slot_ids, kv, valid, kv_limit)
+        visible = lay.visible  # [B, 1, T, L]
         mode = "matmul" if t == 1 and self.decode_attention == "matmul" else "fold" if self.fold_gqa else "gqa"
         if mode != "gqa":  # rows of a kv head are (group, query): the same causal row repeats per group
             g = self.cfg.num_attention_heads // self.cfg.num_key_value_heads
-            visible = visible.expand(b, g, t, kv_limit).reshape(b, 1, g * t, kv_limit)  # [B, 1, g T, L]
+            visible = visible.expand(b, g, t, lay.kv_limit).reshape(b, 1, g * t, lay.kv_limit)  # [B, 1, g T, L]
         # additive bias built once, not converted from bool by every layer's attention call
         mask = torch.zeros(visible.shape, dtype=torch.float32 if mode == "matmul" else x.dtype,
                            device=x.device).masked_fill_(~visible, float("-inf"))
-        cos, sin = self.rope(write_pos, x.dtype)
+        cos, sin = self.rope(lay.write_pos, x.dtype)
         h = x
         for layer in self.model.layers:
-            h = layer(h, cos, sin, kv, write_slot, write_pos, slot_ids, mask, kv_limit, mode)
+            h = layer(h, cos, sin, kv, lay.write_slot, lay.write_pos, slot_ids, mask, lay.kv_limit, mode)
         return self.model.norm(h)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

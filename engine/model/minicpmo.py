@@ -43,6 +43,15 @@ class MiniCPMO(nn.Module):
             self.resampler = Resampler(cfg.vision, embed_dim=cfg.llm.hidden_size)
         self.tts = TTSModel(cfg.tts)
 
+    def reset_rope_(self) -> None:
+        """Recompute the LLM's and the TTS's RoPE tables in fp32 on their weights' device.
+
+        NOTE: call after materialising a meta/dummy build: `inv_freq` is a non-persistent buffer that no
+        checkpoint or init recipe fills, so nothing else guarantees it is real, on device and fp32.
+        """
+        self.llm.reset_rope_()
+        self.tts.reset_rope_()
+
     def components(self) -> dict[str, nn.Module]:
         """Checkpoint prefix (without the dot) -> module, in load order; vision absent when disabled."""
         names = ("llm", "apm", "audio_projection_layer", "vpm", "resampler", "tts")

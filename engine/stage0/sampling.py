@@ -13,7 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.sampling_draw import draw, draw_uniforms, session_generator
 from engine.stage0.hostio import to_device
+
+__all__ = ["SamplerIds", "SamplingBatch", "SamplingParams", "UniformStream", "draw", "sample"]
 
 
 @dataclass(frozen=True)
@@ -39,20 +42,20 @@ class SamplingParams:
 
 
 class UniformStream:
-    """The session's draw primitive source (§3.5.4): fp64 scalars from a CPU generator, in draw order.
+    """The session's draw primitive source (§3.5.4, engine.sampling_draw): fp64 scalars, in draw order.
 
     `peek(n)` pre-draws without consuming, so a batched kernel can receive both Step-A and Step-B
     uniforms before it is known whether Step B is reached; `consume(n)` then commits what was used.
     """
 
     def __init__(self, seed: int) -> None:
-        self._gen = torch.Generator().manual_seed(seed)
+        self._gen = session_generator(seed)
         self._ahead: deque[float] = deque()
         self.consumed = 0
 
     def peek(self, n: int) -> list[float]:
-        while len(self._ahead) < n:
-            self._ahead.append(float(torch.rand((), dtype=torch.float64, generator=self._gen)))
+        if len(self._ahead) < n:
+            self._ahead.extend(draw_uniforms(self._gen, n - len(self._ahead)).tolist())
         return list(self._ahead)[:n]
 
     def consume(self, n: int) -> None:
@@ -70,17 +73,6 @@ class SamplerIds:
     turn_eos: int
     listen_bias: int  # `listen_bias_token` (Q4), `<|listen|>` by default
     masked: tuple[int, ...]  # `<|tts_pad|>`, bad_token_ids and `<|chunk_eos|>` (Step B1)
-
-
-def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """§3.5.4: smallest i with cumsum(p)[i] > u·Σp (fp32, vocabulary order). probs [B, V], u [B] fp64."""
-    cs = torch.cumsum(probs.float(), dim=-1)  # [B, V]
-    thr = u.to(torch.float32)[:, None] * cs[:, -1:]
-    hit = cs > thr
-    first = hit.to(torch.int8).argmax(dim=-1)  # first True
-    idx = torch.arange(probs.shape[-1], device=probs.device)
-    last_pos = torch.where(probs > 0, idx, -1).amax(dim=-1)  # rounding fallback
-    return torch.where(hit.any(dim=-1), first, last_pos)
 
 
 @dataclass

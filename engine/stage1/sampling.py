@@ -1,4 +1,4 @@
-"""TTS sampling (model.md §5.4) and the fp64-uniform draw primitive (§3.5.4), batched, no host sync.
+"""TTS sampling (model.md §5.4) on the shared fp64-uniform draw primitive (§3.5.4), batched, no host sync.
 
 Every row carries its own uniform `u` drawn from its session's generator, so a row's sample depends
 only on its own logits and u: never on the batch, the padding or whether the step runs in a CUDA graph.
@@ -8,21 +8,9 @@ from __future__ import annotations
 
 import torch
 
+from engine.sampling_draw import draw
 
-def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Inverse-CDF draw: probs [B, V] fp32 (unnormalised allowed), u [B] fp64 in [0, 1) → ids [B] int64.
-
-    Picks the smallest i with cumsum(p)[i] > u · Σp (cumsum and product in fp32, vocabulary order);
-    if rounding leaves no such i, the largest i with p > 0.
-    """
-    cdf = probs.float().cumsum(-1)  # [B, V]
-    target = u.to(torch.float32)[:, None] * cdf[:, -1:]  # [B, 1]
-    # cdf is non-decreasing, so the first index above target = the number of entries at or below it
-    idx = (cdf <= target).sum(-1)  # [B]
-    vocab = probs.shape[-1]
-    positions = torch.arange(vocab, device=probs.device)
-    last_positive = torch.where(probs > 0, positions, -1).amax(-1)  # [B]
-    return torch.where(idx >= vocab, last_positive, idx)
+__all__ = ["draw", "tts_sample", "window_counts"]
 
 
 def window_counts(window: torch.Tensor, vocab: int) -> torch.Tensor:

@@ -78,8 +78,10 @@ class FlowConfig:
     leaky_slope: float = 0.01
 
     def __post_init__(self) -> None:
+        # the streaming silence prefix feeds `silence_code` to the token embedding (C7)
+        silence = StreamConfig.silence_code
         checks = {
-            "vocab_size >= 4219 (silence code 4218, C7)": self.vocab_size >= 4219,
+            f"vocab_size > silence_code = {silence} (C7)": self.vocab_size > silence,
             "dit_in_channels == 4 * mel_dim (C8)": self.dit_in_channels == 4 * self.mel_dim,
             "dit_out_channels == mel_dim (C8)": self.dit_out_channels == self.mel_dim,
             "enc_dim % enc_heads == 0 (C8)": self.enc_dim % self.enc_heads == 0,

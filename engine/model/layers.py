@@ -1,0 +1,240 @@
+"""Decoder pieces shared by the Qwen3 LLM (llm.py) and the Llama TTS backbone (tts.py).
+
+Both backbones are pre-norm decoders with RMSNorm, rotate-half RoPE, a SiLU-gated MLP and attention
+over caller-owned, slot-indexed KV (`SlotKVCache`). What differs (Qwen3's q/k norms, fused
+projections, folded-GQA attention variants) lives in llm.py as overrides of `SlotAttention`.
+
+Slot layout of one forward: B rows with T queries each; query (b, i) writes its K/V at
+(slot of row b, input_pos[b, i]); a padded query writes to the scratch slot's position 0 and reads
+only its own row. Keys past a query's position are stale entries of earlier units or turns, so the
+mask is causal within the slot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class KVDims(Protocol):
+    """The config fields a KV cache is sized from (LLMConfig and TTSConfig both have them)."""
+
+    @property
+    def num_hidden_layers(self) -> int: ...
+    @property
+    def num_key_value_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+
+
+@dataclass
+class SlotKVCache:
+    """Preallocated K/V per layer, indexed by session slot. Slot `scratch` absorbs padded writes."""
+
+    k: list[torch.Tensor]  # per layer [slots + 1, kv_heads, max_len, head_dim]
+    v: list[torch.Tensor]
+
+    @classmethod
+    def allocate(cls, cfg: KVDims, slots: int, max_len: int, *, dtype: torch.dtype,
+                 device: torch.device | str = "cpu") -> SlotKVCache:
+        shape = (slots + 1, cfg.num_key_value_heads, max_len, cfg.head_dim)
+        k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
+        v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
+        return cls(k=k, v=v)
+
+    @property
+    def slots(self) -> int:
+        return self.k[0].shape[0] - 1
+
+    @property
+    def scratch(self) -> int:
+        return self.k[0].shape[0] - 1
+
+    @property
+    def max_len(self) -> int:
+        return self.k[0].shape[2]
+
+    @property
+    def reserved_pos(self) -> int:
+        """The last position of every slot is never used for tokens: idle dense rows write there."""
+        return self.max_len - 1
+
+    def bytes_per_slot(self) -> int:
+        one = self.k[0][0]
+        return 2 * len(self.k) * one.numel() * one.element_size()
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # fp32 statistics, cast back before the weight, as transformers' Qwen3/Llama RMSNorm do
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+# ---------------------------------------------------------------- rotary embedding (rotate-half)
+def rope_inv_freq(head_dim: int, theta: float, device: torch.device | str | None = None) -> torch.Tensor:
+    """fp32 inverse frequencies [D/2] of the non-interleaved (rotate-half) convention."""
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
+
+
+def rope_cos_sin(pos: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """pos [B, T] → cos, sin [B, 1, T, D], computed in fp32 then cast (as transformers does)."""
+    freqs = pos.to(torch.float32)[..., None] * inv_freq  # [B, T, D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + rotate_half(x) * sin
+
+
+# ---------------------------------------------------------------- slot layout and slot attention
+class SlotLayout(NamedTuple):
+    """Where each query of a forward writes and what it may read; shared by every layer.
+
+    A NamedTuple rather than a dataclass: it is built inside torch.compile'd / graph-captured steps."""
+
+    write_slot: torch.Tensor  # [B, T] int64 (scratch for padded queries)
+    write_pos: torch.Tensor   # [B, T] int64 (0 for padded queries)
+    visible: torch.Tensor     # [B, 1, T, L] bool, causal within the slot
+    kv_limit: int             # L: static bound on the keys attended
+
+
+def slot_layout(input_pos: torch.Tensor, slot_ids: torch.Tensor | None, kv: SlotKVCache,
+                valid: torch.Tensor | None, kv_limit: int | None) -> SlotLayout:
+    """input_pos [B, T]; slot_ids [B] or None (dense: row i is slot i); valid [B, T] bool or None."""
+    b, t = input_pos.shape
+    device = input_pos.device
+    kv_limit = kv.max_len if kv_limit is None else min(kv_limit, kv.max_len)
+    if valid is None:
+        valid = torch.ones(b, t, dtype=torch.bool, device=device)
+    rows = torch.arange(b, device=device) if slot_ids is None else slot_ids
+    write_slot = torch.where(valid, rows[:, None], kv.scratch)  # [B, T]
+    write_pos = torch.where(valid, input_pos, 0)
+    key_idx = torch.arange(kv_limit, device=device)
+    visible = (key_idx <= write_pos[..., None])[:, None]  # [B, 1, T, L]
+    return SlotLayout(write_slot, write_pos, visible, kv_limit)
+
+
+def write_and_read_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      write_slot: torch.Tensor, write_pos: torch.Tensor, slot_ids: torch.Tensor | None,
+                      kv_limit: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Store k [B, kvh, T, D] and v [B, T, kvh, D] into one layer's caches [S + 1, kvh, max_len, D],
+    then return the rows' keys and values [B, kvh, L, D] (the new entries included)."""
+    b = k.shape[0]
+    # advanced indices around a slice: the indexed view is [B, T, kvh, D]
+    k_cache[write_slot, :, write_pos] = k.transpose(1, 2).to(k_cache.dtype)
+    v_cache[write_slot, :, write_pos] = v.to(v_cache.dtype)
+    if slot_ids is None:  # dense: row i is slot i, a view with no copy
+        return k_cache[:b, :, :kv_limit], v_cache[:b, :, :kv_limit]
+    return k_cache[slot_ids, :, :kv_limit], v_cache[slot_ids, :, :kv_limit]  # gathered
+
+
+class SlotAttention(nn.Module):
+    """Bias-free q/k/v/o attention with RoPE over slot KV. Subclasses may override `project`
+    (how q, k, v are computed) and `attend` (the attention kernel); the default is one SDPA call."""
+
+    def __init__(self, hidden: int, n_heads: int, n_kv: int, head_dim: int, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.n_heads, self.n_kv, self.head_dim = n_heads, n_kv, head_dim
+        self.q_proj = nn.Linear(hidden, n_heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden, n_kv * head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden, n_kv * head_dim, bias=False)
+        self.o_proj = nn.Linear(n_heads * head_dim, hidden, bias=False)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, T, H] → q [B, T, heads, D], k, v [B, T, kvh, D]."""
+        b, t, _ = x.shape
+        return (self.q_proj(x).view(b, t, self.n_heads, self.head_dim),
+                self.k_proj(x).view(b, t, self.n_kv, self.head_dim),
+                self.v_proj(x).view(b, t, self.n_kv, self.head_dim))
+
+    def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+               mode: str) -> torch.Tensor:
+        """q [B, heads, T, D], keys/values [B, kvh, L, D], mask [B, 1, T, L] → [B, heads, T, D]."""
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
+                                              enable_gqa=self.n_kv != self.n_heads)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: SlotKVCache,
+                write_slot: torch.Tensor, write_pos: torch.Tensor, slot_ids: torch.Tensor | None,
+                mask: torch.Tensor, kv_limit: int, mode: str = "sdpa") -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = self.project(x)
+        q = apply_rope(q.transpose(1, 2), cos, sin)  # [B, heads, T, D]
+        k = apply_rope(k.transpose(1, 2), cos, sin)  # [B, kvh, T, D]
+        keys, values = write_and_read_kv(kv.k[self.layer], kv.v[self.layer], k, v, write_slot, write_pos,
+                                         slot_ids, kv_limit)
+        out = self.attend(q, keys.to(q.dtype), values.to(q.dtype), mask, mode)  # [B, heads, T, D]
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+
+
+# ---------------------------------------------------------------- MLP and the decoder layer
+def fuse_linears(*linears: nn.Linear) -> torch.Tensor:
+    """Concatenate bias-free Linear weights along the output dim; each Linear's weight becomes a view."""
+    fused = torch.cat([lin.weight.detach() for lin in linears])  # [sum(out), in]
+    start = 0
+    for lin in linears:
+        n, grad = lin.weight.shape[0], lin.weight.requires_grad
+        lin.weight = nn.Parameter(fused[start:start + n], requires_grad=grad)
+        start += n
+    return fused
+
+
+class GatedMLP(nn.Module):
+    """down(SiLU(gate(x)) · up(x)); `fuse()` makes gate/up one matmul (same keys and values)."""
+
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.register_buffer("gate_up_weight", None, persistent=False)  # [2 I, H] once fused
+
+    def fuse(self) -> None:
+        self.gate_up_weight = fuse_linears(self.gate_proj, self.up_proj)
+
+    def _apply(self, fn, recurse=True):  # noqa: ANN001, ANN202 - nn.Module signature
+        # a device/dtype move copies parameters and buffer apart: alias them again
+        out = super()._apply(fn, recurse)
+        if self.gate_up_weight is not None:
+            self.fuse()
+        return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_weight is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, self_attn: nn.Module, mlp: nn.Module, hidden: int, eps: float) -> None:
+        super().__init__()
+        self.self_attn = self_attn
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(hidden, eps)
+        self.post_attention_layernorm = RMSNorm(hidden, eps)
+
+    def forward(self, x: torch.Tensor, *attn_args: object) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), *attn_args)
+        return x + self.mlp(self.post_attention_layernorm(x))
