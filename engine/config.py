@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
-from typing import Any, Mapping, TypeVar
+from typing import Any, TypeVar
 
 log = logging.getLogger(__name__)
 
@@ -230,7 +231,7 @@ class ModelConfig:
     version: str = "4.5"
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any], *, with_vision: bool = True) -> "ModelConfig":
+    def from_dict(cls, data: Mapping[str, Any], *, with_vision: bool = True) -> ModelConfig:
         if data.get("model_type") != "minicpmo":
             raise ConfigError(f"config.model_type: expected 'minicpmo', got {data.get('model_type')!r}")
         if not data.get("architectures"):
@@ -259,7 +260,7 @@ class ModelConfig:
                    version=str(data.get("version", "4.5")))
 
     @classmethod
-    def from_file(cls, path: str | Path, *, with_vision: bool = True) -> "ModelConfig":
+    def from_file(cls, path: str | Path, *, with_vision: bool = True) -> ModelConfig:
         path = Path(path)
         try:
             data = json.loads(path.read_text())

@@ -6,7 +6,7 @@ module gets the same, reproducible weights from the same seed.
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 from torch import nn
