@@ -1,0 +1,1 @@
+"""Audio codecs for the wire formats of protocol.md §9 (decoding, resampling, encoding)."""

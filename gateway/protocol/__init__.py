@@ -1,0 +1,1 @@
+"""Wire protocol of protocol.md: typed client/server events, error codes, profiles, session config."""

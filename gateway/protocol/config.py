@@ -1,0 +1,136 @@
+"""Public session configuration (protocol.md §2.2-§2.6): typed snapshot, validation, patching.
+
+`SessionConfig` is the validated `session_config` snapshot. `apply_patch` builds a full candidate
+from the current snapshot and one `session` object; it never mutates anything, so a rejected
+update leaves the session unchanged (§2.7 U2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway.protocol import validate as v
+from gateway.protocol.errors import ProtocolError
+from gateway.protocol.spellings import extract_patch
+
+DEFAULT_INSTRUCTIONS = "Streaming Omni Conversation."
+
+
+@dataclass(frozen=True, slots=True)
+class ConfigContext:
+    """Deployment facts the validator needs (from GatewaySettings) plus the route defaults."""
+    served_model: str
+    model_aliases: tuple[str, ...]
+    voices: tuple[str, ...]
+    default_voice_available: bool
+    idle_ttl_s: float | None
+    force_listen_count: int
+    default_input_rate_hz: int
+    default_output_format: str
+
+    def resolve_model(self, name: str) -> str | None:
+        return self.served_model if name == self.served_model or name in self.model_aliases else None
+
+
+@dataclass(frozen=True, slots=True)
+class SessionConfig:
+    model: str
+    id: str | None = None
+    output_modalities: tuple[str, ...] = ("audio",)
+    instructions: str = DEFAULT_INSTRUCTIONS
+    voice: str = "default"
+    ref_audio: v.RefAudio | None = None
+    input_audio_format: str = "pcm16"
+    input_audio_sample_rate_hz: int = 24000
+    output_audio_format: str = "pcm16"
+    temperature: float = 0.7
+    max_tokens: int = 20
+    max_output_tokens: int | str = "inf"
+    speed: float = 1.0
+    idle_timeout_s: float | None = None
+    overlap_policy: str = "listen_only"
+    overlap_short_ack_ms: int = 700
+    overlap_barge_in_ms: int = 1200
+    overlap_silence_rms: float = 0.003
+    playback_commit_policy: str = "commit_all_on_done"
+    turn_detection: dict[str, Any] | None = None
+    input_audio_transcription: dict[str, Any] | None = None
+    input_audio_noise_reduction: dict[str, Any] | None = None
+    tools: tuple[Any, ...] = ()
+    tool_choice: str = "auto"
+    tracing: Any = None
+    auto_response: bool = True
+    force_listen_count: int = 0
+    duplex_initial_user_text: str | None = None
+    return_stage_metrics: bool = True
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def text_only(self) -> bool:
+        return self.output_modalities == ("text",)
+
+    @property
+    def effective_auto_response(self) -> bool:
+        td = self.turn_detection
+        return self.auto_response and (td is None or bool(td.get("create_response", True)))
+
+    @property
+    def effective_overlap_policy(self) -> str:
+        return "barge_in_on_speech" if self.turn_detection is not None else self.overlap_policy
+
+
+def default_config(ctx: ConfigContext) -> SessionConfig:
+    return SessionConfig(model=ctx.served_model, input_audio_sample_rate_hz=ctx.default_input_rate_hz,
+                         output_audio_format=ctx.default_output_format, idle_timeout_s=ctx.idle_ttl_s,
+                         force_listen_count=ctx.force_listen_count)
+
+
+# Fields locked at the prefix commit (§2.6) and the error each raises when changed afterwards.
+_LOCKED = {
+    "instructions": "instructions_update_after_audio_unsupported",
+    "voice": "voice_update_after_audio_unsupported",
+    "ref_audio": "ref_audio_update_unsupported",
+    "duplex_initial_user_text": "bad_event",
+}
+
+
+def apply_patch(current: SessionConfig, session: dict[str, Any], ctx: ConfigContext, *,
+                opening: bool, prefix_committed: bool) -> tuple[SessionConfig, set[str]]:
+    """Full candidate config and the set of canonical fields the patch touched."""
+    raw = extract_patch(session)
+    if not opening and "model" in raw and ctx.resolve_model(raw["model"]) != current.model:
+        raise ProtocolError("model_update_unsupported", "model cannot change", param="session.model")
+    values: dict[str, Any] = {}
+    for name, value in raw.items():
+        checker = v.CHECKERS.get(name)
+        values[name] = checker(value, ctx) if checker is not None else value
+    if "id" in values and not opening:
+        values.pop("id")
+    values.pop("type", None)
+    for flag in ("native_duplex", "minicpmo45_native_duplex"):
+        if values.pop(flag, True) is False:
+            raise ProtocolError("unsupported", "non-native duplex is not served", param=f"session.{flag}")
+    if prefix_committed:
+        for name, code in _LOCKED.items():
+            if name in values and values[name] != getattr(current, name):
+                raise ProtocolError(code, f"{name} cannot change after the prefix commit", param=f"session.{name}")
+    candidate = dataclasses.replace(current, **values)
+    if candidate.overlap_barge_in_ms < candidate.overlap_short_ack_ms:
+        raise ProtocolError("bad_event", "overlap_barge_in_ms must be >= overlap_short_ack_ms",
+                            param="session.overlap_barge_in_ms")
+    if candidate.input_audio_format.startswith("g711") and "input_audio_sample_rate_hz" not in values:
+        candidate = dataclasses.replace(candidate, input_audio_sample_rate_hz=v.G711_RATE)
+    if candidate.input_audio_format.startswith("g711") and candidate.input_audio_sample_rate_hz != v.G711_RATE:
+        raise ProtocolError("bad_event", "G.711 input must be 8000 Hz", param="session.input_audio_sample_rate_hz")
+    if ctx.idle_ttl_s is not None and (candidate.idle_timeout_s or 0) > ctx.idle_ttl_s:
+        candidate = dataclasses.replace(candidate, idle_timeout_s=ctx.idle_ttl_s)
+    return candidate, set(values)
+
+
+def check_voice_source(cfg: SessionConfig, ctx: ConfigContext) -> None:
+    """`ref_audio_required` (§1.7): audio output needs a client clip or a deployment default voice."""
+    if not cfg.text_only and cfg.ref_audio is None and not ctx.default_voice_available:
+        raise ProtocolError("ref_audio_required", "audio output needs ref_audio on this deployment",
+                            param="session.ref_audio")

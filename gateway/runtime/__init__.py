@@ -1,0 +1,1 @@
+"""Gateway <-> runtime boundary: the `Runtime` protocol and its Triton implementation."""

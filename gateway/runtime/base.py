@@ -1,0 +1,142 @@
+"""The gateway's view of the runtime (protocol.md §4.4, notes/triton_contract.md).
+
+One closed set of typed messages for this boundary: fenced operations go out through `Runtime`,
+runtime events come back through `Runtime.events(key)` as the `RuntimeEvent` union. Each event
+carries the fence epoch of the request that produced it, so the session can reject stale output at
+acceptance (§3.9) without trusting the runtime to have filtered it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+
+@dataclass(frozen=True, slots=True)
+class Fence:
+    incarnation: int
+    epoch: int
+    append_seq: int = 0
+
+    def next(self) -> Fence:
+        return Fence(self.incarnation, self.epoch + 1, self.append_seq)
+
+
+@dataclass(frozen=True, slots=True)
+class SessionKey:
+    session_id: str
+    correlation_id: int  # Triton sequence id: random non-zero 63-bit integer per (session, incarnation)
+
+
+@dataclass(frozen=True, slots=True)
+class UnitSubmission:
+    unit_index: int
+    pcm: bytes  # float32 LE, 16 kHz mono; 16,480 samples for unit 0, 16,000 after
+    frames: tuple[bytes, ...] = ()
+    force_listen: bool = False
+    synthetic: bool = False  # silence continuation (§8.6 U-3), for accounting only
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    epoch: int
+    unit: int
+    action: Literal["listen", "speak"]
+    forced: bool = False
+    kind: Literal["decision"] = "decision"
+
+
+@dataclass(frozen=True, slots=True)
+class TextPiece:
+    epoch: int
+    unit: int
+    text: str
+    token_id: int | None = None
+    kind: Literal["text"] = "text"
+
+
+@dataclass(frozen=True, slots=True)
+class AudioPiece:
+    epoch: int
+    unit: int
+    seq: int
+    pcm16: bytes  # 24 kHz mono PCM16 LE
+    kind: Literal["audio"] = "audio"
+
+
+@dataclass(frozen=True, slots=True)
+class UnitDone:
+    epoch: int
+    unit: int
+    is_listen: bool
+    end_of_turn: bool
+    metrics: Mapping[str, Any] = field(default_factory=dict)
+    forced: bool = False
+    kind: Literal["unit_done"] = "unit_done"
+
+
+@dataclass(frozen=True, slots=True)
+class StreamError:
+    """An `error` EVENT that is not tied to one awaited operation (e.g. a broken output stream)."""
+    epoch: int
+    code: str
+    message: str
+    kind: Literal["error"] = "error"
+
+
+RuntimeEvent = Decision | TextPiece | AudioPiece | UnitDone | StreamError
+
+
+class RuntimeFailure(Exception):
+    """A fenced operation failed; `code` is a runtime code of the Triton contract."""
+
+    def __init__(self, code: str, message: str = "") -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+@dataclass(frozen=True, slots=True)
+class Readiness:
+    live: bool
+    ready: bool
+    models: Mapping[str, bool]
+    reasons: tuple[str, ...] = ()
+
+    @property
+    def all_ready(self) -> bool:
+        return self.live and self.ready and bool(self.models) and all(self.models.values())
+
+
+class Runtime(Protocol):
+    """Fenced session operations. Each coroutine resolves when the runtime has acknowledged the request
+    (its final response) and raises `RuntimeFailure` with the runtime code otherwise."""
+
+    async def open(self, key: SessionKey, fence: Fence, config: Mapping[str, Any]) -> None: ...
+    async def append(self, key: SessionKey, fence: Fence, unit: UnitSubmission) -> None: ...
+    async def cancel(self, key: SessionKey, fence: Fence, next_fence: Fence) -> None: ...
+    async def update(self, key: SessionKey, fence: Fence, config: Mapping[str, Any]) -> None: ...
+    async def close(self, key: SessionKey, fence: Fence) -> None: ...
+    def events(self, key: SessionKey) -> AsyncIterator[RuntimeEvent]: ...
+    async def readiness(self) -> Readiness: ...
+    async def aclose(self) -> None: ...
+
+
+# Runtime codes (triton_contract.md) -> protocol.md §1.7 codes per operation.
+def map_runtime_code(op: str, code: str) -> str:
+    if code == "runtime_backpressure":
+        return "runtime_backpressure"
+    if code == "timeout":
+        return "runtime_timeout"
+    if op == "open":
+        return "runtime_open_failed"
+    if op == "update":
+        return "invalid_runtime_config" if code == "invalid_runtime_config" else "runtime_update_failed"
+    if op == "append":
+        return "bad_audio" if code == "bad_audio" else "runtime_append_failed"
+    if op == "cancel":
+        return "runtime_signal_failed"
+    if op == "close":
+        return "runtime_close_failed"
+    return "internal_error"

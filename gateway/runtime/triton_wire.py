@@ -1,0 +1,81 @@
+"""Wire format of the `duplex` pipeline (notes/triton_contract.md): request tensors and response events.
+
+Pure functions, so the encoding is tested without a server. With `batch_dim` every tensor gets a leading
+batch dimension of 1, as Triton requires for a model with `max_batch_size >= 1` (sequence batching).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+from tritonclient.grpc import InferInput, InferRequestedOutput
+
+from gateway.runtime.base import (
+    AudioPiece,
+    Decision,
+    Fence,
+    RuntimeEvent,
+    StreamError,
+    TextPiece,
+    UnitDone,
+    UnitSubmission,
+)
+
+OUTPUTS = ("EVENT", "AUDIO")
+CONTROL_EVENTS = frozenset({"opened", "updated", "cancelled", "closed"})
+
+
+def _tensor(name: str, arr: np.ndarray, dtype: str, batch_dim: bool) -> InferInput:
+    data = arr[None, ...] if batch_dim else arr
+    t = InferInput(name, list(data.shape), dtype)
+    t.set_data_from_numpy(data)
+    return t
+
+
+def _fence(f: Fence) -> np.ndarray:
+    return np.array([f.incarnation, f.epoch, f.append_seq], dtype=np.int64)
+
+
+def build_request(model: str, correlation_id: int, request_id: str, op: str, fence: Fence, *, batch_dim: bool,
+                  next_fence: Fence | None = None, unit: UnitSubmission | None = None,
+                  config: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """One `stream_infer` request dict for a fenced operation."""
+    inputs = [_tensor("OP", np.array([op.encode()], dtype=np.object_), "BYTES", batch_dim),
+              _tensor("FENCE", _fence(fence), "INT64", batch_dim)]
+    if next_fence is not None:
+        inputs.append(_tensor("NEXT_FENCE", _fence(next_fence), "INT64", batch_dim))
+    if unit is not None:
+        inputs.append(_tensor("PCM", np.frombuffer(unit.pcm, dtype="<f4").astype(np.float32), "FP32", batch_dim))
+        if unit.frames:
+            inputs.append(_tensor("FRAMES", np.array(list(unit.frames), dtype=np.object_), "BYTES", batch_dim))
+        inputs.append(_tensor("FORCE_LISTEN", np.array([unit.force_listen], dtype=bool), "BOOL", batch_dim))
+    if config is not None:
+        inputs.append(_tensor("CONFIG", np.array([json.dumps(config).encode()], dtype=np.object_), "BYTES",
+                              batch_dim))
+    return {"model_name": model, "inputs": inputs, "outputs": [InferRequestedOutput(n) for n in OUTPUTS],
+            "request_id": request_id, "sequence_id": correlation_id, "sequence_start": op == "open",
+            "sequence_end": op == "close",
+            # Decoupled model: ask for the flagged empty final response that acknowledges each request.
+            "parameters": {"triton_enable_empty_final_response": True}}
+
+
+def parse_event(raw: bytes | str, audio: np.ndarray | None, epoch: int) -> RuntimeEvent | dict[str, Any]:
+    """One EVENT (+AUDIO) -> a typed runtime event, or the raw dict for control/error events."""
+    ev = json.loads(raw)
+    kind = ev.get("type")
+    if kind == "decision":
+        return Decision(epoch, int(ev["unit"]), ev["action"], forced=bool(ev.get("forced", False)))
+    if kind == "text":
+        return TextPiece(epoch, int(ev["unit"]), ev.get("text", ""), ev.get("token_id"))
+    if kind == "audio":
+        pcm = b"" if audio is None else np.asarray(audio, dtype="<i2").reshape(-1).tobytes()
+        return AudioPiece(epoch, int(ev["unit"]), int(ev.get("seq", 0)), pcm)
+    if kind == "unit_done":
+        return UnitDone(epoch, int(ev["unit"]), bool(ev["is_listen"]), bool(ev.get("end_of_turn", False)),
+                        ev.get("metrics") or {}, forced=bool(ev.get("forced", False)))
+    if kind in CONTROL_EVENTS or kind == "error":
+        return ev
+    return StreamError(epoch, "runtime_contract_invalid", f"unknown runtime event {kind!r}")

@@ -1,0 +1,1 @@
+"""The `DuplexSession` aggregate root and its private ledgers."""

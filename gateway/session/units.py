@@ -1,0 +1,98 @@
+"""Model-unit framing of the 16 kHz input (protocol.md §8.6 U-1, U-3..U-6; §9.2 framing).
+
+Unit 0 is 16,480 samples (1030 ms), later units 16,000 (1000 ms). Deadlines sit on a fixed grid:
+deadline(k) = anchor + end of unit k on the model clock + grace; they are not chained to the previous
+unit's completion. When silence continuation starts after a quiet spell the grid is re-anchored so the
+partial unit fills in real time from now instead of being flushed at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+MODEL_RATE_HZ = 16000
+
+
+@dataclass(frozen=True, slots=True)
+class UnitGeometry:
+    first_unit_samples: int = 16480
+    unit_samples: int = 16000
+    deadline_grace_s: float = 0.25  # NOTE: slack for client jitter before silence is injected
+
+    def length(self, k: int) -> int:
+        return self.first_unit_samples if k == 0 else self.unit_samples
+
+    def start(self, k: int) -> int:
+        return 0 if k == 0 else self.first_unit_samples + (k - 1) * self.unit_samples
+
+    def end_s(self, k: int) -> float:
+        return (self.start(k) + self.length(k)) / MODEL_RATE_HZ
+
+
+@dataclass(frozen=True, slots=True)
+class CutUnit:
+    index: int
+    samples: np.ndarray  # [length(index)] float32, 16 kHz
+    client_samples: int  # how many of them came from the client (the rest is padding)
+
+
+class UnitCutter:
+    def __init__(self, geometry: UnitGeometry) -> None:
+        self.geometry = geometry
+        self.next_index = 0
+        self._buf = np.zeros(0, np.float32)
+        self._client_in_buf = 0
+        self._anchor: float | None = None
+
+    @property
+    def residual(self) -> int:
+        return len(self._buf)
+
+    @property
+    def model_clock_ms(self) -> int:
+        return (self.geometry.start(self.next_index) + len(self._buf)) * 1000 // MODEL_RATE_HZ
+
+    def push(self, samples: np.ndarray, now: float) -> list[CutUnit]:
+        """Append client audio; returns the units it completes."""
+        if self._anchor is None and len(samples):
+            self._anchor = now - len(samples) / MODEL_RATE_HZ
+        self._buf = np.concatenate([self._buf, samples.astype(np.float32, copy=False)])
+        self._client_in_buf += len(samples)
+        out: list[CutUnit] = []
+        while len(self._buf) >= self.geometry.length(self.next_index):
+            out.append(self._cut(self.geometry.length(self.next_index)))
+        return out
+
+    def pad(self, *, allow_empty: bool) -> CutUnit | None:
+        """Complete the partial unit with silence (commit/final, or U-3 with `allow_empty`)."""
+        if not len(self._buf) and not allow_empty:
+            return None
+        need = self.geometry.length(self.next_index) - len(self._buf)
+        self._buf = np.concatenate([self._buf, np.zeros(need, np.float32)])
+        return self._cut(len(self._buf))
+
+    def drop_partial(self) -> int:
+        """Forget not-yet-submitted audio (input_audio_buffer.clear); returns the dropped sample count."""
+        n, self._buf, self._client_in_buf = len(self._buf), np.zeros(0, np.float32), 0
+        return n
+
+    def deadline(self) -> float | None:
+        if self._anchor is None:
+            return None
+        return self._anchor + self.geometry.end_s(self.next_index) + self.geometry.deadline_grace_s
+
+    def reanchor_if_late(self, now: float) -> None:
+        """Start of silence continuation: if the grid is already past, restart it from now."""
+        d = self.deadline()
+        if d is None or d < now:
+            self._anchor = now - (self.geometry.start(self.next_index) + len(self._buf)) / MODEL_RATE_HZ
+
+    def _cut(self, n: int) -> CutUnit:
+        unit, self._buf = self._buf[:n], self._buf[n:]
+        client = min(self._client_in_buf, n)
+        self._client_in_buf -= client
+        cut = CutUnit(self.next_index, unit, client)
+        self.next_index += 1
+        return cut

@@ -1,0 +1,78 @@
+"""The gateway's one typed settings object (env prefix DUPLEX_). Nothing else reads the environment."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+ENV_PREFIX = "DUPLEX_"
+MiB = 1024 * 1024
+
+
+class GatewaySettings(BaseModel):
+    """Deploy-profile values (protocol.md §5.1 limits are server-owned; every value must be > 0)."""
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    triton_url: str = "localhost:8001"
+    triton_model: str = "duplex"
+    triton_batch_dim: bool = True  # the pipeline has max_batch_size >= 1 (sequence batching): tensors get [1, ...]
+    triton_ready_models: tuple[str, ...] = ("duplex",)
+    model_name: str = "openbmb/MiniCPM-o-4_5"
+    model_aliases: tuple[str, ...] = ("MiniCPM-o-4_5", "minicpm-o-4.5")
+    model_created: int = 1767225600
+    voices: tuple[str, ...] = ("default",)
+    default_voice_available: bool = True
+    force_listen_count: int = Field(3, ge=0)
+    # §5.1 limits
+    idle_ttl_s: float | None = Field(300.0, gt=0)
+    disconnect_grace_s: float = Field(30.0, gt=0)
+    reaper_interval_s: float = Field(5.0, gt=0)
+    resume_replay_ttl_s: float = Field(60.0, gt=0)
+    resume_replay_max_bytes_per_session: int = Field(8 * MiB, gt=0)
+    max_pending_input_bytes_per_session: int = Field(16 * MiB, gt=0)
+    max_pending_turns_per_session: int = Field(4, gt=0)
+    max_sessions: int = Field(1, gt=0)
+    completed_append_cache_size: int = Field(256, gt=0)
+    handshake_timeout_s: float = Field(10.0, gt=0)
+    close_ack_timeout_s: float = Field(10.0, gt=0)
+    session_tombstone_ttl_s: float = Field(600.0, gt=0)
+    # transport (§1.5)
+    max_frame_bytes: int = Field(15 * MiB, gt=0)
+    ws_max_message_bytes: int = Field(16 * MiB, gt=0)
+    outbound_max_bytes: int = Field(2 * MiB, gt=0)
+    outbound_max_events: int = Field(512, gt=0)
+    outbound_reserve_bytes: int = Field(64 * 1024, gt=0)
+    outbound_reserve_events: int = Field(8, gt=0)
+    # runtime
+    runtime_timeout_s: float = Field(10.0, gt=0)
+    ready_cache_s: float = Field(1.0, ge=0)
+    tick_interval_s: float = Field(0.05, gt=0)
+    unit_deadline_grace_s: float = Field(0.25, ge=0)
+
+    @field_validator("triton_ready_models", "model_aliases", "voices", mode="before")
+    @classmethod
+    def _split(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            return tuple(json.loads(v)) if v.startswith("[") else tuple(x for x in v.split(",") if x)
+        return v
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> GatewaySettings:
+        env = os.environ if environ is None else environ
+        values = {k[len(ENV_PREFIX):].lower(): v for k, v in env.items() if k.startswith(ENV_PREFIX)}
+        known = {k: v for k, v in values.items() if k in cls.model_fields}
+        for key in ("idle_ttl_s",):
+            if known.get(key, "").lower() in ("null", "none"):
+                known[key] = None
+        return cls.model_validate(known)
+
+    def limits_json(self) -> dict[str, Any]:
+        keys = ("idle_ttl_s", "disconnect_grace_s", "reaper_interval_s", "resume_replay_ttl_s",
+                "resume_replay_max_bytes_per_session", "max_pending_input_bytes_per_session",
+                "max_pending_turns_per_session", "max_sessions", "completed_append_cache_size",
+                "handshake_timeout_s", "close_ack_timeout_s", "session_tombstone_ttl_s")
+        return {k: getattr(self, k) for k in keys}

@@ -1,0 +1,1 @@
+"""WebSocket connections: handshake, inbound mailbox, the session actor and the single writer."""

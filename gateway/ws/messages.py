@@ -1,0 +1,65 @@
+"""Messages on a connection's inbox and the connection's explicit states (starlette-style)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+from gateway.protocol.errors import ProtocolError
+from gateway.runtime.base import RuntimeEvent
+from gateway.session.lane import LaneResult
+
+
+class ConnState(enum.Enum):
+    CONNECTING = "connecting"
+    HANDSHAKE = "handshake"
+    OPEN = "open"
+    CLOSING = "closing"
+    CLOSED = "closed"
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    event: Any  # ce.ClientEvent, canonical name
+    raw: dict
+
+
+@dataclass(frozen=True, slots=True)
+class Rejected:
+    error: ProtocolError
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimeOut:
+    event: RuntimeEvent
+
+
+@dataclass(frozen=True, slots=True)
+class LaneOut:
+    result: LaneResult
+
+
+@dataclass(frozen=True, slots=True)
+class Tick:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Disconnected:
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Fatal:
+    error: ProtocolError
+
+
+Message = Admitted | Rejected | RuntimeOut | LaneOut | Tick | Disconnected | Fatal
+ALLOWED: dict[ConnState, frozenset[ConnState]] = {
+    ConnState.CONNECTING: frozenset({ConnState.HANDSHAKE, ConnState.CLOSED}),
+    ConnState.HANDSHAKE: frozenset({ConnState.OPEN, ConnState.CLOSED}),
+    ConnState.OPEN: frozenset({ConnState.CLOSING}),
+    ConnState.CLOSING: frozenset({ConnState.CLOSED}),
+    ConnState.CLOSED: frozenset(),
+}

@@ -1,0 +1,88 @@
+"""Input decoding, resampling and unit framing (protocol.md §8.6 U-1, §9) against offline references."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import soundfile
+import soxr
+
+from gateway.audio.codec import decode_audio, encode_output
+from gateway.audio.resample import InputResampler
+from gateway.protocol.errors import ProtocolError
+from gateway.session.units import UnitCutter, UnitGeometry
+
+
+def _signal(n: int, seed: int = 0) -> np.ndarray:
+    return (np.random.default_rng(seed).standard_normal(n) * 0.1).astype(np.float32)
+
+
+@pytest.mark.parametrize("chunk", [160, 3200, 7777])
+def test_cutting_is_independent_of_chunking(chunk: int) -> None:
+    x = _signal(16480 + 16000 * 2 + 1234)
+    cutter = UnitCutter(UnitGeometry())
+    units = []
+    for i in range(0, len(x), chunk):
+        units += cutter.push(x[i:i + chunk], now=0.0)
+    assert [u.index for u in units] == [0, 1, 2]
+    assert [len(u.samples) for u in units] == [16480, 16000, 16000]
+    np.testing.assert_array_equal(np.concatenate([u.samples for u in units]), x[:48480])
+    assert cutter.residual == 1234
+    padded = cutter.pad(allow_empty=False)
+    assert padded is not None and len(padded.samples) == 16000 and padded.client_samples == 1234
+    np.testing.assert_array_equal(padded.samples[1234:], 0.0)
+
+
+def test_unit_deadlines_sit_on_a_fixed_grid() -> None:
+    cutter = UnitCutter(UnitGeometry(deadline_grace_s=0.0))
+    cutter.push(np.zeros(3200, np.float32), now=10.2)  # 200 ms chunk received at t=10.2: anchor 10.0
+    assert cutter.deadline() == pytest.approx(11.03)
+    cutter.push(np.zeros(16000, np.float32), now=11.2)
+    assert cutter.deadline() == pytest.approx(12.03)  # unit 1 ends at 2030 ms on the model clock
+    cutter.reanchor_if_late(now=20.0)  # late: restart the grid so the partial unit fills in real time
+    assert cutter.deadline() == pytest.approx(20.0 + (16000 - 2720) / 16000)
+
+
+def test_stateful_resampler_matches_offline_soxr() -> None:
+    x = _signal(24000 * 2, seed=1)
+    r = InputResampler()
+    parts = [r.process(x[i:i + 4800], 24000, "pcm16") for i in range(0, len(x), 4800)]
+    parts.append(r.flush())
+    streamed = np.concatenate(parts)
+    offline = soxr.resample(x, 24000, 16000, quality="HQ")
+    assert len(streamed) == len(offline) == 32000
+    np.testing.assert_allclose(streamed, offline, atol=1e-5)
+
+
+def test_decode_formats() -> None:
+    pcm = (np.arange(-100, 100, dtype=np.int16) * 100).astype("<i2")
+    d = decode_audio(pcm.tobytes(), "pcm16", 16000, rate_given=True)
+    np.testing.assert_allclose(d.samples, pcm / 32768.0)
+    f32 = np.array([0.5, -2.0, 2.0], dtype="<f4")
+    np.testing.assert_allclose(decode_audio(f32.tobytes(), "pcm_f32le", 8000, rate_given=True).samples,
+                               [0.5, -1.0, 1.0])  # clipped to [-1, 1]
+    buf = io.BytesIO()
+    soundfile.write(buf, pcm, 22050, format="WAV", subtype="PCM_16")
+    w = decode_audio(buf.getvalue(), "wav", None, rate_given=False)
+    assert w.rate_hz == 22050 and len(w.samples) == 200
+    ulaw = io.BytesIO()
+    soundfile.write(ulaw, pcm / 32768.0, 8000, format="RAW", subtype="ULAW")
+    u = decode_audio(ulaw.getvalue(), "g711_ulaw", 8000, rate_given=False)
+    np.testing.assert_allclose(u.samples, pcm / 32768.0, atol=0.02)
+    with pytest.raises(ProtocolError) as exc:
+        decode_audio(b"\x00" * 10, "g711_alaw", 16000, rate_given=True)
+    assert exc.value.code == "bad_audio"
+
+
+def test_encode_output_formats() -> None:
+    pcm = (np.sin(np.arange(24000) * 0.01) * 10000).astype("<i2").tobytes()
+    assert encode_output(pcm, "pcm16") == (pcm, 24000)
+    f32, rate = encode_output(pcm, "pcm_f32le")
+    assert rate == 24000 and len(f32) == 96000
+    wav, _ = encode_output(pcm, "wav")
+    data, sr = soundfile.read(io.BytesIO(wav), dtype="int16")
+    assert sr == 24000 and np.array_equal(data, np.frombuffer(pcm, "<i2"))
+    mu, rate = encode_output(pcm, "g711_ulaw")
+    assert rate == 8000 and len(mu) == 8000

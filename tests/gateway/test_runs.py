@@ -1,0 +1,149 @@
+"""Conformance of whole runs (protocol.md §3.4-§3.8) through a real WebSocket and the fake runtime."""
+
+from __future__ import annotations
+
+import base64
+
+from tests.gateway.fake_runtime import Listen, Speak
+from tests.gateway.harness import append
+from tests.gateway.scenario import assert_conformant, close, session, stream_units, types
+
+
+async def test_spoken_response_run() -> None:
+    async with session() as (c, rt):
+        rt.plan[1] = Speak("Sure, one ", 1000)
+        rt.plan[2] = Speak("plus one is two.", 840, end_of_turn=True)
+        await stream_units(c, 3)
+        got = await c.until("rate_limits.updated")
+        events = await close(c)
+    assert_conformant(events)
+    t = types(got)
+    assert t.index("response.created") < t.index("response.speak") < t.index("response.output_audio.delta")
+    done = next(e for e in got if e["type"] == "response.done")["response"]
+    assert done["status"] == "completed" and done["duplex"]["reason"] == "turn_end"
+    assert done["output"][0]["content"][0]["transcript"] == "Sure, one plus one is two."
+    assert done["duplex"]["committed"] == {"audio_ms": 1840, "text_chars": 26, "final": True}
+    deltas = [e for e in got if e["type"] == "response.output_audio.delta"]
+    assert [len(base64.b64decode(d["delta"])) for d in deltas] == [48000, 40320]
+    assert deltas[-1]["metadata"]["end_of_turn"] is True
+    sm = done["duplex"]["stage_metrics"]
+    # two owned units with 3 tokens each (fake: 10 ms first token, 5 ms apart)
+    assert sm["0"]["units"] == 2 and sm["0"]["num_generation_tokens"] == 6
+    assert sm["0"]["ttft_ms"] == 10.0 and sm["0"]["tpot_ms"] == 5.0 and sm["0"]["itl_ms"]["count"] == 4
+    assert sm["1"]["stage"] == "talker" and sm["2"]["stage"] == "code2wav"
+
+
+async def test_listen_only_run_has_no_response() -> None:
+    async with session() as (c, rt):
+        await stream_units(c, 3)
+        got = [await c.recv() for _ in range(4)]  # speech_started + 3 listens
+        events = await close(c)
+    assert_conformant(events)
+    listens = [e for e in got if e["type"] == "response.listen"]
+    assert [e["model_unit_index"] for e in listens] == [0, 1, 2]
+    assert all(e["response_id"] is None and e["response"]["metadata"]["reason"] == "model_listen" for e in listens)
+    assert "response.created" not in types(events)
+
+
+async def test_precreated_response_declined_by_listen() -> None:
+    async with session(update={"extra_body": {"auto_response": False}}) as (c, rt):
+        await stream_units(c, 1)
+        await c.until("response.listen")
+        await c.send({"type": "input_audio_buffer.append", "audio": base64.b64encode(bytes(3200)).decode(),
+                      "sample_rate_hz": 16000})
+        await c.send({"type": "input_audio_buffer.commit"})
+        await c.until("conversation.item.done")
+        await c.send({"type": "response.create", "response": {"metadata": {"topic": "demo"}}})
+        got = await c.until("rate_limits.updated", wait_s=5)
+        events = await close(c)
+    assert_conformant(events)
+    listen = next(e for e in got if e["type"] == "response.listen" and e["response_id"])
+    done = next(e for e in got if e["type"] == "response.done")["response"]
+    assert listen["response"]["id"] == done["id"]
+    assert done["status"] == "completed" and done["duplex"]["reason"] == "model_listen"
+    assert done["duplex"]["decision"] == "listen" and done["metadata"] == {"topic": "demo"}
+    assert "response.speak" not in types(got)
+    # U-7: with auto_response off units are forced to listen until response.create releases the hold
+    forced = [op[1][2] for op in rt.ops if op[0] == "append"]
+    assert forced[0] is True and forced[-1] is False
+
+
+async def test_cancel_mid_response() -> None:
+    async with session() as (c, rt):
+        rt.plan[1] = Speak("Let me tell you ", 1000)
+        for u in range(2, 6):
+            rt.plan[u] = Speak("more ", 1000)
+        await stream_units(c, 2)
+        await c.until("response.output_audio_transcript.delta")
+        await c.send({"type": "response.cancel", "event_id": "c-77"})
+        got = await c.until("rate_limits.updated")
+        # audio keeps flowing; the next unit is force-listened by the runtime (F-5), then a new turn opens
+        await stream_units_more(c, 2)
+        later = await c.until("response.speak")
+        events = await close(c)
+    assert_conformant(events)
+    done = next(e for e in got if e["type"] == "response.done")["response"]
+    assert done["status"] == "cancelled" and done["status_details"] == {"type": "cancelled",
+                                                                         "reason": "client_cancelled"}
+    assert done["duplex"]["reason"] == "client_cancelled"
+    new = next(e for e in later if e["type"] == "response.created")["response"]
+    assert new["id"] != done["id"] and new["duplex"]["epoch"] == 1
+    assert new["duplex"]["model_turn_id"] == done["duplex"]["model_turn_id"] + 1
+    cancels = [op for op in rt.ops if op[0] == "cancel"]
+    assert len(cancels) == 1 and cancels[0][1][0].epoch == 0 and cancels[0][1][1].epoch == 1
+
+
+async def stream_units_more(c, units: int) -> None:  # noqa: ANN001
+    from tests.gateway.harness import append
+
+    for _ in range(units * 5):
+        await c.send(append(200))
+
+
+async def test_text_only_run() -> None:
+    async with session(update={"output_modalities": ["text"]}) as (c, rt):
+        rt.plan[1] = Speak("Hi ", 0)
+        rt.plan[2] = Speak("there.", 0, end_of_turn=True)
+        await stream_units(c, 3)
+        got = await c.until("rate_limits.updated")
+        events = await close(c)
+    assert_conformant(events)
+    t = types(got)
+    assert "response.output_audio.delta" not in t and t.count("response.output_text.delta") == 2
+    done = next(e for e in got if e["type"] == "response.done")["response"]
+    assert done["output_modalities"] == ["text"] and "1" not in done["duplex"]["stage_metrics"]
+    assert next(e for e in got if e["type"] == "response.output_text.done")["text"] == "Hi there."
+
+
+async def test_listen_end_of_turn_completes_response_first() -> None:
+    async with session() as (c, rt):
+        rt.plan[1] = Speak("Done", 500)
+        rt.plan[2] = Listen(end_of_turn=True)
+        await stream_units(c, 3)
+        got = await c.until("response.listen", wait_s=5)
+        got += await c.until("response.listen")
+        events = await close(c)
+    assert_conformant(events)
+    t = types(got)
+    assert t.index("rate_limits.updated") < len(t) - 1
+    last = got[-1]
+    assert last["response"]["metadata"]["reason"] == "empty_turn_end" and last["response_id"] is None
+
+
+async def test_precreated_response_speaks_its_whole_turn_with_auto_response_off() -> None:
+    async with session(update={"extra_body": {"auto_response": False}}) as (c, rt):
+        await c.send(append(300))
+        await c.send({"type": "input_audio_buffer.commit"})
+        await c.until("response.listen")  # unit 0: forced listen (hold)
+        rt.plan[1] = Speak("One ", 1000)
+        rt.plan[2] = Speak("two.", 800, end_of_turn=True)
+        await c.send({"type": "response.create"})
+        got = await c.until("rate_limits.updated", wait_s=5)
+        await c.send(append(1000))
+        await c.send({"type": "input_audio_buffer.commit"})
+        await c.until("response.listen")  # hold again once the response is over
+        events = await close(c)
+    done = next(e for e in got if e["type"] == "response.done")["response"]
+    assert done["output"][0]["content"][0]["transcript"] == "One two." and done["duplex"]["reason"] == "turn_end"
+    assert [u.force_listen for u in rt.units_seen] == [True, False, False, True]
+    assert_conformant(events)
