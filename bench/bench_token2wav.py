@@ -3,8 +3,10 @@
 Full-size flow (§1.6) and HiFT (§1.7) with seeded random weights, a 10 s voice prompt (P = 500),
 5 Euler steps; batch 1 / 8 / 32; eager vs CUDA graphs; beside the Step-Audio2 reference chunk call
 (`Token2wav.stream` body, batch 1) in the same process. CUDA events, median / p99.
-Also times the turn-start first call with and without the `first_hop` option.
-`--tiny`: CPU smoke run at tiny dims.
+Also times the turn-start first call with and without the `first_hop` option, and the slot-pool
+path (`run_flow_pooled`): `pool_b{B}` = the same uniform batch as `ours_*`, `ragged_b{B}` = rows with
+mixed prompt lengths (P = 0.5x / 1x / 1.5x the prompt), mixed code counts (28, 15, 8, last 3) and
+mixed cache lengths (rows 0, 1, 3 calls into their turn). `--tiny`: CPU smoke run at tiny dims.
 
     python bench/bench_token2wav.py [--tiny] [--iters 30] [--batches 1,8,32] [--out result.json]
 """
@@ -25,10 +27,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.token2wav.assets import TINY_HIFT, Token2WavModels  # noqa: E402
+from engine.token2wav.batch import group_by, hift_bucket_key  # noqa: E402
 from engine.token2wav.config import TINY_FLOW, FlowConfig, HiFTConfig, StreamConfig  # noqa: E402
 from engine.token2wav.flow import Flow  # noqa: E402
 from engine.token2wav.graphs import GraphCache  # noqa: E402
 from engine.token2wav.hift import HiFT  # noqa: E402
+from engine.token2wav.pool import FlowPool, PoolConfig  # noqa: E402
+from engine.token2wav.pooled import run_flow_pooled  # noqa: E402
+from engine.token2wav.ragged_graphs import RaggedSolver  # noqa: E402
 from engine.token2wav.stream import PendingCall, new_session, run_flow_batch  # noqa: E402
 from engine.token2wav.voice import VoicePack, build_voice_cache  # noqa: E402
 from engine.weights import init_module_  # noqa: E402
@@ -73,8 +79,8 @@ def build_models(tiny: bool, device: torch.device, flow_dtype: torch.dtype = tor
     return Token2WavModels(flow.to(device, flow_dtype).eval(), hift.to(device).eval(), fcfg, hcfg, "A")
 
 
-def make_voice(p_tok: int, vocab: int) -> VoicePack:
-    g = torch.Generator().manual_seed(1)
+def make_voice(p_tok: int, vocab: int, seed: int = 1) -> VoicePack:
+    g = torch.Generator().manual_seed(seed)
     return VoicePack(torch.randint(0, vocab, (p_tok,), generator=g, dtype=torch.int32),
                      torch.randn(192, generator=g), torch.randn(2 * p_tok, 80, generator=g))
 
@@ -111,6 +117,44 @@ def bench_ours(models, vc, scfg, batch: int, graphs: GraphCache, timer: Timer, i
 
 
 PROFILE: dict[str, bool] = {}
+RAGGED_CODES = (28, 15, 28, 8, 3)     # row i: RAGGED_CODES[i % 5] codes; 3 = a last call
+RAGGED_STAGE = (0, 1, 3)              # row i has run RAGGED_STAGE[i % 3] calls of its turn already
+
+
+def bench_pooled(models, vcs, scfg, batch: int, graphs: GraphCache, timer: Timer, iters: int, ragged: bool) -> dict:
+    """One engine step over the slot pool: ragged flow batch → HiFT per mel length → finish.
+    In graph mode the estimator solve replays from `RaggedSolver` graphs as well."""
+    cfg = models.flow_cfg
+    solver = RaggedSolver(models.flow.decoder.estimator, graphs.enabled)
+    pool = FlowPool(cfg, scfg, PoolConfig(slots=batch, max_prompt_frames=max(v.prompt_frames for v in vcs)),
+                    models.flow.spk_embed_affine_layer.weight.device, next(models.flow.parameters()).dtype)
+    sessions = [new_session(models, vcs[i % len(vcs)] if ragged else vcs[0], scfg, seed=i, slot=pool.acquire())
+                for i in range(batch)]
+    g = torch.Generator().manual_seed(2)
+    n_codes = [RAGGED_CODES[i % len(RAGGED_CODES)] if ragged else 28 for i in range(batch)]
+    toks = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in n_codes]
+    stage = [RAGGED_STAGE[i % len(RAGGED_STAGE)] if ragged else 0 for i in range(batch)]
+
+    def reset() -> None:
+        for s in sessions:
+            s.reset_exec()
+        for k in range(max(stage)):     # untimed: bring rows to different cache lengths
+            rows = [i for i in range(batch) if stage[i] > k]
+            run_flow_pooled(models, pool, [sessions[i] for i in rows], [PendingCall(toks[0], False) for _ in rows],
+                            solver)
+
+    def chunk() -> None:
+        calls = [PendingCall(t, n == 3) for t, n in zip(toks, n_codes, strict=True)]
+        run_flow_pooled(models, pool, sessions, calls, solver)
+        ins = [s.hift_inputs(c) for s, c in zip(sessions, calls, strict=True)]
+        for group in group_by([hift_bucket_key(x[0].shape[2], x[1].shape[2]) for x in ins]):
+            mel, src, ini, noise = (torch.cat([ins[i][k] for i in group], dim=0) for k in range(4))
+            speech, source = graphs.vocoder(mel, src, ini, noise)
+            for row, i in enumerate(group):
+                sessions[i].finish_phase(calls[i], ins[i][0], speech[row:row + 1], source[row:row + 1])
+
+    with torch.inference_mode():
+        return stats(timer(chunk, iters, setup=reset))
 
 
 def ref_module(name: str):
@@ -195,6 +239,9 @@ def main() -> None:
     scfg = StreamConfig()
     voice = make_voice(8 if args.tiny else args.prompt_tokens, models.flow_cfg.vocab_size)
     vc = build_voice_cache(models.flow, voice, scfg)
+    p_tok = voice.prompt_tokens.shape[0]
+    vcs = [vc] + [build_voice_cache(models.flow, make_voice(max(2, int(p_tok * f)), models.flow_cfg.vocab_size, 1 + j),
+                                    scfg) for j, f in enumerate((0.5, 1.5))]
     timer = Timer(device)
     results: dict = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                      "tiny": args.tiny, "prompt_frames": vc.prompt_frames, "n_timesteps": scfg.n_timesteps,
@@ -207,12 +254,17 @@ def main() -> None:
         for b in batches:
             results[f"ours_{mode}_b{b}"] = r = bench_ours(models, vc, scfg, b, graphs, timer, iters, 28)
             print(f"ours {mode:5s} batch {b:2d}: median {r['median_ms']:.1f} ms  p99 {r['p99_ms']:.1f} ms", flush=True)
+        for b in batches:
+            for ragged in (False, True):
+                name = f"{'ragged' if ragged else 'pool'}_{mode}_b{b}"
+                results[name] = r = bench_pooled(models, vcs, scfg, b, graphs, timer, iters, ragged)
+                print(f"{name:18s}: median {r['median_ms']:.1f} ms  p99 {r['p99_ms']:.1f} ms", flush=True)
         hop = scfg.prefix_len + args.first_hop
         results[f"first_call_{mode}_hop{args.first_hop}"] = r = bench_ours(models, vc, scfg, 1, graphs, timer, iters, hop)
         print(f"ours {mode:5s} first call, first_hop {args.first_hop} ({hop} codes): "
               f"median {r['median_ms']:.1f} ms (vs 28 codes: {results[f'ours_{mode}_b1']['median_ms']:.1f})")
     if not args.tiny and not args.no_reference and args.flow_dtype == "fp32":
-        del vc
+        del vc, vcs
         torch.cuda.empty_cache() if device.type == "cuda" else None
         results["reference_b1"] = r = bench_reference(models, voice, scfg, timer, iters, device)
         print(f"reference batch  1: median {r['median_ms']:.1f} ms  p99 {r['p99_ms']:.1f} ms")

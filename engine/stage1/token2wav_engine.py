@@ -2,9 +2,11 @@
 
 One owner thread calls `submit` / `cancel` / `step`. A unit is planned at submit time (§6.4: silence
 prefix, 25 + 3 codes per call, flush rules, last-chunk flush at turn end); `step` runs at most one
-call per session: collect → bucket (exact shapes) → flow batch → HiFT batch → finish → emit. Chunks
-are emitted as soon as their call finishes; the §6.6 left pad of a short unit goes out first.
-Per-voice base caches are built once and cloned per turn (never shared by reference, §6.8).
+call per session: collect → one ragged flow batch (any mix of code counts, `last` flags and prompt
+/ cache lengths; caches live in a slot-indexed pool, pool.py) → HiFT batches per mel length → finish
+→ emit. Chunks are emitted as soon as their call finishes; the §6.6 left pad of a short unit goes out
+first. Per-voice base caches are built once and copied into the session's slot per turn (§6.8).
+`ragged=False` keeps the exact-shape buckets with per-session cache tensors (and the DiT graphs).
 """
 
 from __future__ import annotations
@@ -21,33 +23,21 @@ from engine.stage1.types import Fence
 from engine.token2wav.assets import Token2WavModels
 from engine.token2wav.batch import flow_bucket_key, group_by, hift_bucket_key
 from engine.token2wav.config import StreamConfig
+from engine.token2wav.errors import (  # noqa: F401 - re-exported: the engine's public error types
+    CapacityError,
+    CodeRangeError,
+    SessionExistsError,
+    StaleFenceError,
+    Token2WavError,
+    UnknownSessionError,
+    UnknownVoiceError,
+)
 from engine.token2wav.graphs import GraphCache
+from engine.token2wav.pool import FlowPool, PoolConfig, PoolError
+from engine.token2wav.pooled import run_flow_pooled
+from engine.token2wav.ragged_graphs import RaggedSolver
 from engine.token2wav.stream import PendingCall, SessionStream, StreamInputError, new_session, run_flow_batch
 from engine.token2wav.voice import VoiceCache, build_voice_cache
-
-
-class Token2WavError(Exception):
-    """Base of every Token2Wav engine error; raising one changes no session's state."""
-
-
-class UnknownSessionError(Token2WavError, KeyError):
-    pass
-
-
-class UnknownVoiceError(Token2WavError, KeyError):
-    pass
-
-
-class SessionExistsError(Token2WavError):
-    pass
-
-
-class StaleFenceError(Token2WavError):
-    """Incarnation differs, or the epoch is older than the session's (protocol.md F-1…F-4)."""
-
-
-class CodeRangeError(Token2WavError, ValueError):
-    """A speech code is outside [0, vocab_size)."""
 
 
 @dataclass(frozen=True)
@@ -56,6 +46,9 @@ class Token2WavEngineConfig:
     max_batch: int = 32                     # sessions per flow / HiFT batch
     use_cuda_graphs: bool = True            # estimator + vocoder graphs at exact shapes (GPU only)
     max_graphs: int = 32
+    ragged: bool = True                     # one flow batch for ragged rows over the slot pool
+    ragged_graphs: bool = False             # CUDA graphs of the ragged estimator solve (not yet GPU-validated)
+    pool: PoolConfig = PoolConfig()         # slots (max open sessions), prompt cap, bucket sizes
 
 
 @dataclass(frozen=True)
@@ -101,6 +94,12 @@ class Token2WavEngine:
         self.models, self.cfg = models, cfg or Token2WavEngineConfig()
         self.graphs = GraphCache(models.flow.decoder.estimator, models.hift, self.cfg.use_cuda_graphs,
                                  self.cfg.max_graphs, encoder=models.flow.encoder)
+        dtype = next(models.flow.parameters()).dtype
+        device = models.flow.spk_embed_affine_layer.weight.device
+        self.pool = (FlowPool(models.flow_cfg, self.cfg.stream, self.cfg.pool, device, dtype)
+                     if self.cfg.ragged else None)
+        self.solver = RaggedSolver(models.flow.decoder.estimator, self.cfg.use_cuda_graphs and self.cfg.ragged_graphs,
+                                   self.cfg.max_graphs)
         self.voices: dict[str, VoiceCache] = {}
         self.sessions: dict[str, _Session] = {}
 
@@ -108,7 +107,13 @@ class Token2WavEngine:
     def add_voice(self, voice_id: str, pack: Any) -> VoiceCache:
         """Build the voice's immutable base cache once (§6.2); later calls reuse it."""
         if voice_id not in self.voices:
-            self.voices[voice_id] = build_voice_cache(self.models.flow, pack, self.cfg.stream)
+            voice = build_voice_cache(self.models.flow, pack, self.cfg.stream)
+            if self.pool is not None:
+                try:
+                    self.pool.check_voice(voice)
+                except PoolError as exc:
+                    raise CapacityError(str(exc)) from None
+            self.voices[voice_id] = voice
         return self.voices[voice_id]
 
     def open(self, session_id: str, fence: Fence, voice_id: str, seed: int) -> None:
@@ -116,7 +121,18 @@ class Token2WavEngine:
             raise SessionExistsError(f"session {session_id!r} is already open")
         if voice_id not in self.voices:
             raise UnknownVoiceError(f"voice {voice_id!r} was never added")
-        stream = new_session(self.models, self.voices[voice_id], self.cfg.stream, seed)
+        slot = None
+        if self.pool is not None:
+            try:
+                slot = self.pool.acquire()
+            except PoolError as exc:
+                raise CapacityError(str(exc)) from None
+        try:
+            stream = new_session(self.models, self.voices[voice_id], self.cfg.stream, seed, slot)
+        except Exception:
+            if slot is not None:
+                self.pool.release(slot)   # type: ignore[union-attr]
+            raise
         self.sessions[session_id] = _Session(stream, fence)
 
     def close(self, session_id: str, fence: Fence) -> bool:
@@ -124,6 +140,8 @@ class Token2WavEngine:
         if s is None or s.fence.incarnation != fence.incarnation:
             return False
         del self.sessions[session_id]
+        if self.pool is not None and s.stream.slot is not None:
+            self.pool.release(s.stream.slot)
         return True
 
     def _session(self, session_id: str, fence: Fence) -> _Session:
@@ -211,6 +229,11 @@ class Token2WavEngine:
                 s.stream.reset_exec()
 
     def _run_flow(self, work: list[tuple[str, _Session, _Item]]) -> None:
+        if self.pool is not None:
+            flows = [(s.stream, i.call) for _, s, i in work if i.call is not None]
+            if flows:
+                run_flow_pooled(self.models, self.pool, [f[0] for f in flows], [f[1] for f in flows], self.solver)
+            return
         n_ts = self.cfg.stream.n_timesteps
         keys = [flow_bucket_key(s.stream.flow_cache, len(i.call.tokens), i.call.last, n_ts)
                 for _, s, i in work if i.call is not None]

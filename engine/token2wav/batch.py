@@ -1,16 +1,24 @@
-"""Stacking per-session Token2Wav state into batches and splitting results back (model.md §6.8, I6).
+"""Exact-shape flow batches of sessions that own their FlowCache tensors (model.md §6.8, I6).
 
-Sessions are batched only when their shapes match exactly (bucket key below); ragged calls run in
-separate buckets. Split results are cloned, so no session keeps a view into another's batch tensor.
+This path batches sessions only when their shapes match exactly (bucket key below) and stacks /
+splits whole caches; the engine's default is the ragged slot-pool path (pool.py, pooled.py). It stays
+the solo oracle (one session: no stacking) and serves `ragged=False`. Split results are cloned, so
+no session keeps a view into another's batch tensor.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
-from engine.token2wav.flow import FlowCache
+from engine.token2wav.assets import Token2WavModels
+from engine.token2wav.cfm import EstimatorFn
+from engine.token2wav.flow import EncoderFn, FlowCache
+
+if TYPE_CHECKING:
+    from engine.token2wav.stream import PendingCall, SessionStream
 
 
 def stack_flow_caches(caches: Sequence[FlowCache]) -> FlowCache:
@@ -56,3 +64,18 @@ def group_by(keys: Sequence[tuple]) -> list[list[int]]:
         groups.setdefault(k, []).append(i)
     return list(groups.values())
 
+
+def run_flow_batch(models: Token2WavModels, sessions: Sequence[SessionStream], calls: Sequence[PendingCall],
+                   estimator: EstimatorFn | None = None, encoder: EncoderFn | None = None) -> None:
+    """Flow phase + trims for sessions whose calls share (m, last) and whose caches share shapes."""
+    dev = sessions[0].voice.spk_proj.device
+    tokens = torch.tensor([c.tokens for c in calls], dtype=torch.long, device=dev)
+    spk = torch.cat([s.voice.spk_proj for s in sessions], dim=0)
+    cache = sessions[0].flow_cache if len(sessions) == 1 else stack_flow_caches([s.flow_cache for s in sessions])
+    mel, new = models.flow.forward_chunk(tokens, spk, cache, calls[0].last, sessions[0].voice.n_timesteps,
+                                         estimator, encoder)
+    parts = [new] if len(sessions) == 1 else split_flow_cache(new, len(sessions))
+    for i, (s, c) in enumerate(zip(sessions, calls, strict=True)):
+        trimmed = s.trim_phase(parts[i])
+        s.flow_cache = owned(trimmed, new) if len(sessions) > 1 else trimmed
+        c.mel = mel[i:i + 1].clone() if len(sessions) > 1 else mel

@@ -65,3 +65,27 @@ def solve_chunk(estimator: EstimatorFn | Callable, noise: torch.Tensor, mu: torc
         x = x + dt * ((1.0 + cfg_rate) * v_cond - cfg_rate * v_uncond)
     assert new_cnn is not None and new_att is not None
     return x, new_cnn, new_att
+
+
+def solve_ragged(estimator: Callable[..., tuple[torch.Tensor, torch.Tensor]], noise: torch.Tensor,
+                 mu: torch.Tensor, spks: torch.Tensor, n_timesteps: int, cfg_rate: float, cnn_cache: torch.Tensor,
+                 kv: torch.Tensor, key_mask: torch.Tensor, wpos: torch.Tensor, cnn_end: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ragged streaming solve (`DiT.forward_ragged`): rows are right-padded to F frames.
+
+    noise, mu [B, 80, F]; spks [B, 80]; cnn_cache [n_ts, depth, 2B, 2C, k − 1];
+    kv [n_ts, depth, 2B, H, Tg, 2hd] is written in place (new K/V at `wpos` [2B, F]);
+    key_mask [2B, Tg]; cnn_end [2B, k − 1] → (mel [B, 80, F], new cnn caches [n_ts, depth, 2B, 2C, k − 1]).
+    """
+    b = mu.shape[0]
+    mu_in = torch.cat([mu, torch.zeros_like(mu)], dim=0)                      # [2B, 80, F]
+    spks_in = torch.cat([spks, torch.zeros_like(spks)], dim=0)
+    cond_in = torch.zeros_like(mu_in)                                         # streaming chunks: cond = 0
+    x = noise
+    new_cnn = torch.empty_like(cnn_cache)
+    for step, (t, dt) in enumerate(euler_steps(cosine_t_span(n_timesteps, mu.device, mu.dtype))):
+        v, cnn = estimator(torch.cat([x, x], dim=0), mu_in, t.expand(2 * b), spks_in, cond_in,
+                           cnn_cache[step], kv[step], key_mask, wpos, cnn_end)
+        new_cnn[step].copy_(cnn)
+        x = x + dt * ((1.0 + cfg_rate) * v[:b] - cfg_rate * v[b:])
+    return x, new_cnn

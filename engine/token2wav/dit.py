@@ -52,26 +52,39 @@ class Attention(nn.Module):
         self.proj = nn.Linear(inner, dim)
 
     def forward(self, x: torch.Tensor, cache: torch.Tensor | None, key_mask: torch.Tensor | None,
-                out: torch.Tensor) -> torch.Tensor:
-        """Writes the new cache [B, H, t + T, 2hd] (k ‖ v, newest first) straight into `out`."""
+                out: torch.Tensor, wpos: torch.Tensor | None = None) -> torch.Tensor:
+        """Writes the new cache [B, H, t + T, 2hd] (k ‖ v, newest first) straight into `out`.
+
+        Ragged mode (`wpos` [B, t] given): `out` [B, H, Tg, 2hd] already holds the old K/V at
+        physical positions; the new K/V go to `wpos` and attention covers `key_mask` (order-free:
+        the DiT has no positions, so the physical order of the frames does not matter).
+        """
         b, t, _ = x.shape
         hd = self.head_dim
         heads = lambda y: y.reshape(b, t, self.heads, hd).transpose(1, 2)  # noqa: E731
         q = self.q_norm(heads(self.to_q(x)))                                  # [B, H, t, hd]
-        out[:, :, :t, :hd] = self.k_norm(heads(self.to_k(x)))
-        out[:, :, :t, hd:] = heads(self.to_v(x))
-        if cache is not None:
-            out[:, :, t:] = cache                                             # older frames after the new
+        if wpos is not None:
+            idx = wpos[:, None, :, None].expand(-1, self.heads, -1, hd)       # [B, H, t, hd]
+            out[..., :hd].scatter_(2, idx, self.k_norm(heads(self.to_k(x))))
+            out[..., hd:].scatter_(2, idx, heads(self.to_v(x)))
+        else:
+            out[:, :, :t, :hd] = self.k_norm(heads(self.to_k(x)))
+            out[:, :, :t, hd:] = heads(self.to_v(x))
+            if cache is not None:
+                out[:, :, t:] = cache                                         # older frames after the new
         mask = None if key_mask is None else key_mask[:, None] if key_mask.dim() == 3 else key_mask[:, None, None, :]
         o = F.scaled_dot_product_attention(q, out[..., :hd], out[..., hd:], attn_mask=mask)  # no positions
         return self.proj(o.transpose(1, 2).reshape(b, t, -1))
 
 
 class CausalConv(nn.Conv1d):
-    def forward_cached(self, x: torch.Tensor, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # x [B, C, t]; cache [B, C, k − 1]
+    def forward_cached(self, x: torch.Tensor, cache: torch.Tensor, end: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        # x [B, C, t]; cache [B, C, k − 1]; end [B, k − 1]: per-row new-cache positions of a ragged batch
         x = torch.cat([cache, x], dim=2)
-        return self.forward(x), x[..., -cache.shape[2]:]
+        if end is None:
+            return self.forward(x), x[..., -cache.shape[2]:]
+        return self.forward(x), x.gather(2, end[:, None, :].expand(-1, x.shape[1], -1))
 
 
 class Mish(nn.Module):
@@ -88,12 +101,13 @@ class CausalConvBlock(nn.Module):
         self.block = nn.ModuleList([nn.Identity(), CausalConv(dim, dim, kernel), nn.Identity(),
                                     nn.LayerNorm(dim), Mish(), nn.Identity(), CausalConv(dim, dim, kernel)])
 
-    def forward(self, x: torch.Tensor, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, cache: torch.Tensor, end: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         # x [B, t, C]; cache [B, 2C, k − 1]
         c1, c2 = cache.split((self.dim, self.dim), dim=1)
-        h, n1 = self.block[1].forward_cached(x.transpose(1, 2), c1)
+        h, n1 = self.block[1].forward_cached(x.transpose(1, 2), c1, end)
         h = self.block[4](self.block[3](h.transpose(1, 2)))
-        h, n2 = self.block[6].forward_cached(h.transpose(1, 2), c2)
+        h, n2 = self.block[6].forward_cached(h.transpose(1, 2), c2, end)
         return h.transpose(1, 2), torch.cat([n1, n2], dim=1)
 
 
@@ -111,12 +125,13 @@ class DiTBlock(nn.Module):
         self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(d, 9 * d))
 
     def forward(self, x: torch.Tensor, c: torch.Tensor, cnn_cache: torch.Tensor, att_cache: torch.Tensor | None,
-                key_mask: torch.Tensor | None, att_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                key_mask: torch.Tensor | None, att_out: torch.Tensor, wpos: torch.Tensor | None = None,
+                cnn_end: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         # order of the 9 chunks: attention, MLP, conv (shift, scale, gate each); execution: attn, conv, MLP
         sa, ca, ga, sm, cm, gm, sc, cc, gc = self.adaLN_modulation(c).chunk(9, dim=-1)
-        h = self.attn(modulate(self.norm1(x), sa, ca), att_cache, key_mask, att_out)
+        h = self.attn(modulate(self.norm1(x), sa, ca), att_cache, key_mask, att_out, wpos)
         x = x + ga * h
-        h, new_cnn = self.conv(modulate(self.norm3(x), sc, cc), cnn_cache)
+        h, new_cnn = self.conv(modulate(self.norm3(x), sc, cc), cnn_cache, cnn_end)
         x = x + gc * h
         h = modulate(self.norm2(x), sm, cm)
         x = x + gm * self.mlp["fc2"](F.gelu(self.mlp["fc1"](h), approximate="tanh"))
@@ -147,14 +162,18 @@ class DiT(nn.Module):
     def cnn_cache_shape(self, batch: int) -> tuple[int, ...]:
         return (self.cfg.dit_depth, batch, 2 * self.cfg.dit_hidden, self.cfg.dit_conv_kernel - 1)
 
+    def _embed(self, x: torch.Tensor, mu: torch.Tensor, t: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        c = self.t_embedder(t).unsqueeze(1)                                    # [B, 1, hidden]
+        spk = spks[:, :, None].expand(-1, -1, x.shape[2])
+        return self.in_proj(torch.cat([x, mu, spk, cond], dim=1).transpose(1, 2)), c   # [B, F, hidden]
+
     def forward_chunk(self, x: torch.Tensor, mu: torch.Tensor, t: torch.Tensor, spks: torch.Tensor,
                       cond: torch.Tensor, cnn_cache: torch.Tensor | None, att_cache: torch.Tensor | None,
                       key_mask: torch.Tensor | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x, mu, cond [B, 80, F]; t [B]; spks [B, 80] → (v [B, 80, F], cnn cache, att cache)."""
-        c = self.t_embedder(t).unsqueeze(1)                                    # [B, 1, hidden]
-        spk = spks[:, :, None].expand(-1, -1, x.shape[2])
-        h = self.in_proj(torch.cat([x, mu, spk, cond], dim=1).transpose(1, 2))  # [B, F, hidden]
+        h, c = self._embed(x, mu, t, spks, cond)
         if cnn_cache is None:
             cnn_cache = x.new_zeros(self.cnn_cache_shape(x.shape[0]))
         cfg, (b, t) = self.cfg, (x.shape[0], x.shape[2])
@@ -167,3 +186,16 @@ class DiT(nn.Module):
             new_cnn.append(nc)
         out = self.final_layer(h, c).transpose(1, 2)                           # [B, 80, F]
         return out, torch.stack(new_cnn), new_att
+
+    def forward_ragged(self, x: torch.Tensor, mu: torch.Tensor, t: torch.Tensor, spks: torch.Tensor,
+                       cond: torch.Tensor, cnn_cache: torch.Tensor, kv: torch.Tensor, key_mask: torch.Tensor,
+                       wpos: torch.Tensor, cnn_end: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Ragged rows (right-padded frames). kv [depth, B, H, Tg, 2hd] holds the old K/V at physical
+        positions and receives the new K/V at `wpos` [B, F] in place; key_mask [B, Tg]; cnn_end [B, k − 1]
+        picks each row's new conv history → (v [B, 80, F], cnn cache [depth, B, 2C, k − 1])."""
+        h, c = self._embed(x, mu, t, spks, cond)
+        new_cnn = []
+        for i, block in enumerate(self.blocks):
+            h, nc = block(h, c, cnn_cache[i], None, key_mask, kv[i], wpos, cnn_end)
+            new_cnn.append(nc)
+        return self.final_layer(h, c).transpose(1, 2), torch.stack(new_cnn)

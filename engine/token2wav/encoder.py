@@ -77,8 +77,9 @@ class RelSelfAttention(nn.Module):
         padded = torch.cat([x.new_zeros(b, h, t1, 1), x], dim=-1).view(b, h, n + 1, t1)
         return padded[:, :, 1:].view_as(x)[:, :, :, : n // 2 + 1]
 
-    def forward(self, x: torch.Tensor, pos_emb: torch.Tensor, cache: torch.Tensor | None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, pos_emb: torch.Tensor, cache: torch.Tensor | None,
+                key_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """key_mask [B, S] (True = attend) hides the padding of a ragged batch (ragged.py)."""
         b, t1, _ = x.shape
         q = self.linear_q(x).view(b, t1, self.h, self.d_k)                  # [B, t1, H, dk]
         k = self.linear_k(x).view(b, t1, self.h, self.d_k).transpose(1, 2)  # [B, H, t1, dk]
@@ -95,7 +96,10 @@ class RelSelfAttention(nn.Module):
         bd = torch.matmul(q_v, p.transpose(-2, -1))                          # [B, H, t1, 2S−1]
         if ac.shape != bd.shape:
             bd = self.rel_shift(bd)
-        attn = torch.softmax((ac + bd) / math.sqrt(self.d_k), dim=-1)
+        scores = (ac + bd) / math.sqrt(self.d_k)
+        if key_mask is not None:
+            scores = scores.masked_fill(~key_mask[:, None, None, :], float("-inf"))
+        attn = torch.softmax(scores, dim=-1)
         out = torch.matmul(attn, v).transpose(1, 2).reshape(b, t1, self.h * self.d_k)
         return self.linear_out(out), new_cache
 
@@ -120,9 +124,9 @@ class ConformerBlock(nn.Module):
         self.norm_ff = nn.LayerNorm(dim, eps=eps)
         self.norm_mha = nn.LayerNorm(dim, eps=eps)
 
-    def forward(self, x: torch.Tensor, pos_emb: torch.Tensor, cache: torch.Tensor | None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        att, new_cache = self.self_attn(self.norm_mha(x), pos_emb, cache)
+    def forward(self, x: torch.Tensor, pos_emb: torch.Tensor, cache: torch.Tensor | None,
+                key_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        att, new_cache = self.self_attn(self.norm_mha(x), pos_emb, cache, key_mask)
         x = x + att
         return x + self.feed_forward(self.norm_ff(x)), new_cache
 

@@ -1,11 +1,13 @@
 """Per-session Token2Wav streaming state and `stream(tokens, last)` (model.md §6.3–§6.9).
 
 A call is split in phases so that the engine can batch the heavy ones across sessions:
-  flow_phase  (batchable: same m, same `last`, same cache lengths) → mel [80, F] per session
-  trim_phase  (per session: Q17 estimator trim, Q18 conformer trim)
+  flow_phase  pooled session (`slot` set): any mix of rows in one ragged batch (pooled.py), trims
+              as index bookkeeping; own FlowCache: batchable only at equal shapes (batch.py)
+  trim_phase  (own FlowCache, per session: Q17 estimator trim, Q18 conformer trim)
   hift_phase  (batchable: same mel length, same cached-source length) → speech per session
   finish_phase (per session: cross-fade, HiFT caches, lead-in/tail rule, int16 round trip)
-Every tensor a session keeps is owned by it (fresh results or clones, never views into scratch, §6.8).
+Every tensor a session keeps is owned by it (fresh results, clones or its own pool slot, never views
+into scratch, §6.8).
 """
 
 from __future__ import annotations
@@ -13,16 +15,21 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from engine.token2wav.assets import Token2WavModels
+from engine.token2wav.batch import run_flow_batch
 from engine.token2wav.cfm import EstimatorFn
 from engine.token2wav.config import StreamConfig
-from engine.token2wav.flow import EncoderFn, FlowCache
+from engine.token2wav.flow import FlowCache
 from engine.token2wav.hift import draw_nsf
 from engine.token2wav.voice import VoiceCache
+
+if TYPE_CHECKING:
+    from engine.token2wav.pool import SlotState
 
 
 class StreamInputError(ValueError):
@@ -66,7 +73,8 @@ class SessionStream:
     voice: VoiceCache
     scfg: StreamConfig
     hift_gen: torch.Generator
-    flow_cache: FlowCache = field(init=False)
+    slot: SlotState | None = None         # pooled flow caches (pool.py); None: own FlowCache tensors
+    flow_cache: FlowCache | None = field(init=False)   # None while pooled
     hift_cache: HiFTCache = field(init=False)
     buffer: list[int] = field(init=False)
     turn_units: int = field(init=False)
@@ -87,13 +95,19 @@ class SessionStream:
         self.plan_mel = 0
 
     def reset_exec(self) -> None:
-        """Clone the voice's base cache; empty HiFT caches. The base cache itself is never written."""
-        self.flow_cache = self.voice.flow.clone()
+        """Clone the voice's base cache (into the pool slot if pooled); empty HiFT caches. The base
+        cache itself is never written."""
+        if self.slot is not None:
+            self.slot.load(self.voice)
+            self.flow_cache = None
+        else:
+            self.flow_cache = self.voice.flow.clone()
         self.hift_cache = _empty_hift(self.voice.spk_proj.device, self.models.flow_cfg.mel_dim)
 
     def owned_tensors(self) -> list[torch.Tensor]:
         h = self.hift_cache
-        return [*self.flow_cache.tensors(), h.mel, h.source, h.speech]
+        flow = self.slot.views() if self.flow_cache is None else list(self.flow_cache.tensors())
+        return [*flow, h.mel, h.source, h.speech]
 
     # ------------------------------------------------------------------ unit planning (§6.4)
     def check_codes(self, codes: Sequence[int]) -> None:
@@ -198,7 +212,11 @@ class SessionStream:
         if len(tokens) < min_len:
             raise StreamInputError(f"stream: {len(tokens)} tokens are too few (last={last})")
         call = PendingCall([int(t) for t in tokens], last)
-        run_flow_batch(self.models, [self], [call], estimator)
+        if self.slot is not None:
+            from engine.token2wav.pooled import run_flow_pooled
+            run_flow_pooled(self.models, self.slot.pool, [self], [call])
+        else:
+            run_flow_batch(self.models, [self], [call], estimator)
         mel, src, ini, noise = self.hift_inputs(call)
         speech, source = self.models.hift(mel, src, ini, noise)
         return self.finish_phase(call, mel, speech, source)
@@ -225,24 +243,7 @@ def to_pcm16(speech: torch.Tensor, scfg: StreamConfig) -> np.ndarray:
     return (speech.float().clamp(-1.0, 1.0) * scfg.pcm_scale).to(torch.int16).cpu().numpy()
 
 
-def new_session(models: Token2WavModels, voice: VoiceCache, scfg: StreamConfig, seed: int) -> SessionStream:
+def new_session(models: Token2WavModels, voice: VoiceCache, scfg: StreamConfig, seed: int,
+                slot: SlotState | None = None) -> SessionStream:
     device = voice.spk_proj.device
-    return SessionStream(models, voice, scfg, torch.Generator(device=device).manual_seed(seed))
-
-
-def run_flow_batch(models: Token2WavModels, sessions: Sequence[SessionStream], calls: Sequence[PendingCall],
-                   estimator: EstimatorFn | None = None, encoder: EncoderFn | None = None) -> None:
-    """Flow phase + trims for sessions whose calls share (m, last) and whose caches share shapes."""
-    from engine.token2wav.batch import owned, split_flow_cache, stack_flow_caches
-
-    dev = sessions[0].voice.spk_proj.device
-    tokens = torch.tensor([c.tokens for c in calls], dtype=torch.long, device=dev)
-    spk = torch.cat([s.voice.spk_proj for s in sessions], dim=0)
-    cache = sessions[0].flow_cache if len(sessions) == 1 else stack_flow_caches([s.flow_cache for s in sessions])
-    mel, new = models.flow.forward_chunk(tokens, spk, cache, calls[0].last, sessions[0].voice.n_timesteps,
-                                         estimator, encoder)
-    parts = [new] if len(sessions) == 1 else split_flow_cache(new, len(sessions))
-    for i, (s, c) in enumerate(zip(sessions, calls, strict=True)):
-        trimmed = s.trim_phase(parts[i])
-        s.flow_cache = owned(trimmed, new) if len(sessions) > 1 else trimmed
-        c.mel = mel[i:i + 1].clone() if len(sessions) > 1 else mel
+    return SessionStream(models, voice, scfg, torch.Generator(device=device).manual_seed(seed), slot)

@@ -34,11 +34,22 @@ def models() -> Token2WavModels:
     return Token2WavModels(flow.eval(), hift.eval(), TINY_FLOW, TINY_HIFT, "A")
 
 
-def make_engine(models, **stream_kw) -> Token2WavEngine:
-    eng = Token2WavEngine(models, Token2WavEngineConfig(stream=StreamConfig(n_timesteps=N_TS, **stream_kw)))
+def make_engine(models, ragged: bool = True, **stream_kw) -> Token2WavEngine:
+    eng = Token2WavEngine(models, Token2WavEngineConfig(stream=StreamConfig(n_timesteps=N_TS, **stream_kw),
+                                                        ragged=ragged))
     eng.add_voice("a", make_voice(1))
     eng.add_voice("b", make_voice(2, 12))
     return eng
+
+
+def view_ranges(tensors) -> list[tuple[int, int]]:
+    """Byte ranges of contiguous views (pool slots share one storage but never overlap)."""
+    assert all(t.is_contiguous() for t in tensors)
+    return [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in tensors if t.numel()]
+
+
+def disjoint(a, b) -> bool:
+    return not any(x0 < y1 and y0 < x1 for x0, x1 in a for y0, y1 in b)
 
 
 def drain(eng: Token2WavEngine) -> list:
@@ -63,8 +74,9 @@ SCRIPT = {  # session → (voice, seed, units as (n_codes, end_of_turn))
 }
 
 
-def test_batched_equals_per_session(models):
-    eng = make_engine(models)
+@pytest.mark.parametrize("ragged", [True, False])
+def test_batched_equals_per_session(models, ragged):
+    eng = make_engine(models, ragged)
     for sid, (voice, seed, _) in SCRIPT.items():
         eng.open(sid, F0, voice, seed)
     for u in range(4):
@@ -74,10 +86,9 @@ def test_batched_equals_per_session(models):
     chunks = []
     while eng.pending():
         chunks += eng.step()
-        ptrs = [{t.untyped_storage().data_ptr() for t in s.stream.owned_tensors() if t.numel()}
-                for s in eng.sessions.values()]
-        voice_ptrs = {t.untyped_storage().data_ptr() for v in eng.voices.values() for t in v.tensors()}
-        assert all(not (p & q) for i, p in enumerate(ptrs) for q in ptrs[i + 1:] + [voice_ptrs])   # §6.8
+        ranges = [view_ranges(s.stream.owned_tensors()) for s in eng.sessions.values()]
+        voice = view_ranges([t for v in eng.voices.values() for t in v.tensors()])
+        assert all(disjoint(r, q) for i, r in enumerate(ranges) for q in ranges[i + 1:] + [voice])   # §6.8
     for sid, (voice, seed, units) in SCRIPT.items():
         alone = new_session(models, eng.voices[voice], eng.cfg.stream, seed)
         got = per_unit(chunks, sid)
@@ -107,14 +118,15 @@ def test_cancel_drops_only_that_session(models):
     rest = drain(eng)
     y_units = per_unit(first + rest, "y")
     alone = new_session(models, eng.voices["b"], eng.cfg.stream, 2)
-    for u in range(3):
-        np.testing.assert_array_equal(y_units[u].astype(np.float32) / 32768, alone.synthesize_unit(codes(10 + u, 25), False))
+    for u in range(3):   # pooled vs solo: equal within 1e-5, so at most one int16 step apart
+        want = alone.synthesize_unit(codes(10 + u, 25), False) * 32768
+        assert np.abs(y_units[u].astype(np.float64) - want).max() <= 1
     x_units = per_unit(first + rest, "x")
     assert sorted(x_units) == [0, 3]
     fresh = new_session(models, eng.voices["a"], eng.cfg.stream, 1)
     fresh.synthesize_unit(codes(0, 25), False)    # same generator draws as unit 0 of x
     fresh.reset_turn()                            # the cancel reset x's turn
-    np.testing.assert_array_equal(x_units[3].astype(np.float32) / 32768, fresh.synthesize_unit(codes(3, 25), False))
+    assert np.abs(x_units[3].astype(np.float64) - fresh.synthesize_unit(codes(3, 25), False) * 32768).max() <= 1
 
 
 def test_typed_errors_change_nothing(models):
@@ -159,24 +171,29 @@ def test_first_hop_option(models):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-def test_cuda_graph_equals_eager(models):
+@pytest.mark.parametrize("mode", ["exact", "ragged", "ragged_graphs"])
+def test_cuda_graph_equals_eager(models, mode):
+    """exact: DiT, encoder and HiFT graphs. ragged: HiFT graphs, eager flow. ragged_graphs: + solve graphs."""
     dev = torch.device("cuda")
     gpu = Token2WavModels(models.flow.to(dev), models.hift.to(dev), TINY_FLOW, TINY_HIFT, "A")
     runs = []
+    ragged = mode != "exact"
     for graphs in (False, True):
-        eng = Token2WavEngine(gpu, Token2WavEngineConfig(stream=StreamConfig(n_timesteps=N_TS),
-                                                         use_cuda_graphs=graphs))
+        eng = Token2WavEngine(gpu, Token2WavEngineConfig(stream=StreamConfig(n_timesteps=N_TS), use_cuda_graphs=graphs,
+                                                         ragged=ragged, ragged_graphs=mode == "ragged_graphs"))
         eng.add_voice("a", make_voice(1))
-        for sid in ("p", "q"):
-            eng.open(sid, F0, "a", 7)
+        eng.add_voice("b", make_voice(2, 12))
+        for sid in ("p", "q", "r"):
+            eng.open(sid, F0, "b" if sid == "r" else "a", 7)
             for u in range(4):
-                eng.submit(sid, F0, u, codes(u + len(sid), 25), u == 3)
+                eng.submit(sid, F0, u, codes(u + len(sid), 12 if sid == "r" else 25), u == 3)
         runs.append(drain(eng))
-        assert bool(eng.graphs.dit_graphs) == graphs and bool(eng.graphs.hift_graphs) == graphs
-        assert bool(eng.graphs.enc_graphs) == graphs
+        assert bool(eng.graphs.dit_graphs) == (graphs and not ragged) and bool(eng.graphs.hift_graphs) == graphs
+        assert bool(eng.graphs.enc_graphs) == (graphs and not ragged)
+        assert bool(eng.solver.graphs) == (graphs and mode == "ragged_graphs")
     models.flow.cpu()
     models.hift.cpu()
-    for sid in ("p", "q"):
+    for sid in ("p", "q", "r"):
         eager, graph = per_unit(runs[0], sid), per_unit(runs[1], sid)
         for u in eager:
             assert eager[u].shape == graph[u].shape
