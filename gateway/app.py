@@ -4,14 +4,30 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 from fastapi import FastAPI
+from starlette.staticfiles import StaticFiles
 
 from gateway import http
+from gateway.auth import HttpAuthMiddleware
+from gateway.leases import ExpiryReason, Reaper
 from gateway.runtime.base import Runtime
+from gateway.serving import drain
 from gateway.settings import GatewaySettings
 from gateway.state import GatewayState
 from gateway.ws import routes
+from gateway.ws.messages import Expired
+
+# The browser demo (clients/web) next to this package; computed so the gateway imports no client code.
+DEFAULT_WEB_ROOT = Path(__file__).resolve().parents[1] / "clients" / "web"
+
+
+def web_root(settings: GatewaySettings) -> Path | None:
+    if settings.web_root == "":
+        return None
+    root = Path(settings.web_root) if settings.web_root else DEFAULT_WEB_ROOT
+    return root if root.is_dir() else None
 
 
 def create_app(settings: GatewaySettings | None = None, *, runtime: Runtime | None = None) -> FastAPI:
@@ -24,14 +40,28 @@ def create_app(settings: GatewaySettings | None = None, *, runtime: Runtime | No
                                 batch_dim=settings.triton_batch_dim)
     state = GatewayState(settings, runtime)
 
+    async def on_expire(session_id: str, reason: ExpiryReason) -> None:
+        live = state.sessions.get(session_id)
+        if live is not None:
+            live.inbox.put_nowait(Expired(reason.value))  # the actor alone mutates a session
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        state.reaper = Reaper(state.leases, on_expire, state.admission.retry_due)
+        state.reaper.start()
         yield
-        state.draining = True
+        await drain(state)  # sockets are gone by now (see gateway.serving): detached sessions close here
+        for task in list(state.tasks):
+            task.cancel()
+        await state.reaper.aclose()
         await runtime.aclose()
 
     app = FastAPI(title="MiniCPM-o 4.5 duplex gateway", lifespan=lifespan)
     app.state.gateway = state
+    app.add_middleware(HttpAuthMiddleware, authenticator=state.auth)
     app.include_router(http.router)
     app.include_router(routes.router)
+    root = web_root(settings)
+    if root is not None:
+        app.mount("/", StaticFiles(directory=root, html=True), name="web")
     return app

@@ -27,9 +27,8 @@ def capabilities(s: GatewaySettings) -> dict[str, Any]:
         "video": {"max_frames_per_append": 2, "image_formats": ["jpeg", "png"],
                   "unit_boundary_ms": {"first": 1030, "period": 1000}},
         "supports_input_append": True,
-        # NOTE: resume/lease (§6) are not implemented in this version of the gateway; advertised honestly.
-        "supports_session_resume": False, "supports_session_lease": False,
-        "supports_audio_truncate": True, "supports_barge_in": True, "supports_server_vad": False,
+        "supports_session_resume": True, "supports_session_lease": True,
+        "supports_audio_truncate": True, "supports_barge_in": True, "supports_server_vad": True,
         "supports_semantic_vad": False, "supports_text_input": False, "supports_tools": False,
         "supports_speed": False, "supports_input_transcription": False,
         "supports_multi_session": s.max_sessions > 1, "session_admission_mode": "gateway_managed",

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import JSONResponse, Response
 
 from gateway.state import GatewayState
 
@@ -41,17 +41,11 @@ async def models(request: Request) -> dict[str, Any]:
 @router.get("/v1/duplex/capabilities")
 async def capabilities(request: Request) -> dict[str, Any]:
     st = _state(request)
-    return dict(st.capabilities, active_sessions=len(st.registry))
+    return dict(st.capabilities, active_sessions=len(st.admission))
 
 
 @router.get("/metrics")
-async def metrics(request: Request) -> PlainTextResponse:
-    """A minimal exposition of the gateway counters (§10.4 subset)."""
-    st = _state(request)
-    c = st.counters
-    lines = [f"duplex_session_limit {st.settings.max_sessions}", f"duplex_sessions{{state=\"open\"}} {len(st.registry)}",
-             f"duplex_ignored_binary_frames_total {c.ignored_binary_frames}"]
-    lines += [f"duplex_stale_events_dropped_total{{type=\"{k}\"}} {v}" for k, v in sorted(c.stale_dropped.items())]
-    lines += [f"duplex_admission_rejected_total{{code=\"{k}\"}} {v}" for k, v in sorted(c.admission_rejected.items())]
-    lines += [f"duplex_sessions_ended_total{{reason=\"{k}\"}} {v}" for k, v in sorted(c.sessions_ended.items())]
-    return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+async def metrics(request: Request) -> Response:
+    """Prometheus text format 0.0.4 (§10.4, §11.5)."""
+    body, ctype = _state(request).metrics.render()
+    return Response(body, media_type=ctype)

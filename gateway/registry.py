@@ -1,4 +1,4 @@
-"""Session registry: atomic admission (protocol.md §5.2) and incarnations with tombstones (§4.1)."""
+"""Session registry: live session ids and incarnations with tombstones (§4.1). Capacity is `gateway.admission`."""
 
 from __future__ import annotations
 
@@ -9,9 +9,7 @@ from gateway.protocol.errors import ProtocolError
 
 
 class SessionRegistry:
-    def __init__(self, max_sessions: int, tombstone_ttl_s: float,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.max_sessions = max_sessions
+    def __init__(self, tombstone_ttl_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         self._ttl = tombstone_ttl_s
         self._clock = clock
         self._live: dict[str, int] = {}  # session id -> incarnation (open, detached or closing)
@@ -20,12 +18,14 @@ class SessionRegistry:
     def __len__(self) -> int:
         return len(self._live)
 
-    def reserve(self, session_id: str) -> int:
-        """AD-1 check-and-reserve; returns the incarnation. Raises session_exists / resource_exhausted."""
+    def check_free(self, session_id: str) -> None:
+        """Raises session_exists for a live (open, detached or closing) id."""
         if session_id in self._live:
             raise ProtocolError("session_exists", f"session {session_id!r} is live", param="session.id")
-        if len(self._live) >= self.max_sessions:
-            raise ProtocolError("resource_exhausted", f"duplex_session_capacity_exhausted: limit={self.max_sessions}")
+
+    def reserve(self, session_id: str) -> int:
+        """Reserve a live id; returns the incarnation. Raises session_exists."""
+        self.check_free(session_id)
         now = self._clock()
         last, at = self._tombstones.pop(session_id, (0, now))
         incarnation = last + 1 if now - at <= self._ttl else 1

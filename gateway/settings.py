@@ -50,10 +50,18 @@ class GatewaySettings(BaseModel):
     # runtime
     runtime_timeout_s: float = Field(10.0, gt=0)
     ready_cache_s: float = Field(1.0, ge=0)
+    ready_probe_timeout_s: float = Field(2.0, gt=0)  # a hung Triton must not hang /ready or the handshake
     tick_interval_s: float = Field(0.05, gt=0)
     unit_deadline_grace_s: float = Field(0.25, ge=0)
+    # admission, auth, VAD, web demo
+    cleanup_retry_base_s: float = Field(0.5, gt=0)
+    bind_host: str = "127.0.0.1"
+    api_keys: tuple[str, ...] = ()  # DUPLEX_API_KEYS (comma-separated); any key set makes auth required
+    allowed_origins: tuple[str, ...] = ()  # DUPLEX_ALLOWED_ORIGINS; empty = any origin
+    vad_onset_confirm_ms: int = Field(64, gt=0)
+    web_root: str | None = None  # DUPLEX_WEB_ROOT; None = <repo>/clients/web when it exists; "" = off
 
-    @field_validator("triton_ready_models", "model_aliases", "voices", mode="before")
+    @field_validator("triton_ready_models", "model_aliases", "voices", "api_keys", "allowed_origins", mode="before")
     @classmethod
     def _split(cls, v: Any) -> Any:
         if isinstance(v, str):

@@ -1,39 +1,49 @@
-"""Process-wide gateway state held by the app: settings, runtime, registry, readiness, counters."""
+"""Process-wide gateway state held by the app: settings, runtime, registry, admission, leases, auth, metrics."""
 
 from __future__ import annotations
 
+import asyncio
 import time
-from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from gateway.admission import Admission, AdmissionConfig
+from gateway.auth import AuthConfig, Authenticator
 from gateway.capabilities import capabilities
+from gateway.leases import LeaseConfig, LeaseManager, Reaper
+from gateway.observability import GatewayMetrics
 from gateway.protocol.config import ConfigContext
 from gateway.protocol.profiles import Profile
 from gateway.registry import SessionRegistry
 from gateway.runtime.base import Readiness, Runtime
 from gateway.settings import GatewaySettings
 
+if TYPE_CHECKING:
+    from gateway.vad.model import SileroVad
+    from gateway.ws.live import LiveSession
+
 REALTIME_INPUT_RATE_HZ = 24000
 NATIVE_INPUT_RATE_HZ = 16000
 
 
-@dataclass
-class Counters:
-    """Process counters behind /metrics (labels never carry client-controlled strings, §10.4)."""
-    ignored_binary_frames: int = 0
-    stale_dropped: dict[str, int] = field(default_factory=dict)
-    admission_rejected: dict[str, int] = field(default_factory=dict)
-    sessions_ended: dict[str, int] = field(default_factory=dict)
-
-
 class GatewayState:
     def __init__(self, settings: GatewaySettings, runtime: Runtime) -> None:
-        self.settings = settings
+        s = self.settings = settings
         self.runtime = runtime
-        self.registry = SessionRegistry(settings.max_sessions, settings.session_tombstone_ttl_s)
-        self.capabilities = capabilities(settings)
-        self.counters = Counters()
+        self.registry = SessionRegistry(s.session_tombstone_ttl_s)
+        self.capabilities = capabilities(s)
+        self.metrics = GatewayMetrics(s.max_sessions)
+        self.admission = Admission(AdmissionConfig(s.max_sessions, cleanup_timeout_s=s.close_ack_timeout_s,
+                                                   retry_base_s=min(s.cleanup_retry_base_s, s.reaper_interval_s),
+                                                   retry_max_s=s.reaper_interval_s),
+                                   on_change=self.metrics.set_session_counts)
+        self.leases = LeaseManager(LeaseConfig(s.idle_ttl_s, s.disconnect_grace_s, s.reaper_interval_s))
+        self.auth = Authenticator(AuthConfig.build(s.bind_host, s.api_keys, s.allowed_origins))
+        self.vad: SileroVad | None = None  # one shared model, loaded by the first server_vad session
+        self.sessions: dict[str, LiveSession] = {}  # open, detached or closing: the resume lookup
+        self.tasks: set[asyncio.Task[None]] = set()  # session hosts; they outlive their sockets
+        self.reaper: Reaper | None = None
         self.draining = False
+        self.warm = False  # set once the runtime has reported ready (warm-up done)
         self._ready_cache: tuple[float, Readiness] | None = None
 
     def config_context(self, profile: Profile) -> ConfigContext:
@@ -45,18 +55,34 @@ class GatewayState:
                              default_input_rate_hz=NATIVE_INPUT_RATE_HZ if native else REALTIME_INPUT_RATE_HZ,
                              default_output_format="wav" if native else "pcm16")
 
+    def vad_model(self) -> SileroVad:
+        """The one Silero model of the process, loaded by the first server_vad session (≈ 2 MB)."""
+        if self.vad is None:
+            from gateway.vad.model import SileroVad  # noqa: PLC0415 - onnxruntime only when VAD is used
+
+            self.vad = SileroVad()
+        return self.vad
+
+    def spawn(self, coro: Any, name: str) -> asyncio.Task[None]:
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        return task
+
     async def readiness(self) -> tuple[bool, dict[str, Any], list[str]]:
         """§11.3 checks, cached for `ready_cache_s`."""
         now = time.monotonic()
         if self._ready_cache is None or now - self._ready_cache[0] > self.settings.ready_cache_s:
             try:
-                r = await self.runtime.readiness()
+                async with asyncio.timeout(self.settings.ready_probe_timeout_s):
+                    r = await self.runtime.readiness()
             except Exception as exc:  # noqa: BLE001 - any probe failure means "not ready", with the reason
                 r = Readiness(False, False, {}, (f"runtime probe failed: {exc.__class__.__name__}",))
             self._ready_cache = (now, r)
         r = self._ready_cache[1]
+        self.warm = self.warm or r.all_ready  # the runtime reports ready only after its warm-up
         checks = {"triton_live": r.live, "triton_ready": r.ready, "models": dict(r.models),
-                  "warmup": True, "draining": self.draining}
+                  "warmup": self.warm, "draining": self.draining}
         reasons = list(r.reasons)
         if not r.all_ready:
             reasons.append("runtime not ready")

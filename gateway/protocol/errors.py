@@ -55,6 +55,9 @@ CODES: dict[str, CodeSpec] = {
     "event_too_large": CodeSpec(_IR, False, _RF),
     "model_not_found": CodeSpec(_IR, False, _HS),
     "session_exists": CodeSpec(_IR, False, _HS),
+    # Deployment auth (issue 9, gateway.auth): not in protocol.md §1.7, which leaves auth to deployments.
+    "invalid_api_key": CodeSpec(_IR, False, _HS),
+    "origin_not_allowed": CodeSpec(_IR, False, _HS),
     "resource_exhausted": CodeSpec(_RL, True, _HS),
     "runtime_unavailable": CodeSpec(_SE, True, _HS),
     "runtime_open_failed": CodeSpec(_SE, True, _HS),

@@ -107,6 +107,7 @@ def prepare_resume(req: ResumeRequest, target: ResumeTarget, leases: LeaseManage
     if not leases.compare_and_set(target.session_id, expected_generation):
         raise _hs("session_resume_conflict", "another resume of this session won")
     replay = tuple(target.journal.replay(req.last_received_server_event_seq))
+    start = max(start, target.journal.acked_seq + 1)  # acknowledged seqs are gone and count as received (J-2)
     return ResumePlan(target.session_id, target.credential.prepare_rotation(), replay, start,
                       target.journal.last_seq)
 

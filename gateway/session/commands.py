@@ -9,18 +9,19 @@ import numpy as np
 from gateway.protocol import client_events as ce
 from gateway.protocol import server_events as se
 from gateway.protocol.errors import ProtocolError
-from gateway.session import options, overlap
-from gateway.session.commits import CommitMixin
+from gateway.session import options
 from gateway.session.playback import PlaybackEntry
 from gateway.session.responses import Response
 from gateway.session.units import MODEL_RATE_HZ
+from gateway.session.vad_input import VadMixin
 from gateway.session.view import turn_state
+from gateway.vad.overlap import OverlapChunk, client_action
 
 ADVISORY_SIGNALS = frozenset({"user_started", "user_committed", "assistant_started", "assistant_done", "timeout"})
 REDISPATCHED_SIGNALS = frozenset({"input.cancel", "response.cancel", "barge_in"})
 
 
-class CommandsMixin(CommitMixin):
+class CommandsMixin(VadMixin):
     def append(self, ev: ce.InputAudioBufferAppend) -> None:
         prep = self.prepare_audio(ev)
         state = turn_state(self)
@@ -29,27 +30,23 @@ class CommandsMixin(CommitMixin):
             self.accept_audio(prep, force_listen=ev.force_listen, final=ev.final)
             return
         cfg = self.config
-        client = overlap.client_action(ev.overlap_action, ev.force_barge_in)
-        if prep.is_speech and client != "drop":
-            self._overlap_ms += len(prep.samples16k) * 1000 / MODEL_RATE_HZ
-        verdict = overlap.decide(cfg.effective_overlap_policy, client=client, is_speech=prep.is_speech,
-                                 overlap_ms=self._overlap_ms, short_ack_ms=cfg.overlap_short_ack_ms,
-                                 barge_in_ms=cfg.overlap_barge_in_ms, auto_response=cfg.effective_auto_response)
+        client = client_action(ev.overlap_action, ev.force_barge_in)
+        d = self.overlap.decide(OverlapChunk(prep.is_speech, len(prep.samples16k) * 1000 / MODEL_RATE_HZ,
+                                             vad_on=self.vad is not None,
+                                             onset_confirmed=prep.vad is not None and prep.vad.onset_confirmed,
+                                             client_action=client, auto_response=cfg.effective_auto_response),
+                                policy=cfg.effective_overlap_policy, short_ack_ms=cfg.overlap_short_ack_ms,
+                                barge_in_ms=cfg.overlap_barge_in_ms)
         playing = self._active or self._responses.get(self._last_audio_response or "")
-        decision = se.OverlapDecision(
-            session_id=self.session_id, epoch=self.epoch, response_id=playing.id if playing else None,
-            policy=cfg.effective_overlap_policy, action=verdict.action, reason=verdict.reason,
-            metadata={"overlap_ms": int(self._overlap_ms), "buffer_audio": verdict.action != "drop",
-                      "defer_runtime_append": False, "force_listen": ev.force_listen}).model_dump()
-        if verdict.action == "barge_in":
-            self._barge_in(decision, "barge_in" if verdict.client else "turn_detected")
-        elif self._overlap_last != (verdict.action, verdict.reason):
-            self._overlap_last = (verdict.action, verdict.reason)
+        decision = d.event(session_id=self.session_id, epoch=self.epoch, response_id=playing.id if playing else None,
+                           policy=cfg.effective_overlap_policy, force_listen=ev.force_listen)
+        if d.barge_in:
+            self._barge_in(decision, "barge_in" if d.reason == "client_overlap_action" else "turn_detected")
+        elif d.emit:
             self.emit(decision)
-        if verdict.action == "drop":  # silence of equal length keeps the model clock continuous
+        if d.action == "drop":  # silence of equal length keeps the model clock continuous
             prep = dataclasses.replace(prep, samples16k=np.zeros_like(prep.samples16k), is_speech=False)
-        self.accept_audio(prep, force_listen=ev.force_listen, final=ev.final, keep=verdict.action != "drop")
-
+        self.accept_audio(prep, force_listen=ev.force_listen, final=ev.final, keep=d.action != "drop")
     def _barge_in(self, k1: dict, reason: str) -> None:
         """B1-B3: cancel a live response; or clear and truncate one that is still playing."""
         self.end_overlap_episode()
@@ -63,7 +60,7 @@ class CommandsMixin(CommitMixin):
         self._truncate(resp, resp.playback, resp.playback.heard_ms(self.clock()))
 
     def end_overlap_episode(self) -> None:
-        self._overlap_ms, self._overlap_last = 0.0, None
+        self.overlap.end()
 
     def response_create(self, ev: ce.ResponseCreate) -> None:
         opts = options.parse(ev.response, self.config)

@@ -9,6 +9,7 @@ from gateway.runtime.base import map_runtime_code
 from gateway.session import options
 from gateway.session.inputs import InputMixin
 from gateway.session.lane import AppendAcked, AppendFailed, CancelFailed, LaneResult
+from gateway.session.view import turn_state
 
 
 class CommitMixin(InputMixin):
@@ -41,11 +42,11 @@ class CommitMixin(InputMixin):
         elif not self.config.effective_auto_response or self._active is None:  # C1, C2
             self._final_append(ev.final)
             self._committed(None)
-        elif self._overlap_ms <= self.config.overlap_short_ack_ms:  # C3
+        elif self.overlap.overlap_ms <= self.config.overlap_short_ack_ms:  # C3
             self.emit(se.OverlapDecision(session_id=self.session_id, epoch=self.epoch, response_id=self._active.id,
                                          policy=self.config.effective_overlap_policy, action="drop",
                                          reason="short_overlap_ack",
-                                         metadata={"overlap_ms": int(self._overlap_ms), "buffer_audio": False,
+                                         metadata={"overlap_ms": int(self.overlap.overlap_ms), "buffer_audio": False,
                                                    "defer_runtime_append": False, "force_listen": False}
                                          ).model_dump())
             item, prev, start, end = self.add_user_item()
@@ -54,7 +55,7 @@ class CommitMixin(InputMixin):
             item, prev, start, end = self.add_user_item()
             self._deferred_item = item
             self.commit_events(item, prev, start, end, reason="deferred", deferred=True)
-        self._overlap_ms, self._overlap_last = 0.0, None
+        self.overlap.end()
 
     def _committed(self, reason: str | None) -> str:
         item, prev, start, end = self.add_user_item()
@@ -74,7 +75,8 @@ class CommitMixin(InputMixin):
             self.on_silence_continuation_start()
 
     def after_terminal(self) -> None:
-        self._overlap_ms, self._overlap_last = 0.0, None
+        if turn_state(self) != "assistant_playing":  # §8.3: a still-playing response keeps the episode
+            self.overlap.end()
         if self._deferred_item is not None and self.state == "open":
             item, self._deferred_item = self._deferred_item, None
             self._final_append(True)
@@ -88,7 +90,8 @@ class CommitMixin(InputMixin):
         self._resampler.flush()
         self._unsubmitted_bytes = 0
         self._item_id, self._item_has_audio, self._item_speech_started = None, False, False
-        self._overlap_ms, self._overlap_last = 0.0, None
+        self.overlap.end()
+        self.on_input_cleared()
         return item
 
     def input_clear(self) -> None:
@@ -120,3 +123,5 @@ class CommitMixin(InputMixin):
             code = map_runtime_code("append", result.code)
             self.fail_or_report(ProtocolError(code, f"{result.code}: {result.message}",
                                               effect=Effect.REPORT if code == "runtime_backpressure" else None))
+
+    def on_input_cleared(self) -> None: ...

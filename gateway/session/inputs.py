@@ -23,6 +23,8 @@ from gateway.session import ids
 from gateway.session.history import HistoryItem
 from gateway.session.output import OutputMixin
 from gateway.session.units import MODEL_RATE_HZ, CutUnit
+from gateway.vad.detector import VadUpdate
+from gateway.vad.overlap import OverlapEpisode
 
 MAX_VIDEO_FRAMES = 2
 MAX_FRAME_BYTES = 4 * 1024 * 1024
@@ -36,7 +38,8 @@ class PreparedAudio:
     wire_bytes: int
     frames: tuple[bytes, ...]
     is_speech: bool
-    speech_source: str  # client_hint | rms (§8.2)
+    speech_source: str  # server_vad | client_hint | rms (§8.2)
+    vad: VadUpdate | None = None  # the server VAD's verdict and speech events for this chunk
 
 
 class InputMixin(OutputMixin):
@@ -50,8 +53,7 @@ class InputMixin(OutputMixin):
         self._unsubmitted_bytes = 0
         self._force_next = False
         self._frames_for_unit: dict[int, tuple[bytes, ...]] = {}
-        self._overlap_ms = 0.0
-        self._overlap_last: tuple[str, str] | None = None  # last (action, reason) of the overlap episode
+        self.overlap = OverlapEpisode()  # §8.3 episode: overlap_ms and the last decision
         self._committed_unconsumed: list[str] = []
         self._deferred_item: str | None = None
         self._promoted_commit_pending = False
@@ -84,6 +86,9 @@ class InputMixin(OutputMixin):
         else:
             speech = bool(len(samples)) and float(np.sqrt(np.mean(samples**2))) > self.config.overlap_silence_rms
         resampled = self._resampler.process(samples, decoded.rate_hz, fmt) if len(samples) else samples
+        vad = self.vad_classify(resampled)
+        if vad is not None:  # §8.2 priority 1
+            return PreparedAudio(resampled, wire, frames, vad.is_speech, "server_vad", vad)
         return PreparedAudio(resampled, wire, frames, speech, "client_hint" if ev.is_speech is not None else "rms")
 
     def _frames(self, frames: list[str] | None) -> tuple[bytes, ...]:
@@ -116,7 +121,7 @@ class InputMixin(OutputMixin):
             self._item_speech_started = False
         if keep:
             self._item_has_audio = self._item_has_audio or bool(len(prep.samples16k)) or bool(prep.frames)
-        if keep and prep.is_speech and not self._item_speech_started:
+        if keep and prep.is_speech and not self._item_speech_started and prep.vad is None:
             self._item_speech_started = True
             self.emit(se.SpeechStarted(item_id=self._item_id, audio_start_ms=int(self._input_clock_ms),
                                        metadata={"source": prep.speech_source,
@@ -132,6 +137,8 @@ class InputMixin(OutputMixin):
             self.submit_unit(unit)
         if final:
             self.flush_residual()
+        if prep.vad is not None and prep.vad.events:
+            self.on_vad_events(prep.vad)
 
     def flush_residual(self, commit_ids: tuple[int, ...] = ()) -> int | None:
         """Pad and submit the partial unit (final / commit). Returns the unit index, if one was submitted."""
@@ -219,3 +226,7 @@ class InputMixin(OutputMixin):
                                                  ).model_dump())
         evs.append(se.ItemDone(previous_item_id=prev, item=user.to_json()).model_dump())
         self.emit(*evs)
+
+    # hooks implemented by the server-VAD side (gateway.session.vad_input)
+    def vad_classify(self, samples16k: np.ndarray) -> VadUpdate | None: ...
+    def on_vad_events(self, upd: VadUpdate) -> None: ...

@@ -60,6 +60,7 @@ class RuntimeLane:
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
+        self.on_submit: Callable[[int], None] = lambda unit_index: None  # metrics observer (gateway.ws.meters)
         self._cancels: list[asyncio.Task[None]] = []
         self.pending_bytes = 0
         self.acked_appends = 0
@@ -74,6 +75,7 @@ class RuntimeLane:
 
     def submit(self, unit: UnitSubmission, wire_bytes: int, commit_ids: tuple[int, ...] = ()) -> None:
         self.pending_bytes += wire_bytes
+        self.on_submit(unit.unit_index)
         self._queue.append(_Queued(unit, wire_bytes, commit_ids))
         self._idle.clear()
         self._wake.set()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from gateway.protocol import client_events as ce
@@ -26,6 +26,7 @@ from gateway.session.units import UnitCutter, UnitGeometry
 from gateway.session.view import session_object, turn_state
 
 Json = dict[str, Any]
+Cleanup = Callable[[], Awaitable[str | None]]
 
 
 class DuplexSession(CommandsMixin):
@@ -41,7 +42,6 @@ class DuplexSession(CommandsMixin):
         self.runtime_defaults = runtime_defaults
         self.capabilities, self.limits_json = capabilities, limits_json
         self.init_input()
-        self._last_client_at = clock()
 
     def session_json(self) -> Json:
         return session_object(self, self.capabilities, self.limits_json)
@@ -55,14 +55,8 @@ class DuplexSession(CommandsMixin):
             raise ProtocolError("runtime_open_failed", f"runtime open failed: {exc}") from None
         self.lane.start()
 
-    def idle_expired(self, now: float) -> bool:
-        """§5.1 idle_ttl_s (lowered by `idle_timeout_s`): no accepted client event for that long."""
-        ttl = self.config.idle_timeout_s
-        return ttl is not None and now - self._last_client_at > ttl
-
     async def handle(self, ev: ce.ClientEvent) -> None:
         """Apply one admitted event; raises ProtocolError for a frame-level rejection."""
-        self._last_client_at = self.clock()
         match ev:
             case ce.InputAudioBufferAppend():
                 self.append(ev)
@@ -146,6 +140,8 @@ class DuplexSession(CommandsMixin):
             self._force_listen_remaining = candidate.force_listen_count
         if "duplex_initial_user_text" in touched:
             self._initial_text_pending = candidate.duplex_initial_user_text is not None
+        if "turn_detection" in touched:
+            self.sync_vad()
         self.emit(se.SessionUpdated(session=self.session_json()).model_dump())
 
     def item_create(self, ev: ce.ConversationItemCreate) -> None:
@@ -176,9 +172,11 @@ class DuplexSession(CommandsMixin):
         self.commit(ce.InputAudioBufferCommit(type="input_audio_buffer.commit"))
 
     async def close(self, reason: str, client_reason: str | None = None, *, from_client: bool = False,
-                    expired: bool = False) -> bool:
-        """X2-X5: cancel, runtime close (bounded), then `session.closed` (or `session.expired`, whose reason
-        is the expiry reason). Returns whether cleanup is pending."""
+                    expired: bool = False, cleanup: Cleanup) -> bool:
+        """X2-X5: cancel, cleanup (lane drain + runtime close, bounded, owned by admission), then
+        `session.closed` (or `session.expired`, whose reason is the expiry reason). `cleanup()` returns None
+        on success, else why it failed (the slot stays held and the reaper retries, AD-3).
+        Returns whether cleanup is pending."""
         if self.state != "open":
             return False
         self._deferred_item = None
@@ -189,21 +187,24 @@ class DuplexSession(CommandsMixin):
             with contextlib.suppress(ProtocolError):  # a full outbound queue must not stop the cleanup
                 why = "session_expired" if expired else ("client_session_close" if from_client else "session_close")
                 self.finish(self._active, "cancelled", why)
-        pending = False
-        try:
-            # X1/X4: the runtime close never overtakes appends admitted before it.
-            async with asyncio.timeout(self.limits.close_ack_timeout_s):
-                await self.lane.drain()
-                await self.runtime.close(self.key, self.fence)
-        except (RuntimeFailure, TimeoutError) as exc:
-            pending = True
+        self.finalise_history()
+        failure = await cleanup()
+        if failure is not None:
             with contextlib.suppress(ProtocolError):
-                self.emit_error(ProtocolError("runtime_close_failed", f"runtime close failed: {exc}"))
+                self.emit_error(ProtocolError("runtime_close_failed", failure))
         await self.lane.aclose()
         self.state = "closed"
         last = (se.SessionExpired(session_id=self.session_id, epoch=self.epoch, reason=reason) if expired else
                 se.SessionClosed(session_id=self.session_id, epoch=self.epoch, reason=reason,
-                                 client_reason=client_reason, cleanup_pending=pending))
+                                 client_reason=client_reason, cleanup_pending=failure is not None))
         with contextlib.suppress(ProtocolError):
             self.emit(last.model_dump(), reserved=True)
-        return pending
+        return failure is not None
+
+    def finalise_history(self) -> None:
+        """At close: nothing more will be played, so the history commit of the last response is final."""
+        for resp in self._responses.values():
+            entry = resp.playback
+            if entry is None or entry.history_final or not resp.terminal:
+                continue
+            entry.history_final = True  # §7.3: truncate or close finalises the entry where it stands

@@ -23,11 +23,13 @@ class ConnState(enum.Enum):
 class Admitted:
     event: Any  # ce.ClientEvent, canonical name
     raw: dict
+    generation: int = 1  # attachment_generation of the socket it came from (§1.3 attachment tag)
 
 
 @dataclass(frozen=True, slots=True)
 class Rejected:
     error: ProtocolError
+    generation: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,7 +49,28 @@ class Tick:
 
 @dataclass(frozen=True, slots=True)
 class Disconnected:
-    reason: str
+    reason: str  # "disconnect" | "transport_error"
+    generation: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class Expired:
+    reason: str  # ExpiryReason value, from the lease reaper
+
+
+@dataclass(frozen=True, slots=True)
+class JournalOverflow:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Shutdown:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class ResyncClose:
+    pass  # a resume found a journal gap (J-5): close with reason resync_required
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,7 +78,8 @@ class Fatal:
     error: ProtocolError
 
 
-Message = Admitted | Rejected | RuntimeOut | LaneOut | Tick | Disconnected | Fatal
+Message = (Admitted | Rejected | RuntimeOut | LaneOut | Tick | Disconnected | Fatal | Expired | JournalOverflow
+           | Shutdown | ResyncClose)
 ALLOWED: dict[ConnState, frozenset[ConnState]] = {
     ConnState.CONNECTING: frozenset({ConnState.HANDSHAKE, ConnState.CLOSED}),
     ConnState.HANDSHAKE: frozenset({ConnState.OPEN, ConnState.CLOSED}),

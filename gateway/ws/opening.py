@@ -1,6 +1,7 @@
 """The open transaction (protocol.md §2.1 H4-H6): opener frame -> validated config -> admitted session.
 
-Any failure undoes every earlier step (registry slot, runtime reservation) before the error is raised.
+Any failure undoes every earlier step (registry entry, admission slot, runtime reservation) before the error
+is raised.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from gateway.ws.handshake import ConnectionParams
 
 async def read_opener(next_text: Callable[[], Awaitable[str]], params: ConnectionParams, limits: FrameLimits,
                       timeout_s: float) -> tuple[ce.ClientEvent, dict[str, Any]]:
-    """H3b/H4: the first frame within the handshake timeout; it must open (or, unsupported here, resume)."""
+    """H3b/H4: the first frame within the handshake timeout; it must open or resume. For `session.resume`
+    the second value is the raw frame (the fields `ResumeRequest.parse` checks)."""
     try:
         async with asyncio.timeout(timeout_s):
             text = await next_text()
@@ -42,9 +44,8 @@ async def read_opener(next_text: Callable[[], Awaitable[str]], params: Connectio
     native = params.route == "/v1/duplex"
     allowed = ("session.resume",) if params.resume else (
         ("session.update", "session.create") if native else ("session.update",))
-    if ev.type == "session.resume" and "session.resume" in allowed:
-        raise ProtocolError("unsupported_session_resume", "resume is not supported by this gateway",
-                            effect=Effect.HANDSHAKE)
+    if ev.type == "session.resume":
+        return ev, raw  # §6.4 on either kind of socket (H4)
     if ev.type not in allowed:
         err = ProtocolError("bad_event", f"{ev.type} cannot open a session", param="type", effect=Effect.HANDSHAKE)
         err.client_event_id = ev.event_id
@@ -78,6 +79,8 @@ async def open_session(state: GatewayState, params: ConnectionParams, session_pa
             raise ProtocolError("bad_event", "session.model disagrees with the model query", param="session.model")
         check_voice_source(config, ctx)
     session_id = config.id or ids.session_id()
+    state.registry.check_free(session_id)  # session_exists before capacity
+    state.admission.reserve(session_id)  # AD-1; resource_exhausted, close 1013 (a refusal consumes nothing)
     incarnation = state.registry.reserve(session_id)
     try:
         limits = SessionLimits(max_pending_input_bytes=s.max_pending_input_bytes_per_session,
@@ -93,6 +96,7 @@ async def open_session(state: GatewayState, params: ConnectionParams, session_pa
                                 limits_json=s.limits_json())
         await session.open()
     except BaseException:
+        state.admission.rollback(session_id)
         state.registry.release(session_id)
         raise
     return session

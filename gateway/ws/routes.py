@@ -14,12 +14,16 @@ router = APIRouter()
 async def _serve(ws: WebSocket, route: str) -> None:
     subprotocols = [p.strip() for p in ws.headers.get("sec-websocket-protocol", "").split(",") if p.strip()]
     params, error = None, None
+    headers = {k.lower(): v for k, v in ws.headers.items()}
     try:
-        params = parse_params(route, dict(ws.query_params), {k.lower(): v for k, v in ws.headers.items()},
-                              subprotocols)
+        params = parse_params(route, dict(ws.query_params), headers, subprotocols)
     except ProtocolError as err:
         err.effect = Effect.HANDSHAKE
         error = err
+    try:  # after the params, so that a refusal still echoes the subprotocol a browser needs to read it
+        ws.app.state.gateway.auth.check_websocket(headers, subprotocols)  # invalid_api_key / origin_not_allowed
+    except ProtocolError as err:
+        error = err  # an auth refusal hides any parameter error
     conn = Connection(ws, params, ws.app.state.gateway)
     if error is not None and route == "/v1/duplex":
         from gateway.protocol.profiles import Profile  # noqa: PLC0415

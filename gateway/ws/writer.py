@@ -1,22 +1,28 @@
-"""The writer: the only code that sends on a WebSocket (protocol.md §1.3 Writer, §1.4, §3.9).
+"""The writer: the only code that sends a session's events (protocol.md §1.3 Writer, §1.4, §3.9, §6.3).
 
-It dequeues, drops stale streaming items (S-1; a pair as a unit, consuming no seq, S-2), projects to the
-profile, stamps `event_id` / `server_event_seq`, serialises, sends, and closes the socket when an item
-asks for it. It never changes session state.
+One writer per session, outliving sockets. It dequeues, drops stale streaming items (S-1; a pair as a unit,
+consuming no seq, S-2), projects to the profile, stamps `event_id` / `server_event_seq` through the journal's
+sequencer (J-1: the exact bytes sent are journaled), and sends to the socket of the current attachment, or
+to nobody while detached (the events are journaled all the same). It never changes session state.
+`lock` is held around each item so that a resume can put `session.resumed` and the replay in front of any
+live event (RS9).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from gateway.protocol.profiles import Projector
+from gateway.resume.journal import Sequencer
 from gateway.session.ids import EventIds
 from gateway.session.outbox import Kind, Outbox, OutItem
 
 log = logging.getLogger(__name__)
+Json = dict[str, Any]
 
 
 class Socket(Protocol):
@@ -25,44 +31,83 @@ class Socket(Protocol):
 
 
 class Writer:
-    def __init__(self, socket: Socket, outbox: Outbox, projector: Projector,
+    def __init__(self, outbox: Outbox, projector: Projector, sequencer: Sequencer, *,
                  is_stale: Callable[[OutItem], bool] = lambda item: False,
-                 on_drop: Callable[[str], None] = lambda t: None) -> None:
-        self._socket, self._outbox, self._projector = socket, outbox, projector
+                 on_drop: Callable[[str], None] = lambda t: None,
+                 on_sent: Callable[[Json], None] = lambda ev: None,
+                 on_send_failed: Callable[[int], None] = lambda generation: None) -> None:
+        self._outbox, self._projector, self.sequencer = outbox, projector, sequencer
         self.is_stale = is_stale
-        self._on_drop = on_drop
+        self._on_drop, self._on_sent, self._on_send_failed = on_drop, on_sent, on_send_failed
         self._ids = EventIds()
-        self.seq = 0
+        self.socket: Socket | None = None
+        self.generation = 0
+        self.lock = asyncio.Lock()
         self.closed = False
 
-    def last_seq(self) -> int:
-        return self.seq
+    def attach(self, socket: Socket, generation: int) -> None:
+        self.socket, self.generation = socket, generation
 
-    def frame(self, ev: dict[str, Any], sequenced: bool) -> str | None:
-        out = self._projector.project(ev)
-        if out is None:
-            return None
-        msg: dict[str, Any] = {"type": out["type"], "event_id": self._ids.next()}
-        if sequenced:
-            self.seq += 1
-            msg["server_event_seq"] = self.seq
+    def detach(self, generation: int) -> None:
+        if generation == self.generation:
+            self.socket = None
+
+    def last_seq(self) -> int:
+        return self.sequencer.last_seq
+
+    def serialise(self, out: Json, seq: int | None) -> str:
+        msg: Json = {"type": out["type"], "event_id": self._ids.next()}
+        if seq is not None:
+            msg["server_event_seq"] = seq
         msg.update((k, v) for k, v in out.items() if k not in msg and k != "event_id")
         return json.dumps(msg, separators=(",", ":"), ensure_ascii=False)
 
-    async def run(self, stop: Callable[[], Awaitable[None]] | None = None) -> None:
+    def frames(self, ev: Json, sequenced: bool) -> list[str]:
+        """Project and serialise one canonical event; sequenced ones go through the journal."""
+        out = self._projector.project(ev)
+        if out is None:
+            return []
+        return self.sequencer.frames(lambda seq: self.serialise(out, seq), sequenced=sequenced)
+
+    async def send(self, text: str, socket: Socket | None = None) -> bool:
+        """Send on `socket` (default: the attached one). False when there is none or the send failed."""
+        target = socket if socket is not None else self.socket
+        if target is None:
+            return False
+        try:
+            await target.send_text(text)
+        except Exception:  # noqa: BLE001 - any send failure is a transport error of that attachment (§6.2)
+            if target is self.socket:
+                self.socket = None
+                self._on_send_failed(self.generation)
+            return False
+        return True
+
+    async def run(self) -> None:
         while True:
             item = await self._outbox.get()
-            if self.is_stale(item):
+            async with self.lock:
+                if self.is_stale(item):
+                    for ev in item.events:
+                        self._on_drop(ev["type"])
+                    continue
+                sequenced = item.kind is not Kind.UNSEQUENCED
                 for ev in item.events:
-                    self._on_drop(ev["type"])
-                continue
-            sequenced = item.kind is not Kind.UNSEQUENCED
-            for ev in item.events:
-                text = self.frame(ev, sequenced)
-                if text is not None:
-                    await self._socket.send_text(text)
-            if item.close is not None:
-                code, reason = item.close
-                self.closed = True
-                await self._socket.close(code=code, reason=reason)
-                return
+                    texts = self.frames(ev, sequenced)
+                    if texts and self.socket is not None and all([await self.send(t) for t in texts]):
+                        self._on_sent(ev)
+                if item.close is not None:
+                    self.closed = True
+                    await self.close_socket(*item.close)
+                    return
+
+    async def close_socket(self, code: int, reason: str, socket: Socket | None = None) -> None:
+        target = socket if socket is not None else self.socket
+        if target is None:
+            return
+        if target is self.socket:
+            self.socket = None
+        try:
+            await target.close(code=code, reason=reason)
+        except Exception:  # noqa: BLE001 - already gone
+            log.debug("close of a gone socket")

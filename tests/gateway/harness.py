@@ -23,7 +23,8 @@ RECV_TIMEOUT_S = 5.0
 
 @contextlib.asynccontextmanager
 async def serve(runtime: FakeRuntime, **overrides: Any) -> AsyncIterator[str]:
-    settings = GatewaySettings(**{"force_listen_count": 0, "tick_interval_s": 0.02, **overrides})
+    settings = GatewaySettings(**{"force_listen_count": 0, "tick_interval_s": 0.02, "reaper_interval_s": 0.05,
+                                **overrides})
     app = create_app(settings, runtime=runtime)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))

@@ -42,7 +42,9 @@ async def _refused(path: str, rt: FakeRuntime | None = None, first: dict | str |
      "model_not_found", 1008),
     ("/v1/realtime?resume=1", {"type": "session.update"}, "bad_event", 1008),
     ("/v1/realtime?resume=1", {"type": "session.resume", "session_id": "s", "resume_token": "t"},
-     "unsupported_session_resume", 1008),
+     "invalid_session_resume", 1008),
+    ("/v1/realtime?resume=1", {"type": "session.resume", "session_id": "s", "resume_token": "t",
+                               "last_received_server_event_seq": 0}, "session_resume_expired", 1008),
 ])
 async def test_handshake_errors_nested_on_realtime(path: str, first, code: str, close_code: int) -> None:  # noqa: ANN001
     err, got_code, reason = await _refused(path, first=first)

@@ -7,6 +7,7 @@ import asyncio
 import json
 
 from gateway.protocol.profiles import Profile, Projector
+from gateway.resume.journal import Journal, JournalConfig, Sequencer
 from gateway.session.outbox import Kind, Outbox, OutboxLimits, OutItem
 from gateway.ws.writer import Writer
 from tests.gateway.fake_runtime import Speak
@@ -104,7 +105,8 @@ async def test_writer_drops_stale_epoch_pairs_as_a_unit_without_consuming_seq() 
     epoch = {"now": 0}
     sock = _Sock()
     dropped: list[str] = []
-    w = Writer(sock, outbox, Projector(Profile.GA),
+    journal = Journal(JournalConfig(60.0, 1 << 20))
+    w = Writer(outbox, Projector(Profile.GA), Sequencer(journal, lambda last: "{}"),
                is_stale=lambda it: it.kind is Kind.STREAM and it.epoch is not None and it.epoch < epoch["now"],
                on_drop=dropped.append)
     pair = ({"type": "response.output_audio.delta", "response_id": "r", "delta": ""},
@@ -113,10 +115,12 @@ async def test_writer_drops_stale_epoch_pairs_as_a_unit_without_consuming_seq() 
     outbox.put(OutItem(events=pair, kind=Kind.STREAM, epoch=0, response_id="r"))
     outbox.put(OutItem(events=({"type": "x.after"},), close=(1000, "done")))
     epoch["now"] = 1  # a cancellation accepted after the pair was queued, before it was sent
+    w.attach(sock, 1)
     await asyncio.wait_for(w.run(), 1)
     assert [e.get("type") for e in sock.sent[:-1]] == ["x.before", "x.after"]
     assert [e["server_event_seq"] for e in sock.sent[:-1]] == [1, 2]  # S-2: no seq consumed by the drop
     assert dropped == ["response.output_audio.delta", "response.output_audio_transcript.delta"]
+    assert len(journal) == 2  # J-1: both sequenced events were journaled
 
 
 async def test_stale_runtime_output_after_cancel_never_reaches_the_client() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.session.overlap import decide
+from gateway.vad.overlap import OverlapChunk, OverlapEpisode
 from tests.gateway.fake_runtime import Speak
 from tests.gateway.harness import append
 from tests.gateway.scenario import assert_conformant, close, session, stream_units, types
@@ -20,9 +20,11 @@ from tests.gateway.scenario import assert_conformant, close, session, stream_uni
     ("barge_in_on_speech", True, 1200, ("barge_in", "long_overlap_speech")),
 ])
 def test_policy_table(policy: str, speech: bool, ms: float, expect: tuple[str, str]) -> None:
-    v = decide(policy, client=None, is_speech=speech, overlap_ms=ms, short_ack_ms=700, barge_in_ms=1200,
-               auto_response=True)
-    assert (v.action, v.reason) == expect
+    episode = OverlapEpisode()
+    if not speech:  # an episode with earlier speech, then this silent chunk
+        episode.decide(OverlapChunk(True, ms), policy=policy, short_ack_ms=700, barge_in_ms=1200)
+    d = episode.decide(OverlapChunk(speech, ms if speech else 20), policy=policy, short_ack_ms=700, barge_in_ms=1200)
+    assert (d.action, d.reason) == expect
 
 
 async def _speaking(c, rt) -> None:  # noqa: ANN001

@@ -1,0 +1,68 @@
+"""Run the gateway under uvicorn with a graceful drain: `python -m gateway.serving --host H --port P`.
+
+Plain uvicorn closes every WebSocket (1012) before the app's lifespan shutdown runs, so sessions could not say
+goodbye. `DrainingServer` first drains the gateway (`GatewayState.drain`: `session.closed{shutdown}`, close
+1001, /ready red, new sessions refused), then lets uvicorn shut down as usual.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import socket
+
+import uvicorn
+
+from gateway.settings import GatewaySettings
+from gateway.state import GatewayState
+from gateway.ws.messages import Shutdown
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8000
+
+
+async def drain(state: GatewayState) -> None:
+    """Graceful stop, before the server closes its sockets: /ready turns red and new sessions are refused,
+    every live session ends with `session.closed{shutdown}` and close 1001 (bounded by close_ack_timeout_s)."""
+    state.draining = True
+    for live in list(state.sessions.values()):
+        live.post(Shutdown())
+    if state.tasks:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(state.settings.close_ack_timeout_s):
+                await asyncio.gather(*state.tasks, return_exceptions=True)
+
+
+class DrainingServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, state: GatewayState) -> None:
+        super().__init__(config)
+        self.gateway_state = state
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        await drain(self.gateway_state)
+        await super().shutdown(sockets)
+
+
+def build(host: str, port: int, log_level: str = "info") -> DrainingServer:
+    from gateway.app import create_app  # noqa: PLC0415 - the app imports `drain` from here
+
+    settings = GatewaySettings.from_env()
+    app = create_app(settings.model_copy(update={"bind_host": host}))  # auth policy follows the real bind
+    state: GatewayState = app.state.gateway
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
+                            ws_max_size=state.settings.ws_max_message_bytes)
+    return DrainingServer(config, state)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m gateway.serving", description=__doc__.split("\n\n")[0])
+    p.add_argument("--host", default=DEFAULT_HOST)
+    p.add_argument("--port", type=int, default=DEFAULT_PORT)
+    p.add_argument("--log-level", default="info")
+    args = p.parse_args(argv)
+    build(args.host, args.port, args.log_level).run()
+
+
+if __name__ == "__main__":
+    main()
