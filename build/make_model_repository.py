@@ -1,0 +1,182 @@
+"""Turn a checkpoint directory and a deploy profile into a ready Triton model repository.
+
+    python build/make_model_repository.py --checkpoint DIR --profile deploy/profiles/default.yaml --out OUT
+
+OUT gets one folder per model (stage0, tts, token2wav, duplex) with a generated config.pbtxt
+(instances, max sessions as max_batch_size + parameters, device, dtype, KV window, checkpoint path,
+sequence idle timeout) and the model.py copied from model_repository/, plus serve.json, a summary the
+launcher reads. The profile is validated first: a bad value exits 2 with a message naming the field.
+The checked-in model_repository/*/config.pbtxt are this script's output for the default profile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SOURCE = REPO_ROOT / "model_repository"
+STAGES = ("stage0", "tts", "token2wav")
+PIPELINE = "duplex"
+MODELS = (*STAGES, PIPELINE)
+ENGINE_FACTORIES = {
+    "loopback": dict.fromkeys(STAGES, "model_repository.common.loopback:make_engine"),
+    "torch": {s: f"model_repository.common.bridges:{s}" for s in STAGES},
+}
+PIPELINE_FACTORY = "model_repository.common.pipeline:PipelineModel"  # informational: BLS, no engine
+DEFAULT_CHECKPOINT = "/checkpoints/MiniCPM-o-4_5"
+US_PER_S = 1_000_000
+
+
+class ProfileError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class DeployProfile:
+    engine: str = "torch"
+    device: str = "cpu"
+    dtype: str = "float32"
+    max_sessions: int = 4
+    kv_window: int = 4096
+    session_idle_ttl_s: float = 300.0
+    sequence_idle_timeout_s: float = 360.0
+    stage0_instances: int = 1
+    tts_instances: int = 1
+    token2wav_instances: int = 1
+    pipeline_instances: int = 1
+
+    def __post_init__(self) -> None:
+        checks = {
+            "engine": self.engine in ENGINE_FACTORIES,
+            "device": self.device.split(":")[0] in ("cpu", "cuda"),
+            "dtype": self.dtype in ("float32", "bfloat16", "float16"),
+            "max_sessions": _positive_int(self.max_sessions),
+            "kv_window": _positive_int(self.kv_window),
+            "session_idle_ttl_s": _positive_number(self.session_idle_ttl_s),
+            "sequence_idle_timeout_s": _positive_number(self.sequence_idle_timeout_s)
+            and self.sequence_idle_timeout_s >= self.session_idle_ttl_s,
+            **{f"{s}_instances": _positive_int(getattr(self, f"{s}_instances")) for s in (*STAGES, "pipeline")},
+        }
+        for name, ok in checks.items():
+            if not ok:
+                raise ProfileError(f"deploy profile field {name!r} has a bad value {getattr(self, name)!r}"
+                                   + _HINTS.get(name, ""))
+
+    @classmethod
+    def load(cls, path: Path, **overrides: Any) -> DeployProfile:
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except (OSError, yaml.YAMLError) as exc:
+            raise ProfileError(f"deploy profile {path}: cannot read: {exc}") from exc
+        if not isinstance(data, dict):
+            raise ProfileError(f"deploy profile {path}: top level must be a mapping")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ProfileError(f"deploy profile {path}: unknown field {unknown[0]!r} (known: {', '.join(sorted(known))})")
+        data.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**data)
+
+
+_HINTS = {
+    "engine": f" (one of {sorted(ENGINE_FACTORIES)})",
+    "device": " (cpu, cuda or cuda:N)",
+    "dtype": " (float32, bfloat16 or float16)",
+    "sequence_idle_timeout_s": " (must be a number >= session_idle_ttl_s)",
+}
+
+
+def _positive_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+
+def _positive_number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and v > 0
+
+
+def _io_block() -> str:
+    inputs = [("OP", "TYPE_STRING", "1", False), ("FENCE", "TYPE_INT64", "3", False),
+              ("NEXT_FENCE", "TYPE_INT64", "3", True), ("PCM", "TYPE_FP32", "-1", True),
+              ("FRAMES", "TYPE_STRING", "-1", True), ("FORCE_LISTEN", "TYPE_BOOL", "1", True),
+              ("CONFIG", "TYPE_STRING", "1", True), ("TOKENS", "TYPE_INT64", "-1", True),
+              ("HIDDEN", "TYPE_FP32", "-1", True)]
+    outputs = [("EVENT", "TYPE_STRING", "1"), ("AUDIO", "TYPE_INT16", "-1"), ("TOKENS", "TYPE_INT64", "-1"),
+               ("HIDDEN", "TYPE_FP32", "-1")]
+    ins = ",\n".join(f'  {{ name: "{n}" data_type: {t} dims: [ {d} ]{" optional: true" if o else ""} }}'
+                     for n, t, d, o in inputs)
+    outs = ",\n".join(f'  {{ name: "{n}" data_type: {t} dims: [ {d} ] }}' for n, t, d in outputs)
+    return f"input [\n{ins}\n]\noutput [\n{outs}\n]\n"
+
+
+def render_config(model: str, profile: DeployProfile, checkpoint: str) -> str:
+    """config.pbtxt text of one model (decoupled Python backend, sequence batching, UINT64 CORRID)."""
+    kind = "KIND_GPU" if profile.device.startswith("cuda") else "KIND_CPU"
+    instances = getattr(profile, f"{model}_instances" if model != PIPELINE else "pipeline_instances")
+    params = {"stage": model, "checkpoint_dir": checkpoint, "device": profile.device, "dtype": profile.dtype,
+              "max_sessions": str(profile.max_sessions), "kv_window": str(profile.kv_window),
+              "session_idle_ttl_s": str(profile.session_idle_ttl_s)}
+    params["engine_factory"] = ENGINE_FACTORIES[profile.engine][model] if model != PIPELINE else PIPELINE_FACTORY
+    param_text = ",\n".join(f'  {{ key: "{k}" value: {{ string_value: "{v}" }} }}' for k, v in params.items())
+    idle_us = int(profile.sequence_idle_timeout_s * US_PER_S)
+    return (
+        f"# Generated by build/make_model_repository.py; edit the deploy profile, not this file.\n"
+        f'name: "{model}"\nbackend: "python"\nmax_batch_size: {profile.max_sessions}\n'
+        f"model_transaction_policy {{ decoupled: true }}\n"
+        f"sequence_batching {{\n  max_sequence_idle_microseconds: {idle_us}\n  direct {{ }}\n  control_input [\n"
+        f'    {{ name: "START" control [ {{ kind: CONTROL_SEQUENCE_START int32_false_true: [ 0, 1 ] }} ] }},\n'
+        f'    {{ name: "END" control [ {{ kind: CONTROL_SEQUENCE_END int32_false_true: [ 0, 1 ] }} ] }},\n'
+        f'    {{ name: "CORRID" control [ {{ kind: CONTROL_SEQUENCE_CORRID data_type: TYPE_UINT64 }} ] }}\n'
+        f"  ]\n}}\n{_io_block()}"
+        f"instance_group [ {{ count: {instances} kind: {kind} }} ]\n"
+        f"parameters [\n{param_text}\n]\n"
+    )
+
+
+def build_repository(checkpoint: str, profile: DeployProfile, out: Path, models: tuple[str, ...] = MODELS) -> Path:
+    if out.exists():
+        shutil.rmtree(out)
+    for model in models:
+        (out / model / "1").mkdir(parents=True)
+        (out / model / "config.pbtxt").write_text(render_config(model, profile, checkpoint))
+        shutil.copy2(SOURCE / model / "1" / "model.py", out / model / "1" / "model.py")
+    summary = {"models": list(models), "checkpoint": checkpoint, "profile": asdict(profile)}
+    (out / "serve.json").write_text(json.dumps(summary, indent=2))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--checkpoint", default=DEFAULT_CHECKPOINT, help="checkpoint directory (config.json, weights)")
+    ap.add_argument("--profile", type=Path, default=REPO_ROOT / "deploy" / "profiles" / "default.yaml")
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--check", action="store_true", help="only validate the profile")
+    ap.add_argument("--json", action="store_true", help="with --check: print the profile as JSON")
+    ap.add_argument("--max-sessions", type=int, default=None)
+    ap.add_argument("--engine", default=None, help="override the profile's engine (torch | loopback)")
+    args = ap.parse_args(argv)
+    try:
+        profile = DeployProfile.load(args.profile, max_sessions=args.max_sessions, engine=args.engine)
+    except (ProfileError, TypeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.check:
+        print(json.dumps(asdict(profile)) if args.json else f"deploy profile {args.profile} is valid")
+        return 0
+    if args.out is None:
+        ap.error("--out is required")
+    ckpt = str(Path(args.checkpoint).resolve()) if args.checkpoint != DEFAULT_CHECKPOINT else args.checkpoint
+    build_repository(ckpt, profile, args.out)
+    print(f"model repository ready: {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

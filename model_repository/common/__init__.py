@@ -1,0 +1,5 @@
+"""Code shared by the Triton Python-backend models: request codec, fence table, decoupled adapter.
+
+Reached by the backend stub through PYTHONPATH (the repo root), so the stage models do not copy it.
+Nothing here imports torch; only `adapter` and `pipeline` import `triton_python_backend_utils`.
+"""

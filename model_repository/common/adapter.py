@@ -1,0 +1,151 @@
+"""The decoupled, sequence-keyed Python-backend adapter every stage model subclasses.
+
+`initialize` validates the config and starts the engine; `execute` parses, checks the fence and hands
+each request to the engine with a ResponseSink, then returns None (decoupled); one response thread
+owns every `response_sender.send`; every request ends with exactly one FINAL flag, also after an
+error, a client cancel or an unload; `finalize` stops the engine and drains with a sentinel.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+import traceback
+from typing import Any, Protocol
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from .codec import (
+    INPUT_NAMES,
+    RequestError,
+    StageOutput,
+    StageRequest,
+    error_output,
+    output_arrays,
+    parse_request,
+)
+from .sessions import SessionTable
+from .settings import StageSettings, load_factory
+from .workarounds import pin_object_dtype
+
+_SENTINEL = object()
+
+
+class ResponseSink:
+    """One request's way back: `emit` any number of outputs, then `close` once (sends FINAL)."""
+
+    def __init__(self, sender: Any, outbox: queue.Queue[Any], live: set[ResponseSink], lock: threading.Lock) -> None:
+        self._sender, self._outbox, self._live, self._lock = sender, outbox, live, lock
+        self.closed = False
+        self.cancelled = False  # set by the response thread when the client cancelled the request
+
+    def emit(self, out: StageOutput) -> None:
+        if not self.closed:
+            self._outbox.put((self, out))
+
+    def close(self) -> None:
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            self._live.discard(self)
+        self._outbox.put((self, None))
+
+
+class StageEngine(Protocol):
+    """What the adapter needs from an engine; `submit` must not block (the engine thread does work)."""
+
+    def start(self) -> None: ...
+
+    def submit(self, req: StageRequest, sink: ResponseSink) -> None: ...
+
+    def drop(self, corrid: int) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+class DecoupledStageModel:
+    """Subclass as `TritonPythonModel` in a model.py; nothing else is needed per stage."""
+
+    def initialize(self, args: dict[str, Any]) -> None:
+        pin_object_dtype()
+        model_config = json.loads(args["model_config"])
+        if not pb_utils.using_decoupled_model_transaction_policy(model_config):
+            raise pb_utils.TritonModelException(f"{args['model_name']}: must be decoupled (model_transaction_policy)")
+        self.settings = StageSettings.from_model_config(model_config)
+        self.sessions = SessionTable(self.settings.max_sessions, self.settings.session_idle_ttl_s)
+        self.engine: StageEngine = load_factory(self.settings.engine_factory)(self.settings)
+        self._outbox: queue.Queue[Any] = queue.Queue()
+        self._live: set[ResponseSink] = set()
+        self._lock = threading.Lock()
+        self._sender_thread = threading.Thread(target=self._send_loop, name=f"{self.settings.stage}-responses",
+                                               daemon=True)
+        self._sender_thread.start()
+        self.engine.start()
+
+    def execute(self, requests: list[Any]) -> None:
+        for corrid in self.sessions.expire_idle():
+            self.engine.drop(corrid)
+        for request in requests:
+            sink = ResponseSink(request.get_response_sender(), self._outbox, self._live, self._lock)
+            with self._lock:
+                self._live.add(sink)
+            try:
+                req = parse_request(lambda name, r=request: _input(r, name), *_sequence(request))
+                self.sessions.admit(req)
+                self.engine.submit(req, sink)
+                if req.op == "close":
+                    self.engine.drop(req.corrid)
+            except RequestError as exc:
+                sink.emit(error_output(exc.code, exc.message))
+                sink.close()
+            except Exception as exc:  # noqa: BLE001 - an exception fails only this request
+                sink.emit(error_output("internal_error", f"{type(exc).__name__}: {exc}"))
+                sink.close()
+                pb_utils.Logger.log_error(traceback.format_exc())
+        return None
+
+    def finalize(self) -> None:
+        self.engine.stop()
+        with self._lock:
+            live = list(self._live)
+        for sink in live:
+            sink.emit(error_output("internal_error", "model is unloading"))
+            sink.close()
+        self._outbox.put(_SENTINEL)
+        self._sender_thread.join()
+
+    def _send_loop(self) -> None:
+        while (item := self._outbox.get()) is not _SENTINEL:
+            sink, out = item
+            sender = sink._sender
+            try:
+                if out is None:
+                    sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                    continue
+                if sink.cancelled or sender.is_cancelled():
+                    sink.cancelled = True  # engines may poll this to stop early; FINAL still follows
+                    continue
+                tensors = [pb_utils.Tensor(k, v) for k, v in output_arrays(out).items()]
+                sender.send(pb_utils.InferenceResponse(output_tensors=tensors))
+            except Exception:  # noqa: BLE001 - a dead stream must not stop other sessions' responses
+                pb_utils.Logger.log_error(traceback.format_exc())
+
+
+def _input(request: Any, name: str) -> Any:
+    """A copy of one input: `as_numpy` views shared memory that Triton frees once execute returns."""
+    tensor = pb_utils.get_input_tensor_by_name(request, name) if name in INPUT_NAMES else None
+    return None if tensor is None else np.array(tensor.as_numpy(), copy=True)
+
+
+def _control(request: Any, name: str) -> int:
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    return 0 if tensor is None else int(tensor.as_numpy().reshape(-1)[0])
+
+
+def _sequence(request: Any) -> tuple[int, bool, bool]:
+    """(CORRELATION_ID, START, END) from the sequence batcher's control inputs."""
+    corrid = _control(request, "CORRID") or int(request.correlation_id() or 0)
+    return corrid, bool(_control(request, "START")), bool(_control(request, "END"))

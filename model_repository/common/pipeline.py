@@ -1,0 +1,167 @@
+"""The `duplex` pipeline model: per-session decoupled BLS chaining stage0 -> tts -> token2wav.
+
+`execute` runs each request to its end on the stub's execute thread, forwarding every stage event
+to the client as it arrives: an `append` streams stage0's events; each `tts_input` payload goes to
+tts and each `audio_tokens` payload on to token2wav, whose `audio` events (PCM in AUDIO) reach the
+client before stage0's `unit_done`. Payload-only events never reach the client.
+
+Synchronous on purpose: one instance runs one request at a time, so there is no lock and no
+thread touching pb_utils besides the execute thread. Concurrency across sessions comes from
+`pipeline_instances` stub processes (a sequence stays on one instance) and the stage engines batch
+across them. A cancel waits for the unit in flight on its own sequence; the sequence batcher would
+hold it back until then anyway. Every tensor taken from a request or a BLS response is copied: the
+views from `as_numpy` point into shared memory that is freed under us (that use-after-free
+crashed the stub under concurrent sessions, see docs/triton.md).
+"""
+
+from __future__ import annotations
+
+import json
+import traceback
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from .adapter import _input, _sequence
+from .codec import (
+    OUTPUT_NAMES,
+    RequestError,
+    StageOutput,
+    StageRequest,
+    error_output,
+    output_arrays,
+    parse_request,
+    request_arrays,
+)
+from .sessions import SessionTable
+from .settings import StageSettings
+from .workarounds import pin_object_dtype
+
+STAGE0, TTS, TOKEN2WAV = "stage0", "tts", "token2wav"
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+def _bls(model: str, req: StageRequest, fence: tuple[int, int, int], **payload: Any) -> Any:
+    """A BLS request to a stage on the session's sequence (same CORRELATION_ID, START/END from req)."""
+    arrays = request_arrays(req.op, fence, next_fence=req.next_fence, config=payload.pop("config", req.config),
+                            **payload)
+    flags = (pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START if req.start else 0) | (
+        pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END if req.end else 0)
+    return pb_utils.InferenceRequest(model_name=model, inputs=[pb_utils.Tensor(k, v) for k, v in arrays.items()],
+                                     requested_output_names=list(OUTPUT_NAMES), correlation_id=req.corrid,
+                                     flags=flags)
+
+
+def _outputs(model: str, responses: Any) -> Iterator[StageOutput]:
+    """Consume a decoupled BLS response iterator; NOTE: callers must not await while it is live."""
+    for resp in responses:
+        if resp.has_error():
+            raise RequestError("internal_error", f"{model}: {resp.error().message()}")
+        if not resp.output_tensors():
+            continue  # the empty response carrying FINAL
+        # Copies: the arrays outlive `resp`, whose shared memory goes when the iterator moves on.
+        out = {n: np.array(pb_utils.get_output_tensor_by_name(resp, n).as_numpy(), copy=True) for n in OUTPUT_NAMES}
+        yield StageOutput(json.loads(out["EVENT"].reshape(-1)[0]), audio=out["AUDIO"].reshape(-1),
+                          tokens=out["TOKENS"].reshape(-1), hidden=out["HIDDEN"].reshape(-1))
+
+
+def _call(model: str, req: StageRequest, fence: tuple[int, int, int], **payload: Any) -> Iterator[StageOutput]:
+    return _outputs(model, _bls(model, req, fence, **payload).exec(decoupled=True))
+
+
+class _Client:
+    """One request's response sender; FINAL is sent exactly once, by `finish`."""
+
+    def __init__(self, sender: Any) -> None:
+        self.sender, self.done = sender, False
+
+    def emit(self, out: StageOutput) -> None:
+        if self.done or self.sender.is_cancelled():
+            return  # a cancelled request still gets FINAL from `finish`
+        tensors = [pb_utils.Tensor(k, v) for k, v in output_arrays(out).items()]
+        self.sender.send(pb_utils.InferenceResponse(output_tensors=tensors))
+
+    def finish(self) -> None:
+        if not self.done:
+            self.done = True
+            self.sender.send(flags=FINAL)
+
+
+class PipelineModel:
+    def initialize(self, args: dict[str, Any]) -> None:
+        pin_object_dtype()
+        model_config = json.loads(args["model_config"])
+        if not pb_utils.using_decoupled_model_transaction_policy(model_config):
+            raise pb_utils.TritonModelException(f"{args['model_name']}: must be decoupled (model_transaction_policy)")
+        self.settings = StageSettings.from_model_config(model_config)
+        self.sessions = SessionTable(self.settings.max_sessions, self.settings.session_idle_ttl_s)
+        self._seq: dict[tuple[int, str], int] = {}  # stage-internal append_seq per (session, stage)
+
+    def execute(self, requests: list[Any]) -> None:
+        for corrid in self.sessions.expire_idle():
+            self._forget(corrid)
+        for request in requests:
+            self._run(request, _Client(request.get_response_sender()))
+        return None
+
+    def finalize(self) -> None:
+        self._seq.clear()
+
+    def _forget(self, corrid: int) -> None:
+        for stage in (TTS, TOKEN2WAV):
+            self._seq.pop((corrid, stage), None)
+
+    def _next_fence(self, req: StageRequest, stage: str) -> tuple[int, int, int]:
+        seq = self._seq[(req.corrid, stage)] = self._seq.get((req.corrid, stage), 0) + 1
+        return (req.fence[0], req.fence[1], seq)
+
+    def _run(self, request: Any, client: _Client) -> None:
+        req = None
+        try:
+            req = parse_request(lambda name: _input(request, name), *_sequence(request))
+            self.sessions.admit(req)
+            if req.op == "append":
+                self._append(req, client)
+            else:
+                self._broadcast(req, client)
+        except RequestError as exc:
+            client.emit(error_output(exc.code, exc.message))
+        except Exception as exc:  # noqa: BLE001 - fails only this request
+            client.emit(error_output("internal_error", f"{type(exc).__name__}: {exc}"))
+            pb_utils.Logger.log_error(traceback.format_exc())
+        finally:
+            if req is not None and req.op == "close":
+                self._forget(req.corrid)
+            client.finish()
+
+    def _broadcast(self, req: StageRequest, client: _Client) -> None:
+        """open/update/cancel/close go to every stage; the client sees stage0's events and any error."""
+        for model in (STAGE0, TTS, TOKEN2WAV):
+            for out in _call(model, req, req.fence):
+                if model == STAGE0 or out.event.get("type") == "error":
+                    client.emit(out)
+
+    def _append(self, req: StageRequest, client: _Client) -> None:
+        for out in _call(STAGE0, req, req.fence, pcm=req.pcm, frames=req.frames, force_listen=req.force_listen):
+            if out.event.get("type") == "tts_input":
+                self._speak(req, out, client)
+            else:
+                client.emit(StageOutput(out.event))
+
+    def _speak(self, req: StageRequest, tts_in: StageOutput, client: _Client) -> None:
+        unit = tts_in.event.get("unit")
+        sub = StageRequest(corrid=req.corrid, op="append", fence=req.fence)
+        for tts_out in _call(TTS, sub, self._next_fence(req, TTS), tokens=tts_in.tokens,
+                             hidden=_or_none(tts_in.hidden), config={"unit": unit}):
+            if tts_out.event.get("type") != "audio_tokens":
+                client.emit(StageOutput(tts_out.event))
+                continue
+            for wav in _call(TOKEN2WAV, sub, self._next_fence(req, TOKEN2WAV), tokens=tts_out.tokens,
+                             config={"unit": unit}):
+                client.emit(StageOutput(wav.event, audio=wav.audio))
+
+
+def _or_none(arr: np.ndarray | None) -> np.ndarray | None:
+    return arr if arr is not None and arr.size else None

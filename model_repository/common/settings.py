@@ -1,0 +1,69 @@
+"""Model-config parameters of a stage, validated once in `initialize` (frozen, typed)."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+DEVICES = ("cpu", "cuda")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+class ConfigError(ValueError):
+    """A bad model-config parameter: Triton shows it as the model's load error."""
+
+
+@dataclass(frozen=True)
+class StageSettings:
+    stage: str
+    engine_factory: str  # "module:callable" returning a StageEngine
+    checkpoint_dir: str
+    device: str
+    dtype: str
+    max_sessions: int
+    kv_window: int
+    session_idle_ttl_s: float
+
+    def __post_init__(self) -> None:
+        if self.device.split(":")[0] not in DEVICES:
+            raise ConfigError(f"parameter device={self.device!r} must be one of {DEVICES} (optionally cuda:N)")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"parameter dtype={self.dtype!r} must be one of {DTYPES}")
+        for name in ("max_sessions", "kv_window"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"parameter {name} must be >= 1, got {getattr(self, name)}")
+        if self.session_idle_ttl_s <= 0:
+            raise ConfigError(f"parameter session_idle_ttl_s must be > 0, got {self.session_idle_ttl_s}")
+        if ":" not in self.engine_factory:
+            raise ConfigError(f"parameter engine_factory={self.engine_factory!r} must look like 'module:callable'")
+
+    @classmethod
+    def from_model_config(cls, model_config: dict[str, Any]) -> StageSettings:
+        params = {k: v.get("string_value", "") for k, v in model_config.get("parameters", {}).items()}
+
+        def need(name: str) -> str:
+            if not params.get(name):
+                raise ConfigError(f"model {model_config.get('name')!r}: missing parameter {name!r} in config.pbtxt")
+            return params[name]
+
+        def number(name: str, kind: Callable[[str], Any]) -> Any:
+            try:
+                return kind(need(name))
+            except ValueError as exc:
+                raise ConfigError(f"parameter {name}={params[name]!r} is not a {kind.__name__}") from exc
+
+        return cls(
+            stage=need("stage"), engine_factory=need("engine_factory"), checkpoint_dir=params.get("checkpoint_dir", ""),
+            device=need("device"), dtype=need("dtype"), max_sessions=number("max_sessions", int),
+            kv_window=number("kv_window", int), session_idle_ttl_s=number("session_idle_ttl_s", float),
+        )
+
+
+def load_factory(spec: str) -> Callable[..., Any]:
+    module_name, _, attr = spec.partition(":")
+    try:
+        return getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(f"engine_factory {spec!r} cannot be imported: {exc}") from exc

@@ -1,0 +1,72 @@
+"""build/make_model_repository.py: profile validation and the generated config (no server)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from build.make_model_repository import (
+    DEFAULT_CHECKPOINT,
+    MODELS,
+    SOURCE,
+    DeployProfile,
+    ProfileError,
+    render_config,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("field,value", [("max_sessions", 0), ("device", "tpu"), ("dtype", "int8"),
+                                         ("engine", "magic"), ("kv_window", -5), ("stage0_instances", True)])
+def test_bad_profile_value_names_the_field(field: str, value: object) -> None:
+    with pytest.raises(ProfileError, match=repr(field)):
+        DeployProfile(**{field: value})
+
+
+def test_idle_timeout_must_cover_session_ttl() -> None:
+    with pytest.raises(ProfileError, match="sequence_idle_timeout_s"):
+        DeployProfile(session_idle_ttl_s=300, sequence_idle_timeout_s=100)
+
+
+def test_unknown_profile_field_is_rejected(tmp_path: Path) -> None:
+    bad = tmp_path / "p.yaml"
+    bad.write_text("max_sesions: 3\n")
+    with pytest.raises(ProfileError, match="max_sesions"):
+        DeployProfile.load(bad)
+
+
+def test_cli_exit_2_with_field_name(tmp_path: Path) -> None:
+    bad = tmp_path / "p.yaml"
+    bad.write_text("dtype: int3\n")
+    done = subprocess.run([sys.executable, str(REPO / "build" / "make_model_repository.py"), "--check",
+                           "--profile", str(bad)], capture_output=True, text=True, check=False)
+    assert done.returncode == 2
+    assert "'dtype'" in done.stderr
+
+
+def test_config_carries_profile_values() -> None:
+    profile = DeployProfile(max_sessions=7, kv_window=1234, device="cuda:1", dtype="bfloat16", tts_instances=3,
+                            sequence_idle_timeout_s=400)
+    text = render_config("tts", profile, "/ckpt")
+    assert "max_batch_size: 7" in text
+    assert "count: 3 kind: KIND_GPU" in text
+    assert 'key: "kv_window" value: { string_value: "1234" }' in text
+    assert 'key: "checkpoint_dir" value: { string_value: "/ckpt" }' in text
+    assert "max_sequence_idle_microseconds: 400000000" in text
+    assert "data_type: TYPE_UINT64" in text and "decoupled: true" in text
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_checked_in_configs_match_the_builder(model: str) -> None:
+    """model_repository/*/config.pbtxt are the builder's output for deploy/profiles/default.yaml."""
+    profile = DeployProfile.load(REPO / "deploy" / "profiles" / "default.yaml")
+    assert (SOURCE / model / "config.pbtxt").read_text() == render_config(model, profile, DEFAULT_CHECKPOINT)
+
+
+@pytest.mark.parametrize("name", ["default.yaml", "loopback.yaml", "h200.yaml"])
+def test_shipped_profiles_are_valid(name: str) -> None:
+    DeployProfile.load(REPO / "deploy" / "profiles" / name)

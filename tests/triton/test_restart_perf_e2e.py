@@ -1,0 +1,59 @@
+"""A tritonserver restart is seen by the client; a short perf_analyzer run completes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from clients.triton_example import FIRST_UNIT_SAMPLES, TritonSession, TritonUnavailable
+from gateway.launcher import TritonInstall
+
+from .conftest import free_ports, start_server
+
+pytestmark = pytest.mark.e2e
+REPO = Path(__file__).resolve().parents[2]
+PERF_TIMEOUT_S = 120
+
+
+def test_restart_is_detected_and_reported(triton_install: TritonInstall, loopback_repo: Path,
+                                          tmp_path: Path) -> None:
+    ports = free_ports()
+    server = start_server(triton_install, loopback_repo, tmp_path / "a.log", ports=ports)
+    session = TritonSession(server.grpc_url, model="duplex")
+    try:
+        session.request("open", (1, 1, 0))
+        server.stop(grace_s=0.5)
+        with pytest.raises(TritonUnavailable, match="triton_unavailable"):
+            session.request("append", (1, 1, 1), pcm=np.zeros(FIRST_UNIT_SAMPLES, np.float32), timeout_s=10)
+    finally:
+        session.close()
+    server = start_server(triton_install, loopback_repo, tmp_path / "b.log", ports=ports)
+    try:
+        again = TritonSession(server.grpc_url, model="duplex", corrid=session.corrid)
+        try:  # the old session's state is gone with the old server
+            with pytest.raises(KeyError, match="session_not_found"):
+                again.request("append", (1, 1, 1), pcm=np.zeros(FIRST_UNIT_SAMPLES, np.float32))
+            assert again.request("open", (1, 1, 0)).of_type("opened")
+        finally:
+            again.close()
+    finally:
+        server.stop()
+
+
+def test_perf_analyzer_short_run(triton_install: TritonInstall, loopback_repo: Path, tmp_path: Path) -> None:
+    server = start_server(triton_install, loopback_repo, tmp_path / "t.log", models=("stage0",))
+    try:
+        env = {**os.environ, "TRITON_GRPC_URL": server.grpc_url, "PA_MEASURE_MS": "1000", "PA_CONCURRENCY": "2"}
+        done = subprocess.run(["bash", "bench/perf_analyzer.sh", "stage0", "--sequence-length", "4",
+                               "--max-trials", "6", "-s", "200", "-f", str(tmp_path / "pa.csv")],
+                              cwd=REPO, env=env, capture_output=True, text=True, timeout=PERF_TIMEOUT_S, check=False)
+    finally:
+        server.stop()
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert "Concurrency: 2, throughput:" in done.stdout
+    rows = (tmp_path / "pa.csv").read_text().splitlines()
+    assert len(rows) == 2 and float(rows[1].split(",")[1]) > 0  # inferences/s
