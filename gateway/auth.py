@@ -30,6 +30,11 @@ KEY_SUBPROTOCOL_PREFIX = "openai-insecure-api-key."
 ECHO_SUBPROTOCOLS = ("realtime", "openai-beta.realtime-v1")
 PUBLIC_HTTP_PATHS = frozenset({"/health", "/ready", "/metrics"})  # probes and scrapers carry no key
 HTTP_STATUS = {"invalid_api_key": 401, "origin_not_allowed": 403}
+AUTH_MODES = ("auto", "required", "off")
+
+
+class AuthConfigError(ValueError):
+    """The auth settings cannot serve safely; startup stops with this message (it names the variable)."""
 
 
 def is_loopback(host: str) -> bool:
@@ -44,15 +49,28 @@ def is_loopback(host: str) -> bool:
 @dataclass(frozen=True, slots=True)
 class AuthConfig:
     api_keys: tuple[str, ...] = field(default=(), repr=False)
-    allowed_origins: tuple[str, ...] = ()  # exact `scheme://host[:port]`; empty or "*" = any origin
+    allowed_origins: tuple[str, ...] = ()  # exact `scheme://host[:port]` besides our own; "*" = any origin
     required: bool = False
 
     @classmethod
-    def build(cls, bind_host: str, api_keys: Iterable[str] = (), allowed_origins: Iterable[str] = ()) -> AuthConfig:
+    def build(cls, bind_host: str, api_keys: Iterable[str] = (), allowed_origins: Iterable[str] = (),
+              mode: str = "auto") -> AuthConfig:
+        """`mode` (DUPLEX_AUTH): `auto` requires a key when one is configured and refuses to start
+        without one on a non-loopback bind; `required` always needs a key; `off` serves without
+        authentication on purpose (refused if a key is configured, so a key is never silently unused)."""
         keys = tuple(k for k in api_keys if k)
-        if not keys and not is_loopback(bind_host):
-            log.warning("gateway bound to %s without an API key: put it behind an authenticating proxy", bind_host)
-        return cls(keys, tuple(o.rstrip("/").lower() for o in allowed_origins if o), required=bool(keys))
+        if mode not in AUTH_MODES:
+            raise AuthConfigError(f"DUPLEX_AUTH: expected one of {AUTH_MODES}, got {mode!r}")
+        if mode == "off":
+            if keys:
+                raise AuthConfigError("DUPLEX_AUTH=off but DUPLEX_API_KEYS is set: remove one of them")
+            log.warning("authentication is off (DUPLEX_AUTH=off) on %s", bind_host)
+        elif not keys and (mode == "required" or not is_loopback(bind_host)):
+            raise AuthConfigError(
+                f"no API key configured while bound to {bind_host}: set DUPLEX_API_KEYS, "
+                "or DUPLEX_AUTH=off to serve without authentication on purpose")
+        origins = tuple(o.rstrip("/").lower() for o in allowed_origins if o)
+        return cls(keys, origins, required=bool(keys))
 
 
 def _error(code: str, message: str) -> ProtocolError:
@@ -94,22 +112,28 @@ class Authenticator:
             ok |= hmac.compare_digest(d, ref)
         return ok
 
-    def origin_ok(self, origin: str | None) -> bool:
+    def origin_ok(self, origin: str | None, host: str | None = None) -> bool:
+        """Browsers: the gateway's own origin (the demo page) or a listed one; `*` allows any.
+        Non-browser clients send no Origin. Checked even without keys, so that a key-less loopback
+        gateway cannot be driven by another web page open in the same browser."""
         allowed = self.config.allowed_origins
-        if origin is None or not allowed or "*" in allowed:
-            return True  # non-browser clients send no Origin
-        return origin.rstrip("/").lower() in allowed
+        if origin is None or "*" in allowed:
+            return True
+        origin = origin.rstrip("/").lower()
+        if host and origin.partition("://")[2] == host.lower():
+            return True
+        return origin in allowed
 
     def check_http(self, headers: Mapping[str, str]) -> None:
         """Raises ProtocolError(invalid_api_key | origin_not_allowed). `headers` keys lower-case."""
-        if not self.origin_ok(headers.get("origin")):
+        if not self.origin_ok(headers.get("origin"), headers.get("host")):
             raise _error("origin_not_allowed", "origin not allowed")
         if not self.key_ok(bearer_key(headers)):
             raise _error("invalid_api_key", "missing or invalid API key")
 
     def check_websocket(self, headers: Mapping[str, str], subprotocols: Sequence[str]) -> str | None:
         """WebSocket upgrade: header or subprotocol key. Returns the subprotocol to echo (or None)."""
-        if not self.origin_ok(headers.get("origin")):
+        if not self.origin_ok(headers.get("origin"), headers.get("host")):
             raise _error("origin_not_allowed", "origin not allowed")
         key = bearer_key(headers) or subprotocol_key(subprotocols)
         if not self.key_ok(key):

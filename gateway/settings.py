@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -57,7 +57,8 @@ class GatewaySettings(BaseModel):
     cleanup_retry_base_s: float = Field(0.5, gt=0)
     bind_host: str = "127.0.0.1"
     api_keys: tuple[str, ...] = ()  # DUPLEX_API_KEYS (comma-separated); any key set makes auth required
-    allowed_origins: tuple[str, ...] = ()  # DUPLEX_ALLOWED_ORIGINS; empty = any origin
+    auth: Literal["auto", "required", "off"] = "auto"  # DUPLEX_AUTH, see gateway/auth.py AuthConfig.build
+    allowed_origins: tuple[str, ...] = ()  # DUPLEX_ALLOWED_ORIGINS besides the gateway's own; "*" = any
     vad_onset_confirm_ms: int = Field(64, gt=0)
     web_root: str | None = None  # DUPLEX_WEB_ROOT; None = <repo>/clients/web when it exists; "" = off
 

@@ -35,7 +35,7 @@ def _compose_env(**extra: str) -> dict[str, str]:
 @pytest.mark.skipif(shutil.which("docker-compose") is None,
                     reason="Debian's docker-compose is not installed (apt-get install -y docker-compose); CI installs it")
 def test_docker_compose_config_accepts_the_file() -> None:
-    for env in (_compose_env(), _compose_env(DUPLEX_PROFILE="default", DUPLEX_API_KEY="k", DUPLEX_GPU="1")):
+    for env in (_compose_env(), _compose_env(DUPLEX_PROFILE="default", DUPLEX_API_KEYS="k", DUPLEX_GPU="1")):
         done = subprocess.run(["docker-compose", "-f", str(COMPOSE_FILE), "config", "-q"], cwd=REPO, env=env,
                               capture_output=True, text=True, timeout=60, check=False)
         assert done.returncode == 0, done.stderr
@@ -95,12 +95,9 @@ def test_gateway_environment_names_real_settings_with_their_defaults() -> None:
     from gateway.settings import ENV_PREFIX, GatewaySettings
 
     env = service("gateway")["environment"]
-    auth = {"DUPLEX_API_KEY", "DUPLEX_AUTH", "DUPLEX_ALLOWED_ORIGINS"}  # implemented with gateway auth (issue 9)
-    assert auth <= set(env)
+    assert {"DUPLEX_API_KEYS", "DUPLEX_AUTH", "DUPLEX_ALLOWED_ORIGINS"} <= set(env)
     defaults = GatewaySettings()
     for key, value in env.items():
-        if key in auth:
-            continue
         field = key.removeprefix(ENV_PREFIX).lower()
         assert field in GatewaySettings.model_fields, f"{key} is not a gateway setting"
         parsed = GatewaySettings.from_env({key: str(value)})

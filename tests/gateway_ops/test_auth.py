@@ -8,7 +8,14 @@ from fastapi.testclient import TestClient
 from starlette.websockets import WebSocketDisconnect
 
 from gateway import auth as auth_mod
-from gateway.auth import AuthConfig, Authenticator, HttpAuthMiddleware, is_loopback, select_subprotocol
+from gateway.auth import (
+    AuthConfig,
+    AuthConfigError,
+    Authenticator,
+    HttpAuthMiddleware,
+    is_loopback,
+    select_subprotocol,
+)
 from gateway.protocol.errors import ProtocolError, error_event, handshake_close_code
 
 KEY = "sk-test-0123456789"
@@ -137,3 +144,28 @@ def test_websocket_browser_subprotocol_and_rejection() -> None:
         with pytest.raises(WebSocketDisconnect) as ei:
             ws.receive_json()
         assert ei.value.code == 1008 and ei.value.reason == "invalid_api_key"
+
+
+@pytest.mark.parametrize(("bind", "keys", "mode"), [
+    ("0.0.0.0", [], "auto"),  # beyond loopback without a key: refuse to start
+    ("127.0.0.1", [], "required"),
+    ("127.0.0.1", [KEY], "off"),  # a configured key must never be silently unused
+    ("127.0.0.1", [], "sometimes"),
+])
+def test_unsafe_or_inconsistent_auth_settings_stop_startup(bind: str, keys: list[str], mode: str) -> None:
+    with pytest.raises(AuthConfigError, match="DUPLEX_"):
+        AuthConfig.build(bind, keys, (), mode)
+
+
+def test_auth_off_serves_without_key_on_any_bind() -> None:
+    assert not AuthConfig.build("0.0.0.0", [], (), "off").required
+
+
+def test_foreign_browser_origin_is_refused_by_default_but_own_origin_passes() -> None:
+    a = Authenticator(AuthConfig.build("127.0.0.1"))
+    a.check_http({"origin": "http://127.0.0.1:8000", "host": "127.0.0.1:8000"})  # the demo page
+    a.check_http({"host": "127.0.0.1:8000"})  # SDKs send no Origin
+    for origin in ("https://evil.example", "null"):
+        with pytest.raises(ProtocolError) as err:
+            a.check_websocket({"origin": origin, "host": "127.0.0.1:8000"}, ["realtime"])
+        assert err.value.code == "origin_not_allowed"
