@@ -1,0 +1,277 @@
+"""Start the real tritonserver on this machine and wait until its models are ready.
+
+On a plain machine the binary, the Python backend and its per-Python-version stubs come from the
+`nvidia-pytriton` wheel; inside NVIDIA's Triton container `tritonserver` is on PATH with its own
+backends. The Python backend wants its stub next to `libtriton_python.so`, and the stub (which links
+Debian's libpython3.11) must find torch and the project through PYTHONPATH, so we lay out a private
+backend folder under the cache dir and hand the server a prepared environment.
+
+This module imports neither torch nor `engine` (the gateway rule); it only manages processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_CACHE_DIR = REPO_ROOT / ".cache"
+STUB_NAME = "triton_python_backend_stub"
+READY_POLL_S = 0.25
+PROGRESS_EVERY_S = 3.0
+STOP_GRACE_S = 10.0
+LOG_TAIL_LINES = 40
+# Python-backend shared memory per model instance. The 1 MiB default grows under concurrent
+# decoupled BLS traffic; start large enough that one second of audio per session never grows it.
+PY_SHM_DEFAULT_BYTES = 64 * 1024 * 1024
+PY_SHM_GROWTH_BYTES = 16 * 1024 * 1024
+
+
+class LaunchError(RuntimeError):
+    """A startup failure with a message meant for the person at the terminal."""
+
+
+@dataclass(frozen=True)
+class TritonInstall:
+    binary: Path
+    backend_dir: Path  # folder holding python/ (libtriton_python.so + utils + stub)
+    lib_dirs: tuple[Path, ...]  # LD_LIBRARY_PATH entries the binary needs
+
+
+@dataclass(frozen=True)
+class TritonPorts:
+    http: int
+    grpc: int
+    metrics: int
+
+    def all(self) -> dict[str, int]:
+        return {"Triton HTTP": self.http, "Triton gRPC": self.grpc, "Triton metrics": self.metrics}
+
+
+def _wheel_root() -> Path | None:
+    try:
+        import pytriton  # noqa: PLC0415 - optional: absent inside NVIDIA's container
+    except ImportError:
+        return None
+    return Path(pytriton.__file__).resolve().parent
+
+
+def locate_tritonserver(cache_dir: Path = DEFAULT_CACHE_DIR) -> TritonInstall:
+    """Find tritonserver: the nvidia-pytriton wheel first, else `tritonserver` on PATH (container)."""
+    root = _wheel_root()
+    if root is not None and (root / "tritonserver" / "bin" / "tritonserver").exists():
+        server = root / "tritonserver"
+        libs = root.parent / "nvidia_pytriton.libs"
+        backend_dir = _prepare_wheel_backends(server, cache_dir / "triton-backends")
+        return TritonInstall(server / "bin" / "tritonserver", backend_dir, (libs,))
+    on_path = shutil.which("tritonserver")
+    if on_path:
+        return TritonInstall(Path(on_path), Path("/opt/tritonserver/backends"), ())
+    raise LaunchError(
+        "tritonserver not found: install the pinned nvidia-pytriton wheel (`make install`) "
+        "or run inside NVIDIA's Triton container"
+    )
+
+
+def _prepare_wheel_backends(server: Path, dest: Path) -> Path:
+    """Copy the python backend plus the stub for this interpreter into one folder (idempotent)."""
+    py = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = server / "python_backend_stubs" / py / STUB_NAME
+    if not stub.exists():
+        raise LaunchError(f"nvidia-pytriton has no Python backend stub for Python {py} ({stub})")
+    target = dest / "python"
+    target.mkdir(parents=True, exist_ok=True)
+    sources = [*sorted((server / "backends" / "python").glob("*.*")), stub]
+    for src in sources:
+        dst = target / src.name
+        if not dst.exists() or dst.stat().st_size != src.stat().st_size:
+            shutil.copy2(src, dst)
+    return dest
+
+
+def stub_pythonpath(install: TritonInstall) -> str:
+    """Backend folder (triton_python_backend_utils) + this venv's site-packages + the repo root."""
+    paths = sysconfig.get_paths()
+    parts = [str(install.backend_dir / "python"), paths["purelib"], paths["platlib"], str(REPO_ROOT)]
+    return os.pathsep.join(dict.fromkeys(parts))
+
+
+def triton_env(install: TritonInstall, extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    libs = [str(p) for p in install.lib_dirs]
+    if env.get("LD_LIBRARY_PATH"):
+        libs.append(env["LD_LIBRARY_PATH"])
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(libs)
+    env["PYTHONPATH"] = stub_pythonpath(install)
+    # NOTE: the stub's embedded interpreter only picks up the venv's site-packages when the venv's
+    # bin/ leads PATH (as after `activate`); PYTHONPATH alone left it without numpy.
+    env["PATH"] = os.pathsep.join([str(Path(sys.prefix) / "bin"), env.get("PATH", "")])
+    env["VIRTUAL_ENV"] = sys.prefix
+    env.update(extra or {})
+    return env
+
+
+def port_in_use(port: int, host: str = "0.0.0.0") -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def choose_triton_ports(gateway_port: int, base: int = 8001) -> TritonPorts:
+    """Triton's three ports out of the gateway's way: 8001-8003, shifted past a collision."""
+    start = base
+    while gateway_port in range(start, start + 3):
+        start += 3
+    return TritonPorts(http=start, grpc=start + 1, metrics=start + 2)
+
+
+def check_ports_free(named_ports: dict[str, int]) -> None:
+    for name, port in named_ports.items():
+        if port_in_use(port):
+            raise LaunchError(f"port {port} ({name}) is already in use; choose another port or stop the other server")
+
+
+class TritonServer:
+    """One tritonserver process in its own process group, with its log in a file."""
+
+    def __init__(self, install: TritonInstall, repository: Path, models: Sequence[str], ports: TritonPorts,
+                 log_path: Path, env: dict[str, str] | None = None, log_verbose: int = 0,
+                 host: str = "127.0.0.1") -> None:
+        self.install, self.repository, self.models, self.ports = install, repository, list(models), ports
+        self.log_path, self.env, self.log_verbose, self.host = log_path, env, log_verbose, host
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def grpc_url(self) -> str:
+        return f"127.0.0.1:{self.ports.grpc}"
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.ports.http}"
+
+    def command(self) -> list[str]:
+        cmd = [
+            str(self.install.binary), f"--model-repository={self.repository}",
+            f"--backend-directory={self.install.backend_dir}", "--model-control-mode=explicit",
+            f"--http-port={self.ports.http}", f"--grpc-port={self.ports.grpc}",
+            f"--metrics-port={self.ports.metrics}", f"--http-address={self.host}", f"--grpc-address={self.host}",
+            "--allow-gpu-metrics=false", "--exit-on-error=true", "--strict-readiness=true",
+            f"--log-verbose={self.log_verbose}",
+            f"--backend-config=python,shm-default-byte-size={PY_SHM_DEFAULT_BYTES}",
+            f"--backend-config=python,shm-growth-byte-size={PY_SHM_GROWTH_BYTES}",
+        ]
+        return cmd + [f"--load-model={m}" for m in self.models]
+
+    def start(self) -> None:
+        check_ports_free(self.ports.all())
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                self.command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env=self.env or triton_env(self.install), start_new_session=True,
+            )
+
+    def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def load_errors(self) -> list[str]:
+        """Lines of the log that name a failing model or port (what a person needs to see)."""
+        keys = ("failed to load", "failed to start", "already in use", "error:", "Traceback", "Error")
+        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        return [ln.strip() for ln in text.splitlines() if any(k in ln for k in keys)]
+
+    def model_states(self) -> dict[str, str]:
+        try:
+            index = _http_json(f"{self.http_url}/v2/repository/index", method="POST", body=b"{}")
+        except (OSError, ValueError):
+            return {}
+        return {m["name"]: f'{m.get("state", "?")}{": " + m["reason"] if m.get("reason") else ""}' for m in index}
+
+    def is_ready(self) -> bool:
+        return all(http_ok(f"{self.http_url}/v2/models/{m}/ready") for m in self.models) and http_ok(
+            f"{self.http_url}/v2/health/ready")
+
+    def wait_ready(self, timeout_s: float, progress: Callable[[str], None] = print) -> None:
+        assert self.proc is not None, "start() first"
+        t0 = last = time.monotonic()
+        while True:
+            code = self.proc.poll()
+            if code is not None:
+                raise LaunchError(self._exit_message(code))
+            if self.is_ready():
+                progress(f"[triton] ready in {time.monotonic() - t0:.1f}s: {', '.join(self.models)}")
+                return
+            now = time.monotonic()
+            if now - t0 > timeout_s:
+                states = self.model_states()
+                self.stop()
+                raise LaunchError(f"tritonserver not ready after {timeout_s:.0f}s; model states: {states}\n"
+                                  f"log tail ({self.log_path}):\n{self.log_tail()}")
+            if now - last >= PROGRESS_EVERY_S:
+                states = self.model_states() or dict.fromkeys(self.models, "starting")
+                progress(f"[triton] waiting ({now - t0:.0f}s): " + ", ".join(f"{k}={v}" for k, v in states.items()))
+                last = now
+            time.sleep(READY_POLL_S)
+
+    def _exit_message(self, code: int) -> str:
+        errors = self.load_errors()
+        detail = "\n  ".join(errors[-12:]) if errors else self.log_tail()
+        return f"tritonserver exited with code {code} during startup:\n  {detail}\n(full log: {self.log_path})"
+
+    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
+        proc, self.proc = self.proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        signal_group(proc, signal.SIGTERM)
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            signal_group(proc, signal.SIGKILL)
+            proc.wait()
+
+    def __enter__(self) -> TritonServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1.0) as resp:
+            return resp.status == 200
+    except (OSError, urllib.error.URLError):
+        return False
+
+
+def _http_json(url: str, method: str = "GET", body: bytes | None = None) -> list[dict[str, str]]:
+    req = urllib.request.Request(url, data=body, method=method, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=2.0) as resp:
+        return json.loads(resp.read())
