@@ -27,6 +27,7 @@ class _SequenceStream:
         self.events: asyncio.Queue[RuntimeEvent | None] = asyncio.Queue()
         self.pending: dict[str, tuple[asyncio.Future[None], int]] = {}
         self._ids = itertools.count(1)
+        self.broken: RuntimeFailure | None = None  # set once the stream is gone: later calls fail at once
         self.reader = asyncio.create_task(self._read(), name=f"triton:{key.session_id}")
 
     async def _iter(self) -> AsyncIterator[dict[str, Any]]:
@@ -34,6 +35,8 @@ class _SequenceStream:
             yield req
 
     async def call(self, op: str, fence: Fence, **kw: Any) -> None:
+        if self.broken is not None:
+            raise self.broken  # nobody reads a dead stream: waiting would only time out
         rid = f"{op}-{next(self._ids)}"
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.pending[rid] = (fut, fence.epoch)
@@ -54,8 +57,12 @@ class _SequenceStream:
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - the stream is gone: every waiter and the session learn it
-            self._fail_all(RuntimeFailure("internal_error", f"stream broke: {exc}"))
+            self.broken = RuntimeFailure("internal_error", f"stream broke: {exc}")
+            self._fail_all(self.broken)
         finally:
+            if self.broken is None:
+                self.broken = RuntimeFailure("internal_error", "stream ended")
+                self._fail_all(self.broken)
             self.events.put_nowait(None)
 
     def _on_result(self, result: Any) -> None:
@@ -129,7 +136,8 @@ class TritonRuntime:
     async def close(self, key: SessionKey, fence: Fence) -> None:
         stream = self._stream(key)
         try:
-            await stream.call("close", fence)
+            if stream.broken is None:  # a dead stream's sequence holds nothing: Triton's idle timeout ends it
+                await stream.call("close", fence)
         finally:
             self._streams.pop(key.correlation_id, None)
             await stream.aclose()

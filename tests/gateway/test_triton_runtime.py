@@ -115,3 +115,28 @@ async def test_operations_and_event_demux() -> None:
     readiness = await rt.readiness()
     assert readiness.all_ready
     await rt.aclose()
+
+
+class BreakingClient(FakeClient):
+    """Answers `open`, then the stream breaks as when tritonserver dies."""
+
+    async def stream_infer(self, it):  # noqa: ANN001, ANN201
+        async for req in it:
+            self.requests.append(req)
+            yield _Result(req["request_id"], None, final=True), None
+            raise ConnectionError("socket closed")
+
+
+async def test_calls_on_a_broken_stream_fail_at_once_and_close_sends_nothing() -> None:
+    client = BreakingClient()
+    rt = TritonRuntime("unused:1", "duplex", ("duplex",), client=client)
+    key = SessionKey("s", 7)
+    await rt.open(key, Fence(1, 0), {})
+    events = rt.events(key)
+    with pytest.raises(StopAsyncIteration):  # the session learns the stream is gone
+        await asyncio.wait_for(events.__anext__(), 1)
+    with pytest.raises(RuntimeFailure, match="stream broke"):  # no wait for runtime_timeout_s
+        await asyncio.wait_for(rt.append(key, Fence(1, 0, 1), UnitSubmission(0, b"\0" * 4)), 1)
+    await asyncio.wait_for(rt.close(key, Fence(1, 0)), 1)  # nothing left to release on a dead stream
+    assert [r["request_id"].split("-")[0] for r in client.requests] == ["open"]
+    await rt.aclose()

@@ -1,0 +1,241 @@
+"""The real stack as subprocesses: `python -m gateway.cli serve ...` (tritonserver + gateway), or its two halves.
+
+Every process runs in its own process group and is killed with it (SIGTERM, then SIGKILL) at teardown, pass or
+fail. Ports are chosen free on loopback (Triton's three too: the launcher's 8001-8003 defaults would collide
+with other servers on a shared machine). The deploy profile comes from DUPLEX_E2E_PROFILE (default:
+deploy/profiles/default.yaml) so the same suite runs on the loopback stand-in and on the real engines.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+PROFILE_ENV = "DUPLEX_E2E_PROFILE"
+DEFAULT_PROFILE = REPO_ROOT / "deploy" / "profiles" / "default.yaml"
+MAX_SESSIONS = 2
+READY_TIMEOUT_S = float(os.environ.get("DUPLEX_E2E_READY_TIMEOUT_S", "240"))  # real engines load slower
+POLL_S = 0.2
+STOP_GRACE_S = 10.0
+LOG_TAIL_CHARS = 4000
+
+
+def profile_path() -> Path:
+    raw = os.environ.get(PROFILE_ENV)
+    if not raw:
+        return DEFAULT_PROFILE
+    path = Path(raw)
+    return path if path.is_absolute() else REPO_ROOT / path
+
+
+def profile_engine(profile: Path | None = None) -> str:
+    """The profile's `engine:` (loopback | torch); the loopback stand-in speaks exactly on loud units."""
+    for line in (profile or profile_path()).read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "engine":
+            return value.split("#", 1)[0].strip()
+    return "torch"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_status(url: str, timeout_s: float = 2.0) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+            return resp.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except OSError:
+        return 0
+
+
+@dataclass
+class Proc:
+    """One launcher process in its own process group, its output in a log file."""
+    argv: list[str]
+    log: Path
+    env: dict[str, str]
+    popen: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log, "ab") as out:
+            self.popen = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                          cwd=REPO_ROOT, env=self.env, start_new_session=True)
+
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def tail(self) -> str:
+        try:
+            return self.log.read_text(errors="replace")[-LOG_TAIL_CHARS:]
+        except OSError:
+            return ""
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        proc, self.popen = self.popen, None
+        if proc is None:
+            return
+        for s in (sig, signal.SIGKILL):
+            try:
+                os.killpg(proc.pid, s)
+            except ProcessLookupError:
+                break
+            try:
+                proc.wait(timeout=STOP_GRACE_S)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+
+
+def _kill_group(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def children_of(pid: int) -> list[int]:
+    """Direct children of `pid` (from /proc; no psutil needed)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rpartition(")")[2].split()[1])
+        if ppid == pid:
+            out.append(int(entry.name))
+    return out
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return (Path("/proc") / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+@dataclass
+class Stack:
+    """`duplex serve` with free ports; `mode` "both" (one launcher) or "split" (triton and gateway launchers)."""
+    cache_dir: Path
+    profile: Path = field(default_factory=profile_path)
+    env: dict[str, str] = field(default_factory=dict)  # extra DUPLEX_* settings for the gateway
+    mode: str = "both"
+    max_sessions: int = MAX_SESSIONS
+    port: int = field(default_factory=free_port)
+    triton_ports: tuple[int, int, int] = field(default_factory=lambda: (free_port(), free_port(), free_port()))
+    procs: dict[str, Proc] = field(default_factory=dict)
+
+    @property
+    def addr(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.addr}"
+
+    def _argv(self, only: str | None) -> list[str]:
+        http, grpc, metrics = self.triton_ports
+        argv = [sys.executable, "-m", "gateway.cli", "serve", "--port", str(self.port), "--profile", str(self.profile),
+                "--max-sessions", str(self.max_sessions), "--cache-dir", str(self.cache_dir),
+                "--triton-http-port", str(http), "--triton-grpc-port", str(grpc), "--triton-metrics-port", str(metrics)]
+        if only == "gateway":
+            argv += ["--only", "gateway", "--triton-url", f"127.0.0.1:{grpc}"]
+        elif only == "triton":
+            argv += ["--only", "triton"]
+        return argv
+
+    def _proc(self, name: str, only: str | None) -> Proc:
+        env = {**os.environ, **self.env, "PYTHONUNBUFFERED": "1"}
+        env.pop("DUPLEX_TEST_GATEWAY_URL", None)
+        return Proc(self._argv(only), self.cache_dir / "logs" / f"{name}.log", env)
+
+    def start(self) -> None:
+        names = {"both": [("serve", None)], "split": [("triton", "triton"), ("gateway", "gateway")]}[self.mode]
+        for name, only in names:
+            proc = self.procs[name] = self._proc(name, only)
+            proc.start()
+            if name == "triton":
+                self.wait_triton_ready()
+        self.wait_ready()
+
+    def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> None:
+        t0 = time.monotonic()
+        while http_status(f"{self.url}/ready") != 200:
+            dead = [n for n, p in self.procs.items() if not p.alive()]
+            if dead or time.monotonic() - t0 > timeout_s:
+                logs = "\n".join(f"--- {n} ---\n{p.tail()}" for n, p in self.procs.items())
+                self.stop()
+                raise RuntimeError(f"stack not ready (dead: {dead}) after {time.monotonic() - t0:.0f}s\n{logs}")
+            time.sleep(POLL_S)
+
+    def triton_ready(self) -> bool:
+        return http_status(f"http://127.0.0.1:{self.triton_ports[0]}/v2/health/ready") == 200
+
+    def wait_triton_ready(self, timeout_s: float = READY_TIMEOUT_S) -> None:
+        t0 = time.monotonic()
+        while not self.triton_ready():
+            proc = self.procs["triton"]
+            if not proc.alive() or time.monotonic() - t0 > timeout_s:
+                raise RuntimeError(f"tritonserver not ready after {time.monotonic() - t0:.0f}s\n{proc.tail()}")
+            time.sleep(POLL_S)
+
+    def tritonserver_pid(self) -> int | None:
+        """The tritonserver process the launcher started (a child of the serve/triton launcher)."""
+        launcher = self.procs.get("triton") or self.procs.get("serve")
+        if launcher is None or launcher.popen is None:
+            return None
+        for pid in children_of(launcher.popen.pid):
+            if "tritonserver" in cmdline(pid).split(" ", 1)[0]:
+                return pid
+        return None
+
+    def kill_triton(self) -> int | None:
+        """SIGKILL tritonserver, as a crash would. In split mode, returns how its `--only triton` launcher exited
+        (it does not supervise Triton: it notices the death and exits 1); the gateway process is untouched."""
+        pid = self.tritonserver_pid()
+        assert pid is not None, "no tritonserver child found"
+        _kill_group(pid)
+        if self.mode != "split":
+            return None
+        launcher = self.procs["triton"]
+        assert launcher.popen is not None
+        try:
+            code = launcher.popen.wait(timeout=STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            code = None
+        launcher.stop(signal.SIGKILL)
+        return code
+
+    def restart_triton(self) -> None:
+        assert self.mode == "split", "only the split stack can restart Triton under a running gateway"
+        proc = self.procs["triton"] = self._proc("triton", "triton")
+        proc.start()
+        self.wait_triton_ready()
+
+    def stop(self) -> None:
+        # the launcher starts tritonserver and the gateway in process groups of their own: if a launcher has to
+        # be SIGKILLed, they must not outlive it, so note them first
+        kids = [k for p in self.procs.values() if p.popen is not None for k in children_of(p.popen.pid)]
+        for proc in reversed(list(self.procs.values())):
+            proc.stop()
+        for pid in kids:
+            _kill_group(pid)
+        self.procs.clear()
