@@ -12,10 +12,12 @@ The checked-in model_repository/*/config.pbtxt are this script's output for the 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import re
 import shutil
 import sys
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -26,10 +28,11 @@ SOURCE = REPO_ROOT / "model_repository"
 STAGES = ("stage0", "tts", "token2wav")
 PIPELINE = "duplex"
 MODELS = (*STAGES, PIPELINE)
-ENGINE_FACTORIES = {
-    "loopback": dict.fromkeys(STAGES, "model_repository.common.loopback:make_engine"),
-    "torch": {s: f"model_repository.common.bridges:{s}" for s in STAGES},
-}
+TORCH_ENGINES = "model_repository.common.bridges"  # the real engine/ stage engines
+# `engine` names a module whose `stage0`, `tts` and `token2wav` callables are the engine factories:
+# `torch` is the product's; tests serve stand-in engines by naming their own module.
+ENGINE_MODULES = {"torch": TORCH_ENGINES}
+_MODULE_PATH = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 PIPELINE_FACTORY = "model_repository.common.pipeline:PipelineModel"  # informational: BLS, no engine
 DEFAULT_CHECKPOINT = "/checkpoints/MiniCPM-o-4_5"
 US_PER_S = 1_000_000
@@ -52,10 +55,15 @@ class DeployProfile:
     tts_instances: int = 1
     token2wav_instances: int = 1
     pipeline_instances: int = 1
+    # stage -> engine options (JSON object handed to the stage's factory as `engine_options`), e.g.
+    # {"tts": {"compile_step": true}, "stage0": {"compile_mode": "default"}, "token2wav": {"flow_dtype": "float16"}}
+    engine_options: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         checks = {
-            "engine": self.engine in ENGINE_FACTORIES,
+            "engine": _engine_module_exists(self.engine),
+            "engine_options": isinstance(self.engine_options, dict) and set(self.engine_options) <= set(STAGES)
+            and all(isinstance(v, dict) for v in self.engine_options.values()),
             "device": self.device.split(":")[0] in ("cpu", "cuda"),
             "dtype": self.dtype in ("float32", "bfloat16", "float16"),
             "max_sessions": _positive_int(self.max_sessions),
@@ -87,11 +95,24 @@ class DeployProfile:
 
 
 _HINTS = {
-    "engine": f" (one of {sorted(ENGINE_FACTORIES)})",
+    "engine": " (torch, or a module path whose stage0/tts/token2wav are engine factories)",
+    "engine_options": f" (a mapping of {', '.join(STAGES)} to option mappings)",
     "device": " (cpu, cuda or cuda:N)",
     "dtype": " (float32, bfloat16 or float16)",
     "sequence_idle_timeout_s": " (must be a number >= session_idle_ttl_s)",
 }
+
+
+def _engine_module_exists(engine: Any) -> bool:
+    """`engine` names an importable module (checked without importing it: no torch at build time)."""
+    if not isinstance(engine, str) or not _MODULE_PATH.fullmatch(ENGINE_MODULES.get(engine, engine)):
+        return False
+    if str(REPO_ROOT) not in sys.path:
+        sys.path.insert(0, str(REPO_ROOT))
+    try:
+        return importlib.util.find_spec(ENGINE_MODULES.get(engine, engine)) is not None
+    except ImportError:
+        return False
 
 
 def _positive_int(v: Any) -> bool:
@@ -123,7 +144,10 @@ def render_config(model: str, profile: DeployProfile, checkpoint: str) -> str:
     params = {"stage": model, "checkpoint_dir": checkpoint, "device": profile.device, "dtype": profile.dtype,
               "max_sessions": str(profile.max_sessions), "kv_window": str(profile.kv_window),
               "session_idle_ttl_s": str(profile.session_idle_ttl_s)}
-    params["engine_factory"] = ENGINE_FACTORIES[profile.engine][model] if model != PIPELINE else PIPELINE_FACTORY
+    params["engine_factory"] = f"{ENGINE_MODULES.get(profile.engine, profile.engine)}:{model}" \
+        if model != PIPELINE else PIPELINE_FACTORY
+    if profile.engine_options.get(model):
+        params["engine_options"] = json.dumps(profile.engine_options[model], sort_keys=True).replace('"', '\\"')
     param_text = ",\n".join(f'  {{ key: "{k}" value: {{ string_value: "{v}" }} }}' for k, v in params.items())
     idle_us = int(profile.sequence_idle_timeout_s * US_PER_S)
     return (
@@ -133,7 +157,8 @@ def render_config(model: str, profile: DeployProfile, checkpoint: str) -> str:
         f"sequence_batching {{\n  max_sequence_idle_microseconds: {idle_us}\n  direct {{ }}\n  control_input [\n"
         f'    {{ name: "START" control [ {{ kind: CONTROL_SEQUENCE_START int32_false_true: [ 0, 1 ] }} ] }},\n'
         f'    {{ name: "END" control [ {{ kind: CONTROL_SEQUENCE_END int32_false_true: [ 0, 1 ] }} ] }},\n'
-        f'    {{ name: "CORRID" control [ {{ kind: CONTROL_SEQUENCE_CORRID data_type: TYPE_UINT64 }} ] }}\n'
+        f'    {{ name: "CORRID" control [ {{ kind: CONTROL_SEQUENCE_CORRID data_type: TYPE_UINT64 }} ] }},\n'
+        f'    {{ name: "READY" control [ {{ kind: CONTROL_SEQUENCE_READY int32_false_true: [ 0, 1 ] }} ] }}\n'
         f"  ]\n}}\n{_io_block()}"
         f"instance_group [ {{ count: {instances} kind: {kind} }} ]\n"
         f"parameters [\n{param_text}\n]\n"
@@ -160,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--check", action="store_true", help="only validate the profile")
     ap.add_argument("--json", action="store_true", help="with --check: print the profile as JSON")
     ap.add_argument("--max-sessions", type=int, default=None)
-    ap.add_argument("--engine", default=None, help="override the profile's engine (torch | loopback)")
+    ap.add_argument("--engine", default=None, help="override the profile's engine (torch, or a factory module path)")
     args = ap.parse_args(argv)
     try:
         profile = DeployProfile.load(args.profile, max_sessions=args.max_sessions, engine=args.engine)

@@ -4,7 +4,7 @@
 
 One stream = one session: open, N appends (unit 0 is 1030 ms, then 1 s units of 16 kHz PCM), close.
 perf_analyzer sets START on the first and END on the last step of each sequence. The audio is a
-square wave (loud units make the loopback engine speak) or silence, kept small as JSON text.
+square wave (a loud unit) or silence, kept small as JSON text.
 """
 
 from __future__ import annotations

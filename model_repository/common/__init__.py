@@ -1,5 +1,6 @@
 """Code shared by the Triton Python-backend models: request codec, fence table, decoupled adapter.
 
 Reached by the backend stub through PYTHONPATH (the repo root), so the stage models do not copy it.
-Nothing here imports torch; only `adapter` and `pipeline` import `triton_python_backend_utils`.
+Only `bridges` (the real engine/ stage engines) imports torch; only `adapter` and `pipeline` import
+`triton_python_backend_utils`.
 """

@@ -28,7 +28,7 @@ from .codec import (
 )
 from .sessions import SessionTable
 from .settings import StageSettings, load_factory
-from .workarounds import pin_object_dtype
+from .workarounds import pin_object_dtype, report_fatal_signals
 
 _SENTINEL = object()
 
@@ -71,6 +71,7 @@ class DecoupledStageModel:
 
     def initialize(self, args: dict[str, Any]) -> None:
         pin_object_dtype()
+        report_fatal_signals()
         model_config = json.loads(args["model_config"])
         if not pb_utils.using_decoupled_model_transaction_policy(model_config):
             raise pb_utils.TritonModelException(f"{args['model_name']}: must be decoupled (model_transaction_policy)")
@@ -89,6 +90,8 @@ class DecoupledStageModel:
         for corrid in self.sessions.expire_idle():
             self.engine.drop(corrid)
         for request in requests:
+            if is_null_request(request):
+                continue  # a batch slot's filler, not a request: nothing may be sent on it
             sink = ResponseSink(request.get_response_sender(), self._outbox, self._live, self._lock)
             with self._lock:
                 self._live.add(sink)
@@ -143,6 +146,17 @@ def _input(request: Any, name: str) -> Any:
 def _control(request: Any, name: str) -> int:
     tensor = pb_utils.get_input_tensor_by_name(request, name)
     return 0 if tensor is None else int(tensor.as_numpy().reshape(-1)[0])
+
+
+def is_null_request(request: Any) -> bool:
+    """The direct sequence batcher fills the batch slots of idle sequences with null requests (READY 0).
+
+    NOTE: they carry zeroed copies of a real request's inputs; answering one (an `invalid_request`
+    error for its empty OP, then FINAL) corrupted the stub's heap under perf_analyzer's overlapping
+    sequences ("malloc(): unaligned fastbin chunk detected", then "Stub process ... is not healthy").
+    """
+    tensor = pb_utils.get_input_tensor_by_name(request, "READY")
+    return tensor is not None and not int(tensor.as_numpy().reshape(-1)[0])
 
 
 def _sequence(request: Any) -> tuple[int, bool, bool]:

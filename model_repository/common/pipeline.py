@@ -17,6 +17,7 @@ crashed the stub under concurrent sessions, see docs/triton.md).
 from __future__ import annotations
 
 import json
+import time
 import traceback
 from collections.abc import Iterator
 from typing import Any
@@ -24,7 +25,7 @@ from typing import Any
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from .adapter import _input, _sequence
+from .adapter import _input, _sequence, is_null_request
 from .codec import (
     OUTPUT_NAMES,
     RequestError,
@@ -37,10 +38,12 @@ from .codec import (
 )
 from .sessions import SessionTable
 from .settings import StageSettings
-from .workarounds import pin_object_dtype
+from .workarounds import pin_object_dtype, report_fatal_signals
 
 STAGE0, TTS, TOKEN2WAV = "stage0", "tts", "token2wav"
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+TURN_KEYS = ("is_turn_eos", "end_of_turn", "turn_start")  # tts_input fields the tts stage needs
+MS_PER_S = 1000.0
 
 
 def _bls(model: str, req: StageRequest, fence: tuple[int, int, int], **payload: Any) -> Any:
@@ -92,6 +95,7 @@ class _Client:
 class PipelineModel:
     def initialize(self, args: dict[str, Any]) -> None:
         pin_object_dtype()
+        report_fatal_signals()
         model_config = json.loads(args["model_config"])
         if not pb_utils.using_decoupled_model_transaction_policy(model_config):
             raise pb_utils.TritonModelException(f"{args['model_name']}: must be decoupled (model_transaction_policy)")
@@ -103,7 +107,8 @@ class PipelineModel:
         for corrid in self.sessions.expire_idle():
             self._forget(corrid)
         for request in requests:
-            self._run(request, _Client(request.get_response_sender()))
+            if not is_null_request(request):  # batch-slot fillers get no response (adapter.is_null_request)
+                self._run(request, _Client(request.get_response_sender()))
         return None
 
     def finalize(self) -> None:
@@ -144,23 +149,57 @@ class PipelineModel:
                     client.emit(out)
 
     def _append(self, req: StageRequest, client: _Client) -> None:
+        """Decisions and text stream as they come; speech runs after stage0's FINAL (`tts_input` and
+        `unit_done` are its last events anyway), so at most one BLS response iterator is live at a time."""
+        started, firsts = time.perf_counter(), {}
+        speak, done = [], None
         for out in _call(STAGE0, req, req.fence, pcm=req.pcm, frames=req.frames, force_listen=req.force_listen):
-            if out.event.get("type") == "tts_input":
-                self._speak(req, out, client)
+            kind = out.event.get("type")
+            if kind == "tts_input":
+                speak.append(out)
+            elif kind == "unit_done":
+                done = out.event  # held back: the unit's audio goes first
             else:
                 client.emit(StageOutput(out.event))
+        for tts_in in speak:
+            self._speak(req, tts_in, client, started, firsts)
+        if done is not None:
+            client.emit(StageOutput(_with_stage_metrics(done, firsts)))
 
-    def _speak(self, req: StageRequest, tts_in: StageOutput, client: _Client) -> None:
-        unit = tts_in.event.get("unit")
+    def _speak(self, req: StageRequest, tts_in: StageOutput, client: _Client, started: float,
+               firsts: dict[str, float]) -> None:
+        ev = tts_in.event
+        unit = ev.get("unit")
+        turn = {k: ev[k] for k in TURN_KEYS if k in ev}
         sub = StageRequest(corrid=req.corrid, op="append", fence=req.fence)
-        for tts_out in _call(TTS, sub, self._next_fence(req, TTS), tokens=tts_in.tokens,
-                             hidden=_or_none(tts_in.hidden), config={"unit": unit}):
+        # NOTE: drained before token2wav starts: two live decoupled BLS iterators in one stub coincided
+        # with heap corruption in the 2.51 stub ("double free or corruption", docs/triton.md).
+        codes = list(_call(TTS, sub, self._next_fence(req, TTS), tokens=tts_in.tokens,
+                           hidden=_or_none(tts_in.hidden), config={"unit": unit, **turn}))
+        for tts_out in codes:
             if tts_out.event.get("type") != "audio_tokens":
                 client.emit(StageOutput(tts_out.event))
                 continue
+            if tts_out.event.get("dropped"):
+                continue  # cancelled inside tts: nothing to render
+            firsts.setdefault("talker", _ms_since(started))
             for wav in _call(TOKEN2WAV, sub, self._next_fence(req, TOKEN2WAV), tokens=tts_out.tokens,
-                             config={"unit": unit}):
+                             config={"unit": unit, "end_of_turn": bool(ev.get("end_of_turn", False))}):
+                if wav.event.get("type") == "audio":
+                    firsts.setdefault("code2wav", _ms_since(started))
                 client.emit(StageOutput(wav.event, audio=wav.audio))
+
+
+def _ms_since(t0: float) -> float:
+    return (time.perf_counter() - t0) * MS_PER_S
+
+
+def _with_stage_metrics(event: dict[str, Any], firsts: dict[str, float]) -> dict[str, Any]:
+    """unit_done metrics as the gateway reads them: stage0's `thinker` + `talker`/`code2wav` first output."""
+    metrics = dict(event.get("metrics") or {})
+    for stage, ms in firsts.items():
+        metrics[stage] = {"first_output_ms": ms}
+    return {**event, "metrics": metrics}
 
 
 def _or_none(arr: np.ndarray | None) -> np.ndarray | None:

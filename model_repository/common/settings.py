@@ -25,6 +25,7 @@ class StageSettings:
     max_sessions: int
     kv_window: int
     session_idle_ttl_s: float
+    engine_options: str = "{}"  # JSON object of engine-specific options (deploy profile `engine_options`)
 
     def __post_init__(self) -> None:
         if self.device.split(":")[0] not in DEVICES:
@@ -58,6 +59,7 @@ class StageSettings:
             stage=need("stage"), engine_factory=need("engine_factory"), checkpoint_dir=params.get("checkpoint_dir", ""),
             device=need("device"), dtype=need("dtype"), max_sessions=number("max_sessions", int),
             kv_window=number("kv_window", int), session_idle_ttl_s=number("session_idle_ttl_s", float),
+            engine_options=params.get("engine_options") or "{}",
         )
 
 

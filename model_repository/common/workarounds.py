@@ -6,6 +6,7 @@ Each is applied from `initialize` (never at import) and says what it guards agai
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import sys
 
 import numpy as np
@@ -23,3 +24,10 @@ def pin_object_dtype() -> None:
     dtype = np.dtype(np.object_)
     if sys.getrefcount(dtype) < OBJECT_DTYPE_PIN_REFS:
         ctypes.c_ssize_t.from_address(id(dtype)).value += OBJECT_DTYPE_PIN_REFS
+
+
+def report_fatal_signals() -> None:
+    """A stub that dies on SIGSEGV/SIGABRT otherwise leaves only "Stub process ... is not healthy";
+    faulthandler writes every thread's Python stack to stderr (the tritonserver log) first."""
+    if not faulthandler.is_enabled():
+        faulthandler.enable(all_threads=True)

@@ -1,22 +1,45 @@
-"""Fixtures for the Triton tests: a generated loopback repository and a real tritonserver.
+"""Fixtures for the Triton tests: generated model repositories and real tritonservers.
 
-Each server runs in its own process group and is killed with it at teardown, pass or fail.
+`torch_server` serves the real engine/ stage engines on the seeded tiny checkpoint (CPU, the default
+deploy profile), one server for the whole test session; `loopback_server` serves the torch-free test
+double (tests/triton/loopback.py) for the plumbing tests that pin exact decisions. Each server runs in
+its own process group and is stopped (gracefully: Triton then frees its /dev/shm) at teardown.
 """
 
 from __future__ import annotations
 
 import socket
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from build.make_model_repository import DeployProfile, build_repository
-from gateway.launcher import DEFAULT_CACHE_DIR, TritonInstall, TritonPorts, TritonServer, locate_tritonserver
+# build/ goes on sys.path and its modules are imported by name: `build` is also a PyPI package.
+BUILD_DIR = str(Path(__file__).resolve().parents[2] / "build")
+if BUILD_DIR not in sys.path:
+    sys.path.insert(0, BUILD_DIR)
+
+from make_model_repository import REPO_ROOT, DeployProfile, build_repository  # noqa: E402
+from make_tiny_checkpoint import build_tiny_checkpoint  # noqa: E402
+
+from gateway.launcher import (  # noqa: E402
+    DEFAULT_CACHE_DIR,
+    TritonInstall,
+    TritonPorts,
+    TritonServer,
+    locate_tritonserver,
+)
 
 READY_TIMEOUT_S = 120.0
 ALL_MODELS = ("stage0", "tts", "token2wav", "duplex")
-LOOPBACK = DeployProfile(engine="loopback", max_sessions=4, pipeline_instances=2)
+LOOPBACK = DeployProfile(engine="tests.triton.loopback", max_sessions=4, pipeline_instances=2)
+TINY_SEED = 0
+
+
+def default_profile(**overrides: object) -> DeployProfile:
+    """deploy/profiles/default.yaml (real engines on CPU), as `duplex serve` uses it."""
+    return DeployProfile.load(REPO_ROOT / "deploy" / "profiles" / "default.yaml", **overrides)
 
 
 def free_ports(n: int = 3) -> TritonPorts:
@@ -41,6 +64,19 @@ def loopback_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_repository("/nonexistent-checkpoint", LOOPBACK, tmp_path_factory.mktemp("repo") / "models")
 
 
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The seeded tiny checkpoint (random weights), built once per test session; read-only."""
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny-ckpt"), TINY_SEED, vision=False)
+
+
+@pytest.fixture(scope="session")
+def torch_repo(tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: Path) -> Path:
+    # The default profile plus an option that changes nothing on CPU: the engine_options path is served too.
+    profile = default_profile(engine_options={"token2wav": {"flow_dtype": "float32"}})
+    return build_repository(str(tiny_checkpoint), profile, tmp_path_factory.mktemp("repo") / "models")
+
+
 def start_server(install: TritonInstall, repo: Path, log: Path, models=ALL_MODELS,
                  ports: TritonPorts | None = None) -> TritonServer:
     server = TritonServer(install, repo, models, ports or free_ports(), log)
@@ -60,4 +96,14 @@ def loopback_server(triton_install: TritonInstall, loopback_repo: Path,
     try:
         yield server
     finally:
-        server.stop()
+        server.stop()  # graceful: a killed server leaks its stubs' /dev/shm regions (64 MiB each)
+
+
+@pytest.fixture(scope="session")
+def torch_server(triton_install: TritonInstall, torch_repo: Path,
+                 tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonServer]:
+    server = start_server(triton_install, torch_repo, tmp_path_factory.mktemp("log") / "triton.log")
+    try:
+        yield server
+    finally:
+        server.stop()  # graceful: a killed server leaks its stubs' /dev/shm regions (64 MiB each)

@@ -7,8 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from build.make_model_repository import (
+from make_model_repository import (
     DEFAULT_CHECKPOINT,
     MODELS,
     SOURCE,
@@ -67,6 +66,23 @@ def test_checked_in_configs_match_the_builder(model: str) -> None:
     assert (SOURCE / model / "config.pbtxt").read_text() == render_config(model, profile, DEFAULT_CHECKPOINT)
 
 
-@pytest.mark.parametrize("name", ["default.yaml", "loopback.yaml", "h200.yaml"])
+@pytest.mark.parametrize("name", ["default.yaml", "h200.yaml"])
 def test_shipped_profiles_are_valid(name: str) -> None:
     DeployProfile.load(REPO / "deploy" / "profiles" / name)
+
+
+def test_engine_names_the_factory_module() -> None:
+    assert 'string_value: "model_repository.common.bridges:tts"' in render_config("tts", DeployProfile(), "/c")
+    double = DeployProfile(engine="tests.triton.loopback")
+    assert 'string_value: "tests.triton.loopback:token2wav"' in render_config("token2wav", double, "/c")
+    with pytest.raises(ProfileError, match="'engine'"):
+        DeployProfile(engine="no_such_package.engines")
+
+
+def test_engine_options_reach_only_their_stage() -> None:
+    profile = DeployProfile(engine_options={"tts": {"compile_step": True}})
+    assert 'key: "engine_options" value: { string_value: "{\\"compile_step\\": true}" }' \
+        in render_config("tts", profile, "/c")
+    assert "engine_options" not in render_config("stage0", profile, "/c")
+    with pytest.raises(ProfileError, match="'engine_options'"):
+        DeployProfile(engine_options={"vocoder": {}})

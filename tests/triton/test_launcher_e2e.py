@@ -29,8 +29,8 @@ def test_triton_ports_step_around_the_gateway() -> None:
     assert 8002 not in choose_triton_ports(8002).all().values()
 
 
-def test_starts_and_serves_stage0(triton_install: TritonInstall, loopback_repo: Path, tmp_path: Path) -> None:
-    server = start_server(triton_install, loopback_repo, tmp_path / "t.log", models=("stage0",))
+def test_starts_and_serves_stage0(triton_install: TritonInstall, torch_repo: Path, tmp_path: Path) -> None:
+    server = start_server(triton_install, torch_repo, tmp_path / "t.log", models=("stage0",))
     try:
         assert server.is_ready()
     finally:
@@ -48,13 +48,17 @@ def test_taken_port_is_reported(triton_install: TritonInstall, loopback_repo: Pa
             server.start()
 
 
-def test_failing_model_load_error_is_surfaced(triton_install: TritonInstall, loopback_repo: Path,
-                                              tmp_path: Path) -> None:
+@pytest.mark.parametrize("broken", ["engine_factory", "checkpoint_dir"])
+def test_failing_model_load_error_is_surfaced(triton_install: TritonInstall, torch_repo: Path, tiny_checkpoint: Path,
+                                              tmp_path: Path, broken: str) -> None:
     repo = tmp_path / "repo"
-    shutil.copytree(loopback_repo / "stage0", repo / "stage0")
+    shutil.copytree(torch_repo / "stage0", repo / "stage0")
     config = repo / "stage0" / "config.pbtxt"
-    config.write_text(config.read_text().replace("model_repository.common.loopback:make_engine",
-                                                 "model_repository.common.loopback:no_such_factory"))
+    old, new = {"engine_factory": ("model_repository.common.bridges:stage0",
+                                   "model_repository.common.bridges:no_such_factory"),
+                "checkpoint_dir": (str(tiny_checkpoint), "/no/such/checkpoint")}[broken]
+    assert old in config.read_text()
+    config.write_text(config.read_text().replace(old, new))
     server = TritonServer(triton_install, repo, ["stage0"], free_ports(), tmp_path / "t.log")
     server.start()
     try:
@@ -63,7 +67,7 @@ def test_failing_model_load_error_is_surfaced(triton_install: TritonInstall, loo
     finally:
         server.stop()
     message = str(err.value)
-    assert "stage0" in message and "no_such_factory" in message
+    assert "stage0" in message and new.rsplit(":", 1)[-1] in message
 
 
 def _duplex(*args: str) -> subprocess.CompletedProcess[str]:

@@ -1,10 +1,10 @@
-"""Loopback engines: torch-free stand-ins that speak the full stage protocol.
+"""Loopback engines: a torch-free test double of the three stage engines (speaks the stage protocol).
 
-They exist so the Triton plumbing (sequences, decoupled fan-out, fences, errors, the pipeline,
-perf_analyzer) is served and tested without model weights. Deterministic from the input:
-stage0 decides `speak` when a unit's RMS passes a threshold and emits text tokens plus a `tts_input`
-payload; tts maps text tokens to audio tokens; token2wav renders each audio token as a short tone.
-Selected with `engine: loopback` in a deploy profile; never the production path.
+They let the Triton plumbing tests (sequences, decoupled fan-out, fences, errors, the pipeline) pin
+exact decisions: stage0 decides `speak` when a unit's RMS passes a threshold and emits text tokens plus
+a `tts_input` payload; tts maps text tokens to audio tokens; token2wav renders each as a short tone.
+Served by a test profile with `engine: tests.triton.loopback` (its `stage0`/`tts`/`token2wav` below);
+the tritonserver stub reaches this module through the repo root on its PYTHONPATH.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .codec import RequestError, StageOutput, StageRequest, error_output
-from .settings import StageSettings
+from model_repository.common.codec import RequestError, StageOutput, StageRequest, error_output
+from model_repository.common.settings import StageSettings
 
 FIRST_UNIT_SAMPLES = 16_480  # unit 0 is 1030 ms of 16 kHz audio (spec/model.md)
 UNIT_SAMPLES = 16_000
@@ -96,7 +96,8 @@ def _stage0(stage: _Stage, req: StageRequest) -> list[StageOutput]:
     stage.units[req.corrid] = unit + 1
     rms = float(np.sqrt(np.mean(np.square(req.pcm))))
     speak = rms > SPEAK_RMS and not req.force_listen
-    outs = [StageOutput({"type": "decision", "decision": "speak" if speak else "listen", "unit": unit})]
+    action = "speak" if speak else "listen"
+    outs = [StageOutput({"type": "decision", "action": action, "decision": action, "unit": unit})]
     if speak:
         ids = (np.arange(TEXT_TOKENS_PER_UNIT) + unit * TEXT_TOKENS_PER_UNIT).astype(np.int64)
         outs += [StageOutput({"type": "text", "token_id": int(t), "text": f"<{int(t)}>", "unit": unit}) for t in ids]
@@ -135,10 +136,12 @@ _HANDLERS = {"stage0": _stage0, "tts": _tts, "token2wav": _token2wav}
 
 
 def make_engine(settings: StageSettings) -> EngineThread:
-    """engine_factory for every stage: `model_repository.common.loopback:make_engine`."""
     units: dict[int, int] = {}
     stage = _Stage(settings, units)
     handler = _HANDLERS[settings.stage]
     engine = EngineThread(f"{settings.stage}-engine", lambda req: handler(stage, req))
     engine.units = units
     return engine
+
+
+stage0 = tts = token2wav = make_engine  # engine_factory `tests.triton.loopback:<stage>`

@@ -1,0 +1,164 @@
+"""The engine thread every real-engine bridge runs on, plus the shared loading and error helpers.
+
+`submit` / `drop` only enqueue; one thread per model instance owns the engine (and its KV): it applies
+queued commands in arrival order, then runs one engine step, and sleeps on the queue while idle. A
+request's sink is closed exactly once: by the bridge when its work is done, or here when handling it
+raised. An exception inside an engine step fails the requests that step was serving, not the engine.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..codec import RequestError, StageOutput, StageRequest, error_output
+from ..settings import ConfigError, StageSettings
+
+IDLE_WAIT_S = 0.05  # the idle engine thread wakes this often (a new request wakes it at once)
+CPU_THREADS = 1  # torch threads per stage on CPU: three stages share a small machine
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_STOP = object()
+
+# Engine error codes (their `code` attribute or class name) -> the codes of docs/triton.md.
+ERROR_CODES = {
+    "stale_fence": "stale_fence", "StaleFenceError": "stale_fence",
+    "invalid_fence": "stale_fence",
+    "unknown_session": "session_not_found", "session_closed": "session_not_found",
+    "UnknownSessionError": "session_not_found",
+    "session_exists": "invalid_request", "SessionExistsError": "invalid_request",
+    "bad_audio": "bad_audio",
+    "too_many_frames": "invalid_request", "front_end": "invalid_request",
+    "capacity": "runtime_backpressure", "CapacityError": "runtime_backpressure",
+    "NoFreeSlotError": "runtime_backpressure", "TurnCapacityError": "runtime_backpressure",
+    "HiddenDimError": "invalid_request", "RowCountError": "invalid_request", "TokenIdError": "invalid_request",
+    "CodeRangeError": "invalid_request", "UnknownVoiceError": "invalid_runtime_config",
+}
+
+
+def engine_error(exc: BaseException) -> StageOutput:
+    """A typed engine error -> its documented code; anything else is an `internal_error`."""
+    if isinstance(exc, RequestError):
+        return error_output(exc.code, exc.message)
+    for key in (getattr(exc, "code", None), type(exc).__name__):
+        if key in ERROR_CODES:
+            return error_output(ERROR_CODES[key], str(exc) or type(exc).__name__)
+    return error_output("internal_error", f"{type(exc).__name__}: {exc}")
+
+
+def torch_dtype(settings: StageSettings) -> torch.dtype:
+    return DTYPES[settings.dtype]
+
+
+def engine_options(settings: StageSettings, known: tuple[str, ...]) -> dict[str, Any]:
+    """The stage's `engine_options` parameter (JSON object from the deploy profile), {} when absent."""
+    try:
+        opts = json.loads(settings.engine_options or "{}")
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"parameter engine_options is not JSON: {exc}") from exc
+    if not isinstance(opts, dict):
+        raise ConfigError("parameter engine_options must be a JSON object")
+    unknown = sorted(set(opts) - set(known))
+    if unknown:
+        raise ConfigError(f"stage {settings.stage!r}: unknown engine option(s) {unknown}; known: {list(known)}")
+    return opts
+
+
+def session_key(corrid: int) -> str:
+    return str(corrid)
+
+
+def configure_torch(settings: StageSettings) -> None:
+    if settings.device == "cpu":
+        torch.set_num_threads(CPU_THREADS)
+
+
+class EngineBridge:
+    """Base of the three bridges: subclasses implement `handle`, `step`, `forget` and `fail_all`."""
+
+    def __init__(self, settings: StageSettings) -> None:
+        self.settings = settings
+        self._queue: queue.Queue[Any] = queue.Queue()
+        self._thread = threading.Thread(target=self._loop, name=f"{settings.stage}-engine", daemon=True)
+
+    # ---- StageEngine protocol (adapter thread) ------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, req: StageRequest, sink: Any) -> None:
+        self._queue.put((req, sink))
+
+    def drop(self, corrid: int) -> None:
+        self._queue.put((corrid, None))
+
+    def stop(self) -> None:
+        self._queue.put(_STOP)
+        self._thread.join()
+
+    # ---- the engine thread ------------------------------------------------------------------------
+    def handle(self, req: StageRequest, sink: Any) -> None:
+        """Apply one request to the engine; close `sink` now or keep it until the work is done."""
+        raise NotImplementedError
+
+    def step(self) -> bool:
+        """One engine step; False when there was no work."""
+        raise NotImplementedError
+
+    def forget(self, corrid: int) -> None:
+        """The adapter forgot the session (close or idle expiry): free its engine state."""
+        raise NotImplementedError
+
+    def fail_all(self, out: StageOutput) -> None:
+        """Close every pending sink with `out` (an engine step raised)."""
+        raise NotImplementedError
+
+    def _loop(self) -> None:
+        busy = False
+        while True:
+            try:
+                item = self._queue.get_nowait() if busy else self._queue.get(timeout=IDLE_WAIT_S)
+            except queue.Empty:
+                item = None
+            while item is not None:
+                if item is _STOP:
+                    return
+                self._apply(*item)
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    item = None
+            try:
+                busy = self.step()
+            except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, not the engine
+                traceback.print_exc()
+                self.fail_all(engine_error(exc))
+                busy = False
+
+    def _apply(self, req: StageRequest | int, sink: Any) -> None:
+        if sink is None:
+            self._guard(lambda: self.forget(req))  # type: ignore[arg-type]
+            return
+        try:
+            self.handle(req, sink)  # type: ignore[arg-type]
+        except Exception as exc:  # noqa: BLE001 - one failing request must not stop the engine
+            if not isinstance(exc, RequestError) and engine_error(exc).event["code"] == "internal_error":
+                traceback.print_exc()
+            sink.emit(engine_error(exc))
+            sink.close()
+
+    @staticmethod
+    def _guard(fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except Exception:  # noqa: BLE001 - cleanup of a session that is gone anyway
+            traceback.print_exc()
+
+
+def control_event(req: StageRequest, stage: str) -> StageOutput:
+    names = {"open": "opened", "update": "updated", "cancel": "cancelled", "close": "closed"}
+    return StageOutput({"type": names[req.op], "stage": stage, "fence": list(req.fence)})

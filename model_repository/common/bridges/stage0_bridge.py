@@ -1,0 +1,196 @@
+"""Stage0 bridge: Triton requests <-> engine.stage0.Stage0Engine (thinker: audio in, decisions/text out).
+
+Per unit the sink sees `decision`, `text`…, then for a speak unit `tts_input` (TOKENS = text ids of the
+TTS rows, HIDDEN = their LLM states flattened [n * hidden_dim]) and last `unit_done` with the thinker
+metrics the gateway reads ({"thinker": {"tokens", "ttft_ms", "token_times_ms"}}). Decisions/text come
+from the engine's `on_event` callback, which runs on the engine thread inside `step()`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from engine.audio.frontend import AudioFrontEnd
+from engine.loader import load_checkpoint
+from engine.stage0 import Fence, Stage0Config, Stage0Engine, TokenEvent, UnitDone
+from engine.stage0.frontend import AudioFrontEndAdapter
+
+from ..codec import RequestError, StageOutput, StageRequest
+from ..settings import StageSettings
+from .base import EngineBridge, configure_torch, control_event, engine_options, session_key, torch_dtype
+from .options import sampling_params, stage0_open_args
+
+MS_PER_S = 1000.0
+WINDOW_LOW_FRACTION = 0.75  # eviction drops old units down to this share of the KV window (§7.4)
+
+OPTIONS = ("compile_mode", "cuda_graphs")  # deploy profile `engine_options.stage0` keys
+
+
+@dataclass
+class _Unit:
+    sink: Any
+    forced: bool
+    accepted_at: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class _Session:
+    corrid: int
+    force_listen_count: int
+    units: dict[int, _Unit] = field(default_factory=dict)
+    started: int = 0  # units whose decision the engine reached
+    in_turn: bool = False  # a speak unit opened a turn that no `end_of_turn` has closed yet
+
+
+class Stage0Bridge(EngineBridge):
+    def __init__(self, settings: StageSettings) -> None:
+        super().__init__(settings)
+        configure_torch(settings)
+        opts = engine_options(settings, OPTIONS)
+        ck = load_checkpoint(settings.checkpoint_dir, device=settings.device, dtype=torch_dtype(settings),
+                             with_vision=False, with_token2wav=False)
+        model = ck.model
+        frontend = AudioFrontEndAdapter(AudioFrontEnd(model.apm, model.audio_projection_layer, ck.config.audio))
+        cfg = Stage0Config(max_sessions=settings.max_sessions, window_high=settings.kv_window,
+                           window_low=max(1, int(settings.kv_window * WINDOW_LOW_FRACTION)),
+                           use_cuda_graphs=settings.device.startswith("cuda") and opts.get("cuda_graphs", True),
+                           compile_mode=opts.get("compile_mode"))
+        self.hidden_dim = ck.config.llm.hidden_size
+        self.engine = Stage0Engine(model.llm, ck.tokenizer, frontend, self._on_event, cfg)
+        self.terminators = self.engine.ids.terminators
+        self.sessions: dict[str, _Session] = {}
+
+    # ---- requests ---------------------------------------------------------------------------------
+    def handle(self, req: StageRequest, sink: Any) -> None:
+        sid, fence = session_key(req.corrid), Fence(req.fence[0], req.fence[1], req.fence[2])
+        if req.op == "open":
+            args = stage0_open_args(req.config or {})
+            self.engine.open(sid, fence, **args)
+            self.sessions[sid] = _Session(req.corrid, args["force_listen_count"]
+                                          if args["force_listen_count"] is not None
+                                          else self.engine.rules.force_listen_count)
+        elif req.op == "append":
+            self._append(sid, fence, req, sink)
+            return  # the sink closes at the unit's UnitDone
+        elif req.op == "update":
+            cfg = req.config or {}
+            params = sampling_params(cfg) if cfg else None
+            self.engine.update(sid, fence, params=params, prompt=cfg.get("instructions"))
+        elif req.op == "cancel":
+            assert req.next_fence is not None
+            self.engine.cancel(sid, fence, Fence(*req.next_fence))
+            self._close_dropped(sid)
+        elif req.op == "close":
+            self.engine.close(sid, fence)
+            self._end(sid)
+        sink.emit(control_event(req, "stage0"))
+        sink.close()
+
+    def _append(self, sid: str, fence: Fence, req: StageRequest, sink: Any) -> None:
+        if req.pcm is None:
+            raise RequestError("bad_audio", "append needs PCM")
+        state = self.sessions.get(sid)
+        pcm = torch.from_numpy(np.ascontiguousarray(req.pcm, dtype=np.float32))
+        index = self.engine.append(sid, fence, pcm, req.frames, force_listen_override=bool(req.force_listen))
+        assert state is not None  # the engine raised for an unknown session
+        forced = bool(req.force_listen) or index < state.force_listen_count
+        state.units[index] = _Unit(sink, forced)
+
+    def step(self) -> bool:
+        return self.engine.step()
+
+    def forget(self, corrid: int) -> None:
+        sid = session_key(corrid)
+        live = self.engine.sessions.get(sid)
+        if live is not None:
+            self.engine.close(sid, live.fence)
+        self._end(sid)
+
+    def fail_all(self, out: StageOutput) -> None:
+        for state in self.sessions.values():
+            for unit in state.units.values():
+                unit.sink.emit(out)
+                unit.sink.close()
+            state.units.clear()
+
+    def _end(self, sid: str) -> None:
+        state = self.sessions.pop(sid, None)
+        if state is not None:
+            for index, unit in state.units.items():
+                unit.sink.emit(_dropped(index))
+                unit.sink.close()
+
+    def _close_dropped(self, sid: str) -> None:
+        """A cancel drops queued units without a UnitDone: end their requests here."""
+        state = self.sessions.get(sid)
+        live = self.engine.sessions.get(sid)
+        running = live.unit.index if live is not None and live.unit is not None else None
+        for index in [i for i in state.units if i != running] if state else []:
+            unit = state.units.pop(index)
+            unit.sink.emit(_dropped(index))
+            unit.sink.close()
+
+    # ---- engine events (engine thread, inside step) -------------------------------------------------
+    def _on_event(self, ev: TokenEvent | UnitDone) -> None:
+        state = self.sessions.get(ev.session_id)
+        unit = state.units.get(ev.unit_index) if state else None
+        if state is None or unit is None:
+            return
+        if isinstance(ev, TokenEvent):
+            if ev.decision:
+                state.started += 1
+                action = "listen" if ev.token_id in self.terminators else "speak"
+                unit.sink.emit(StageOutput({"type": "decision", "action": action, "decision": action,
+                                            "unit": ev.unit_index, "forced": unit.forced}))
+            elif ev.text:
+                unit.sink.emit(StageOutput({"type": "text", "token_id": ev.token_id, "text": ev.text,
+                                            "unit": ev.unit_index}))
+            return
+        del state.units[ev.unit_index]
+        self._unit_done(state, unit, ev)
+
+    def _unit_done(self, state: _Session, unit: _Unit, ev: UnitDone) -> None:
+        if ev.error is not None:
+            unit.sink.emit(StageOutput({"type": "error", "code": "bad_audio", "message": ev.error,
+                                        "unit": ev.unit_index}))
+            unit.sink.close()
+            return
+        if ev.rows and not ev.aborted:
+            turn_start = not state.in_turn
+            state.in_turn = not ev.end_of_turn
+            hidden = torch.stack([r.hidden for r in ev.rows]).to(torch.float32).cpu().numpy()  # [n, H]
+            unit.sink.emit(StageOutput(
+                {"type": "tts_input", "unit": ev.unit_index, "is_turn_eos": [bool(r.is_turn_eos) for r in ev.rows],
+                 "end_of_turn": ev.end_of_turn, "turn_start": turn_start, "hidden_dim": self.hidden_dim},
+                tokens=np.array([r.token_id for r in ev.rows], dtype=np.int64), hidden=hidden.reshape(-1)))
+        elif ev.end_of_turn or ev.aborted:
+            state.in_turn = False
+        m = ev.metrics
+        unit.sink.emit(StageOutput({
+            "type": "unit_done", "unit": ev.unit_index, "is_listen": ev.is_listen, "end_of_turn": ev.end_of_turn,
+            "forced": unit.forced, "aborted": ev.aborted, "text": ev.text,
+            "metrics": {"thinker": {"tokens": m.tokens, "ttft_ms": m.ttft_s * MS_PER_S,
+                                    "token_times_ms": _token_times_ms(m.ttft_s, m.itl_s),
+                                    "queue_ms": m.queue_s * MS_PER_S}}}))
+        unit.sink.close()
+
+
+def _token_times_ms(ttft_s: float, itl_s: tuple[float, ...]) -> list[float]:
+    """Each token's time since the append was accepted, in ms (first = TTFT)."""
+    times, t = [], ttft_s
+    if ttft_s <= 0:
+        return times  # no token was decoded (an aborted or failed unit)
+    for gap in (0.0, *itl_s):
+        t += gap
+        times.append(t * MS_PER_S)
+    return times
+
+
+def _dropped(index: int) -> StageOutput:
+    return StageOutput({"type": "unit_done", "unit": index, "is_listen": True, "end_of_turn": False,
+                        "aborted": True, "metrics": {}})

@@ -1,0 +1,118 @@
+"""TTS bridge: one `tts_input` per append (TOKENS = text ids, HIDDEN = LLM states [n * llm_dim],
+CONFIG = {"unit", "is_turn_eos", "end_of_turn", "turn_start"}) -> engine.stage1.TTSEngine -> one
+`audio_tokens` event (TOKENS = the unit's codes), then FINAL.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from engine.loader import load_checkpoint
+from engine.stage1.config import TTSEngineConfig
+from engine.stage1.tts_engine import TTSEngine
+from engine.stage1.types import Fence, TTSUnitRequest
+
+from ..codec import RequestError, StageOutput, StageRequest
+from ..settings import StageSettings
+from .base import EngineBridge, configure_torch, control_event, engine_options, session_key, torch_dtype
+from .options import seed_of
+
+OPTIONS = ("compile_step", "cuda_graphs")  # deploy profile `engine_options.tts` keys
+
+
+class TTSBridge(EngineBridge):
+    def __init__(self, settings: StageSettings) -> None:
+        super().__init__(settings)
+        configure_torch(settings)
+        opts = engine_options(settings, OPTIONS)
+        ck = load_checkpoint(settings.checkpoint_dir, device=settings.device, dtype=torch_dtype(settings),
+                             with_vision=False, with_token2wav=False)
+        cfg = TTSEngineConfig(max_sessions=settings.max_sessions, max_batch=settings.max_sessions,
+                              use_cuda_graphs=settings.device.startswith("cuda") and opts.get("cuda_graphs", True),
+                              compile_step=bool(opts.get("compile_step", False)))
+        self.llm_dim = ck.config.tts.llm_dim
+        self.engine = TTSEngine(ck.model.tts, cfg)  # only the TTS module stays referenced
+        self.pending: dict[str, list[tuple[TTSUnitRequest, Any]]] = {}
+
+    def handle(self, req: StageRequest, sink: Any) -> None:
+        sid, fence = session_key(req.corrid), Fence(req.fence[0], req.fence[1])
+        if req.op == "open":
+            self.engine.open(sid, fence, seed_of(req.config or {}))
+            self.pending[sid] = []
+        elif req.op == "append":
+            unit = self._unit(sid, fence, req)
+            self.engine.submit(unit)
+            self.pending.setdefault(sid, []).append((unit, sink))
+            return  # the sink closes when the unit's codes are out
+        elif req.op == "cancel":
+            assert req.next_fence is not None
+            self.engine.cancel(sid, fence, Fence(req.next_fence[0], req.next_fence[1]))
+            self._sweep(sid)
+        elif req.op == "close":
+            self.engine.close(sid, fence)
+            self._sweep(sid, everything=True)
+        sink.emit(control_event(req, "tts"))
+        sink.close()
+
+    def _unit(self, sid: str, fence: Fence, req: StageRequest) -> TTSUnitRequest:
+        cfg = req.config or {}
+        ids = req.tokens if req.tokens is not None else np.zeros(0, np.int64)
+        hidden = req.hidden if req.hidden is not None else np.zeros(0, np.float32)
+        if hidden.size != ids.size * self.llm_dim:
+            raise RequestError("invalid_request", f"HIDDEN holds {hidden.size} values, expected "
+                                                  f"{ids.size} rows x llm_dim {self.llm_dim}")
+        flags = cfg.get("is_turn_eos") or [False] * ids.size
+        return TTSUnitRequest(sid, fence, int(cfg.get("unit", 0)), tuple(int(t) for t in ids),
+                              torch.from_numpy(hidden.reshape(ids.size, self.llm_dim).copy()),  # [n, llm_dim]
+                              tuple(bool(f) for f in flags), bool(cfg.get("end_of_turn", False)),
+                              bool(cfg.get("turn_start", False)))
+
+    def step(self) -> bool:
+        results = self.engine.step()
+        for res in results:
+            waiting = self.pending.get(res.session_id, [])
+            for k, (unit, sink) in enumerate(waiting):
+                if unit.unit_index == res.unit_index and unit.fence == res.fence:
+                    del waiting[k]
+                    sink.emit(StageOutput({"type": "audio_tokens", "unit": res.unit_index, "count": len(res.codes),
+                                           "eos": res.eos, "end_of_turn": res.turn_closed},
+                                          tokens=np.array(res.codes, dtype=np.int64)))
+                    sink.close()
+                    break
+        for sid in list(self.pending):
+            self._sweep(sid)
+        return bool(results)
+
+    def _sweep(self, sid: str, everything: bool = False) -> None:
+        """End requests whose unit left the engine without a result (cancelled or fenced off)."""
+        session = self.engine.sessions.get(sid)
+        queued = {id(u) for u in session.queue} if session is not None and not everything else set()
+        keep = []
+        for unit, sink in self.pending.get(sid, []):
+            if id(unit) in queued:
+                keep.append((unit, sink))
+            else:
+                sink.emit(StageOutput({"type": "audio_tokens", "unit": unit.unit_index, "count": 0,
+                                       "dropped": True}, tokens=np.zeros(0, np.int64)))
+                sink.close()
+        if everything or session is None:
+            self.pending.pop(sid, None)
+        else:
+            self.pending[sid] = keep
+
+    def forget(self, corrid: int) -> None:
+        sid = session_key(corrid)
+        session = self.engine.sessions.get(sid)
+        if session is not None:
+            self.engine.close(sid, Fence(session.fence.incarnation, session.fence.epoch))
+        self._sweep(sid, everything=True)
+
+    def fail_all(self, out: StageOutput) -> None:
+        for waiting in self.pending.values():
+            for _, sink in waiting:
+                sink.emit(out)
+                sink.close()
+            waiting.clear()

@@ -1,0 +1,200 @@
+"""The real-engine bridges in-process (no server): event mapping, typed errors, one close per request.
+
+Each bridge loads the seeded tiny checkpoint and runs its own engine thread, exactly as inside a
+Triton stub; a recording sink stands in for the adapter's ResponseSink.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from engine.audio.frontend import AudioFrontEnd
+from engine.loader import load_checkpoint
+from engine.stage0 import Fence, SamplingParams, Stage0Config, Stage0Engine, TokenEvent, UnitDone
+from engine.stage0.frontend import AudioFrontEndAdapter
+from model_repository.common import bridges
+from model_repository.common.codec import StageOutput, StageRequest
+from model_repository.common.settings import StageSettings
+
+WAIT_S = 60.0
+FIRST, UNIT = 16_480, 16_000
+
+
+class Sink:
+    def __init__(self) -> None:
+        self.outs: list[StageOutput] = []
+        self.closes = 0
+        self.done = threading.Event()
+
+    def emit(self, out: StageOutput) -> None:
+        assert not self.closes, "emit after close"
+        self.outs.append(out)
+
+    def close(self) -> None:
+        self.closes += 1
+        self.done.set()
+
+    def kinds(self) -> list[str]:
+        return [o.event["type"] for o in self.outs]
+
+    def of(self, kind: str) -> list[StageOutput]:
+        return [o for o in self.outs if o.event["type"] == kind]
+
+
+def settings(stage: str, ckpt: Path, **kw: Any) -> StageSettings:
+    return StageSettings(stage=stage, engine_factory=f"model_repository.common.bridges:{stage}",
+                         checkpoint_dir=str(ckpt), device="cpu", dtype="float32", max_sessions=2, kv_window=4096,
+                         session_idle_ttl_s=60, **kw)
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_checkpoint: Path) -> Iterator[dict[str, Any]]:
+    made = {stage: getattr(bridges, stage)(settings(stage, tiny_checkpoint)) for stage in ("stage0", "tts", "token2wav")}
+    for bridge in made.values():
+        bridge.start()
+    yield made
+    for bridge in made.values():
+        bridge.stop()
+
+
+def send(bridge: Any, wait: bool = True, **kw: Any) -> Sink:
+    sink = Sink()
+    bridge.submit(StageRequest(**kw), sink)
+    if wait:
+        assert sink.done.wait(WAIT_S)
+    return sink
+
+
+def pcm(index: int, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed * 100 + index)
+    return (rng.standard_normal(FIRST if index == 0 else UNIT) * 0.1).astype(np.float32)
+
+
+def reference_stage0(ckpt: Path, seed: int, units: list[np.ndarray]) -> list[Any]:
+    """The same units through a Stage0Engine driven directly (no bridge, no thread): its events."""
+    ck = load_checkpoint(ckpt, device="cpu", dtype=torch.float32, with_vision=False, with_token2wav=False)
+    front = AudioFrontEndAdapter(AudioFrontEnd(ck.model.apm, ck.model.audio_projection_layer, ck.config.audio))
+    events: list[Any] = []
+    engine = Stage0Engine(ck.model.llm, ck.tokenizer, front, events.append,
+                          Stage0Config(max_sessions=2, window_high=4096, window_low=3072))
+    engine.open("ref", Fence(1, 1), params=SamplingParams(seed=seed), force_listen_count=0)
+    for i, unit in enumerate(units):
+        engine.append("ref", Fence(1, 1, i + 1), torch.from_numpy(unit))
+        engine.run_until_idle()
+    return events
+
+
+def test_stage0_events_are_the_engines(engines: dict[str, Any], tiny_checkpoint: Path) -> None:
+    s0, seed, units = engines["stage0"], 3, [pcm(0), pcm(1)]
+    assert send(s0, corrid=11, op="open", fence=(1, 1, 0), config={"seed": seed, "force_listen_count": 0}).kinds() \
+        == ["opened"]
+    sinks = [send(s0, corrid=11, op="append", fence=(1, 1, i + 1), pcm=u) for i, u in enumerate(units)]
+    send(s0, corrid=11, op="close", fence=(1, 1, 0))
+    ref = reference_stage0(tiny_checkpoint, seed, units)
+    in_turn = False  # a speak unit opens a turn; `end_of_turn` closes it
+    for index, sink in enumerate(sinks):
+        assert sink.closes == 1
+        kinds = sink.kinds()
+        assert kinds[0] == "decision" and kinds[-1] == "unit_done"
+        mine = [e for e in ref if e.unit_index == index]
+        done = mine[-1]
+        assert isinstance(done, UnitDone)
+        decision = next(e for e in mine if isinstance(e, TokenEvent) and e.decision)
+        assert sink.outs[0].event["action"] == ("listen" if decision.token_id in s0.terminators else "speak")
+        texts = [(e.token_id, e.text) for e in mine if isinstance(e, TokenEvent) and not e.decision and e.text]
+        assert [(o.event["token_id"], o.event["text"]) for o in sink.of("text")] == texts
+        assert sink.outs[-1].event["is_listen"] == done.is_listen
+        assert sink.outs[-1].event["metrics"]["thinker"]["tokens"] == done.metrics.tokens
+        if done.rows:
+            tts_in = sink.of("tts_input")[0]
+            assert tts_in.tokens.tolist() == [r.token_id for r in done.rows]
+            expect = torch.stack([r.hidden for r in done.rows]).numpy()  # [n, H]
+            np.testing.assert_allclose(tts_in.hidden.reshape(expect.shape), expect, rtol=1e-5, atol=1e-5)
+            assert tts_in.event["is_turn_eos"] == [r.is_turn_eos for r in done.rows]
+            assert tts_in.event["turn_start"] is not in_turn
+            in_turn = not done.end_of_turn
+        else:
+            assert not sink.of("tts_input")
+            in_turn = in_turn and not done.end_of_turn
+    assert any(s.of("tts_input") for s in sinks)  # this seed speaks: the payload path was exercised
+
+
+@pytest.mark.parametrize("config,code", [({"temperature": "hot"}, "invalid_runtime_config"),
+                                         ({"top_p": 7}, "invalid_runtime_config"),
+                                         ({"instructions": 5}, "invalid_runtime_config")])
+def test_bad_config_is_typed(engines: dict[str, Any], config: dict[str, Any], code: str) -> None:
+    sink = send(engines["stage0"], corrid=12, op="open", fence=(1, 1, 0), config=config)
+    assert [o.event["code"] for o in sink.outs] == [code] and sink.closes == 1
+
+
+def test_engine_errors_map_to_documented_codes(engines: dict[str, Any]) -> None:
+    s0, tts, t2w = engines["stage0"], engines["tts"], engines["token2wav"]
+    send(s0, corrid=13, op="open", fence=(1, 1, 0), config={"seed": 1})
+    cases = [
+        (send(s0, corrid=13, op="append", fence=(1, 1, 1), pcm=np.zeros(7, np.float32)), "bad_audio"),
+        (send(s0, corrid=99, op="append", fence=(1, 1, 1), pcm=pcm(0)), "session_not_found"),
+        (send(s0, corrid=13, op="open", fence=(1, 1, 0)), "invalid_request"),
+        (send(tts, corrid=99, op="open", fence=(1, 1, 0)) and
+         send(tts, corrid=99, op="append", fence=(1, 1, 1), tokens=np.arange(2), hidden=np.zeros(5, np.float32)),
+         "invalid_request"),
+        (send(t2w, corrid=99, op="open", fence=(1, 1, 0), config={"voice": "nobody"}), "invalid_runtime_config"),
+    ]
+    for sink, code in cases:
+        assert [o.event.get("code") for o in sink.outs] == [code], sink.outs
+        assert sink.closes == 1
+    send(s0, corrid=13, op="close", fence=(1, 1, 0))
+    send(tts, corrid=99, op="close", fence=(1, 1, 0))
+
+
+def test_cancel_ends_every_queued_unit_once(engines: dict[str, Any]) -> None:
+    """Units queued behind a cancel never reach UnitDone in the engine; their requests still end."""
+    s0 = engines["stage0"]
+    send(s0, corrid=14, op="open", fence=(1, 1, 0), config={"seed": 2, "force_listen_count": 0})
+    sinks = [send(s0, wait=False, corrid=14, op="append", fence=(1, 1, i + 1), pcm=pcm(i)) for i in range(3)]
+    cancel = send(s0, corrid=14, op="cancel", fence=(1, 1, 3), next_fence=(1, 2, 3))
+    assert cancel.kinds() == ["cancelled"]
+    for sink in sinks:
+        assert sink.done.wait(WAIT_S) and sink.closes == 1
+        assert sink.kinds()[-1] == "unit_done"
+    after = send(s0, corrid=14, op="append", fence=(1, 2, 4), pcm=pcm(3))
+    assert after.kinds()[0] == "decision" and after.kinds()[-1] == "unit_done"
+    send(s0, corrid=14, op="close", fence=(1, 2, 0))
+
+
+def test_tts_and_token2wav_render_a_unit(engines: dict[str, Any]) -> None:
+    tts, t2w = engines["tts"], engines["token2wav"]
+    llm_dim = tts.llm_dim
+    send(tts, corrid=15, op="open", fence=(1, 1, 0), config={"seed": 4})
+    send(t2w, corrid=15, op="open", fence=(1, 1, 0), config={"seed": 4})
+    rng = np.random.default_rng(0)
+    codes = send(tts, corrid=15, op="append", fence=(1, 1, 1), tokens=np.arange(4),
+                 hidden=rng.standard_normal(4 * llm_dim).astype(np.float32),
+                 config={"unit": 0, "is_turn_eos": [False] * 4, "turn_start": True})
+    assert codes.kinds() == ["audio_tokens"] and codes.outs[0].tokens.size == codes.outs[0].event["count"]
+    audio = send(t2w, corrid=15, op="append", fence=(1, 1, 1), tokens=codes.outs[0].tokens, config={"unit": 0})
+    assert audio.kinds() and set(audio.kinds()) == {"audio"} and audio.closes == 1
+    assert [o.event["seq"] for o in audio.outs] == list(range(len(audio.outs)))
+    assert all(o.audio.dtype == np.int16 and o.audio.size == o.event["samples"] for o in audio.outs)
+    for bridge in (tts, t2w):
+        assert send(bridge, corrid=15, op="close", fence=(1, 1, 0)).kinds() == ["closed"]
+
+
+def test_sampling_params_follow_the_gateway_config() -> None:
+    from model_repository.common.bridges.options import sampling_params
+
+    got = sampling_params({"temperature": 0.5, "top_k": 9, "seed": 7, "thinker": {"top_p": 0.6, "top_k": 11}})
+    assert got == SamplingParams(temperature=0.5, top_k=11, top_p=0.6, seed=7)
+
+
+def test_unknown_engine_option_fails_the_load(tiny_checkpoint: Path) -> None:
+    from model_repository.common.settings import ConfigError
+
+    with pytest.raises(ConfigError, match="compile_stepp"):
+        bridges.tts(settings("tts", tiny_checkpoint, engine_options='{"compile_stepp": true}'))

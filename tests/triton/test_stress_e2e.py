@@ -1,0 +1,102 @@
+"""Many real-engine sessions through `duplex` on two streams at once: the pipeline's stubs must survive.
+
+KNOWN BUG (docs/triton.md "Not done"): the 2.51 Python-backend stub of `duplex` intermittently dies
+inside the decoupled BLS response iterator (faulthandler: segfault in `for resp in responses`, or
+glibc "double free or corruption" on a stub thread) under this load, about one run in two here. The
+tests stay, non-strict xfail, so the bug is visible and a fix shows up as XPASS; they run on their
+own server so that a dead stub does not take the other tests with it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from clients.triton_example import FIRST_UNIT_SAMPLES, UNIT_SAMPLES, TritonSession
+from gateway.launcher import TritonInstall, TritonServer
+
+from .conftest import start_server
+from .talk import pipelined, run_session, session_config
+
+pytestmark = [pytest.mark.e2e, pytest.mark.xfail(strict=False, reason="2.51 stub: decoupled BLS crash (docs/triton.md)")]
+# What a dying Python-backend stub leaves in the server log.
+CRASH_MARKS = ("corrupted size", "Reference count error", "not healthy", "double linked list", "fastbin",
+               "malloc()", "Segmentation fault", "double free")
+SESSIONS_PER_CLIENT = 6  # sequential sessions per stream
+REPLY_TIMEOUT_S = 15.0  # a dead stub leaves requests unanswered: fail fast instead of waiting a minute
+
+
+@pytest.fixture(scope="module")
+def server(triton_install: TritonInstall, torch_repo: Path, tmp_path_factory: pytest.TempPathFactory
+           ) -> Iterator[TritonServer]:
+    srv = start_server(triton_install, torch_repo, tmp_path_factory.mktemp("stress") / "triton.log")
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def unit(index: int, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed + index)
+    return (rng.standard_normal(FIRST_UNIT_SAMPLES if index == 0 else UNIT_SAMPLES) * 0.1).astype(np.float32)
+
+
+def test_gateway_style_traffic_keeps_the_pipeline_healthy(server: TritonServer) -> None:
+    """Many short sessions on two streams at once, each request awaited: the perf_analyzer crash
+    pattern (a sequence reused before its previous one ended) cannot happen, and the stubs stay up."""
+    errors: list[BaseException] = []
+
+    def client(seed: int) -> None:
+        try:
+            for k in range(SESSIONS_PER_CLIENT):
+                run = run_session(server.grpc_url, np.concatenate([unit(0, k), unit(1, k)]), seed + k,
+                                  timeout_s=REPLY_TIMEOUT_S)
+                assert len(run.units) == 2 and run.closed.of_type("closed")
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=client, args=(100 * c,)) for c in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=240)
+    assert not errors, errors
+    assert server.is_ready()
+    log = Path(server.log_path).read_text(errors="replace")
+    for crash in CRASH_MARKS:
+        assert crash not in log
+
+
+def test_requests_sent_back_to_back_on_a_sequence(server: TritonServer) -> None:
+    """perf_analyzer's pattern: every request of a session sent without waiting for the previous one's
+    FINAL. The sequence batcher queues them; each still ends with exactly one FINAL, in order."""
+    errors: list[BaseException] = []
+
+    def client(seed: int) -> None:
+        session = TritonSession(server.grpc_url, model="duplex")
+        try:
+            for k in range(SESSIONS_PER_CLIENT):
+                replies = pipelined(session, [("open", (1, 1, 0), {"config": session_config(seed + k)}),
+                                              ("append", (1, 1, 1), {"pcm": unit(0, k)}),
+                                              ("append", (1, 1, 2), {"pcm": unit(1, k)}),
+                                              ("close", (1, 1, 0), {})], timeout_s=REPLY_TIMEOUT_S)
+                session.corrid += 1  # the next session is a new sequence on the same stream
+                assert [r.events[0]["type"] for r in replies] == ["opened", "decision", "decision", "closed"]
+                assert [r.events[-1]["unit"] for r in replies[1:3]] == [0, 1]
+            session.close()
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=client, args=(1000 * c,)) for c in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=240)
+    assert not errors, errors
+    log = Path(server.log_path).read_text(errors="replace")
+    assert not [m for m in CRASH_MARKS if m in log]
+
