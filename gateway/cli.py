@@ -1,4 +1,4 @@
-"""The `duplex` console script: `duplex serve ...` (more subcommands are added here, e.g. `talk`)."""
+"""The `duplex` console script: `duplex serve ...` (tritonserver + gateway) and `duplex talk ...` (the client CLI)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-SUBCOMMANDS = ("serve",)
+SUBCOMMANDS = ("serve", "talk")
 
 
 def _serve(argv: list[str]) -> int:
@@ -52,11 +52,15 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
         print(f"usage: duplex {{{','.join(SUBCOMMANDS)}}} ...\n  serve  start tritonserver and the gateway "
-              "(duplex serve --help)")
+              "(duplex serve --help)\n  talk   stream a WAV to a gateway, save the replies (duplex talk --help)")
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
     if command == "serve":
         return _serve(rest)
+    if command == "talk":
+        from clients.cli import talk_main  # noqa: PLC0415 - the client imports neither gateway nor engine
+
+        return talk_main(rest)
     print(f"duplex: unknown subcommand {command!r} (known: {', '.join(SUBCOMMANDS)})", file=sys.stderr)
     return 2
 

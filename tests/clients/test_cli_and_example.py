@@ -61,3 +61,10 @@ async def test_barge_in_example(gateway_url: str, runtime: ReactiveRuntime, tmp_
     answer = summary["timings"]["responses"][1]
     assert answer["client"]["cancel_to_last_audio_ms"] >= 0
     assert np.isfinite(answer["audio_ms"])
+
+
+def test_duplex_console_script_dispatches_talk(capsys) -> None:
+    from gateway.cli import main
+
+    assert main(["talk", "--wav", "/nonexistent/question.wav", "--url", "http://127.0.0.1:9"]) == 1
+    assert main([]) == 2 and "talk" in capsys.readouterr().out
