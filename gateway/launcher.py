@@ -181,7 +181,9 @@ def _start_gateway(opts: ServeOptions, triton_url: str, profile: dict[str, objec
 
 def serve(opts: ServeOptions) -> int:
     """Run until Ctrl-C/SIGTERM (exit 0) or until a child dies (exit 1). Startup errors exit 2."""
-    signal.signal(signal.SIGTERM, _raise_stop)
+    # SIGINT too: a shell that starts us in the background sets SIGINT to "ignore", which Python keeps.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _raise_stop)
     server: TritonServer | None = None
     gateway: subprocess.Popen[bytes] | None = None
     started = False
