@@ -36,6 +36,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.e2e)
             if item.get_closest_marker("timeout") is None:
                 item.add_marker(pytest.mark.timeout(E2E_TIMEOUT_S))
+            # One retry: under CI load on 2 cores a session open through Triton has timed out now and
+            # then (root cause open, see docs/triton.md on the duplex stub); a second failure still fails.
+            item.add_marker(pytest.mark.flaky(reruns=1, reruns_delay=3))
 
 
 @pytest.fixture(scope="session")
@@ -69,3 +72,4 @@ def speech(tmp_path_factory: pytest.TempPathFactory) -> np.ndarray:
     subprocess.run(["espeak-ng", "-w", str(wav), SENTENCE], check=True, capture_output=True)
     x, rate = sf.read(wav, dtype="float32")
     return soxr.resample(x, rate, SPEECH_RATE_HZ).astype(np.float32)
+

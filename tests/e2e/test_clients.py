@@ -84,7 +84,7 @@ async def test_openai_sdk_realtime_receives_audio_deltas(stack: Stack, tmp_path:
     async with openai.AsyncOpenAI(base_url=f"{stack.url}/v1", api_key="unused") as client:
         model = (await client.models.list()).data[0].id
         async with client.realtime.connect(model=model) as conn:
-            first = await asyncio.wait_for(conn.recv(), 10)
+            first = await asyncio.wait_for(conn.recv(), 30)
             assert first.type == "session.created"
             for start in range(0, len(audio), step):
                 await conn.input_audio_buffer.append(audio=base64.b64encode(audio[start:start + step].tobytes()).decode())
@@ -126,7 +126,7 @@ async def test_web_demo_in_headless_chromium(stack: Stack, tmp_path: Path) -> No
         assert sources and all(s.startswith(stack.url) for s in sources)  # served by the gateway, no CDN
         await page.evaluate("document.getElementById('start').click()")
         try:
-            await page.wait_for(f"{DEMO}.appends >= 10 && {DEMO}.sessionId", timeout=30)
+            await page.wait_for(f"{DEMO}.appends >= 10 && {DEMO}.sessionId", timeout=60)
             try:
                 await page.wait_for(f"{DEMO}.audioChunks >= 2 && {DEMO}.state === 'speaking'", timeout=40)
                 spoke = True
