@@ -66,17 +66,22 @@ class StageEngine(Protocol):
     def stop(self) -> None: ...
 
 
+def decoupled_setup(args: dict[str, Any]) -> tuple[StageSettings, SessionTable]:
+    """What every model here does first: stub workarounds, the decoupled check, settings, sessions."""
+    pin_object_dtype()
+    report_fatal_signals()
+    model_config = json.loads(args["model_config"])
+    if not pb_utils.using_decoupled_model_transaction_policy(model_config):
+        raise pb_utils.TritonModelException(f"{args['model_name']}: must be decoupled (model_transaction_policy)")
+    settings = StageSettings.from_model_config(model_config)
+    return settings, SessionTable(settings.max_sessions, settings.session_idle_ttl_s)
+
+
 class DecoupledStageModel:
     """Subclass as `TritonPythonModel` in a model.py; nothing else is needed per stage."""
 
     def initialize(self, args: dict[str, Any]) -> None:
-        pin_object_dtype()
-        report_fatal_signals()
-        model_config = json.loads(args["model_config"])
-        if not pb_utils.using_decoupled_model_transaction_policy(model_config):
-            raise pb_utils.TritonModelException(f"{args['model_name']}: must be decoupled (model_transaction_policy)")
-        self.settings = StageSettings.from_model_config(model_config)
-        self.sessions = SessionTable(self.settings.max_sessions, self.settings.session_idle_ttl_s)
+        self.settings, self.sessions = decoupled_setup(args)
         self.engine: StageEngine = load_factory(self.settings.engine_factory)(self.settings)
         self._outbox: queue.Queue[Any] = queue.Queue()
         self._live: set[ResponseSink] = set()

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from .adapter import _input, _sequence, is_null_request
+from .adapter import _input, _sequence, decoupled_setup, is_null_request
 from .codec import (
     OUTPUT_NAMES,
     RequestError,
@@ -36,9 +36,6 @@ from .codec import (
     parse_request,
     request_arrays,
 )
-from .sessions import SessionTable
-from .settings import StageSettings
-from .workarounds import pin_object_dtype, report_fatal_signals
 
 STAGE0, TTS, TOKEN2WAV = "stage0", "tts", "token2wav"
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -94,13 +91,7 @@ class _Client:
 
 class PipelineModel:
     def initialize(self, args: dict[str, Any]) -> None:
-        pin_object_dtype()
-        report_fatal_signals()
-        model_config = json.loads(args["model_config"])
-        if not pb_utils.using_decoupled_model_transaction_policy(model_config):
-            raise pb_utils.TritonModelException(f"{args['model_name']}: must be decoupled (model_transaction_policy)")
-        self.settings = StageSettings.from_model_config(model_config)
-        self.sessions = SessionTable(self.settings.max_sessions, self.settings.session_idle_ttl_s)
+        self.settings, self.sessions = decoupled_setup(args)
         self._seq: dict[tuple[int, str], int] = {}  # stage-internal append_seq per (session, stage)
 
     def execute(self, requests: list[Any]) -> None:
