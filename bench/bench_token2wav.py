@@ -105,15 +105,21 @@ def bench_ours(models, vc, scfg, batch: int, graphs: GraphCache, timer: Timer, i
 
     with torch.inference_mode():
         result = stats(timer(chunk, iters, setup=reset))
-        if PROFILE.get("on"):
-            reset()
-            acts = [torch.profiler.ProfilerActivity.CPU] + (
-                [torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-            with torch.profiler.profile(activities=acts) as prof:
-                chunk()
-            key = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
-            print(prof.key_averages().table(sort_by=key, row_limit=18, max_name_column_width=60))
+        maybe_profile(chunk, reset)
         return result
+
+
+def maybe_profile(chunk, reset) -> None:
+    """With --profile: one more (untimed) call under torch.profiler, its top ops printed."""
+    if not PROFILE.get("on"):
+        return
+    reset()
+    acts = [torch.profiler.ProfilerActivity.CPU] + (
+        [torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with torch.profiler.profile(activities=acts) as prof:
+        chunk()
+    key = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+    print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60))
 
 
 PROFILE: dict[str, bool] = {}
@@ -154,7 +160,38 @@ def bench_pooled(models, vcs, scfg, batch: int, graphs: GraphCache, timer: Timer
                 sessions[i].finish_phase(calls[i], ins[i][0], speech[row:row + 1], source[row:row + 1])
 
     with torch.inference_mode():
-        return stats(timer(chunk, iters, setup=reset))
+        result = stats(timer(chunk, iters, setup=reset))
+        maybe_profile(chunk, reset)
+        return result
+
+
+def fp16_accuracy(tiny: bool, device: torch.device, p_tok: int, scfg: StreamConfig, calls: int = 3) -> dict:
+    """Mel and PCM of `calls` stream calls with the fp16 flow against the fp32 flow (same seeded
+    weights, voice and codes; HiFT fp32 in both): what the fp16 option costs in accuracy."""
+    mels, pcms = [], []
+    for dtype in (torch.float32, torch.float16):
+        models = build_models(tiny, device, dtype)
+        vc = build_voice_cache(models.flow, make_voice(p_tok, models.flow_cfg.vocab_size), scfg)
+        session = new_session(models, vc, scfg, seed=0)
+        g = torch.Generator().manual_seed(3)
+        mel, pcm = [], []
+        with torch.inference_mode():
+            for _ in range(calls):
+                call = PendingCall(torch.randint(0, models.flow_cfg.vocab_size, (28,), generator=g).tolist(), False)
+                run_flow_batch(models, [session], [call])
+                ins = session.hift_inputs(call)
+                speech, source = models.hift(*ins)
+                mel.append(call.mel.float().cpu())
+                pcm.append(session.finish_phase(call, ins[0], speech, source).astype(np.float64))
+        mels.append(torch.cat(mel, dim=2).double().numpy())
+        pcms.append(np.concatenate(pcm))
+        del models, vc, session
+
+    def rel(a: np.ndarray, b: np.ndarray) -> float:
+        return float(np.linalg.norm(b - a) / max(float(np.linalg.norm(a)), 1e-30))
+
+    return {"mel_rel_l2": rel(*mels), "pcm_rel_l2": rel(*pcms), "pcm_max_abs_lsb": float(np.abs(pcms[1] - pcms[0]).max()),
+            "pcm_ref_rms_lsb": float(np.sqrt(np.mean(pcms[0] ** 2)))}
 
 
 def ref_module(name: str):
@@ -268,6 +305,11 @@ def main() -> None:
         torch.cuda.empty_cache() if device.type == "cuda" else None
         results["reference_b1"] = r = bench_reference(models, voice, scfg, timer, iters, device)
         print(f"reference batch  1: median {r['median_ms']:.1f} ms  p99 {r['p99_ms']:.1f} ms")
+    if args.flow_dtype == "fp16":
+        del vc, vcs
+        results["fp16_vs_fp32"] = r = fp16_accuracy(args.tiny, device, 8 if args.tiny else args.prompt_tokens, scfg)
+        print(f"fp16 flow vs fp32, 3 calls: mel rel L2 {r['mel_rel_l2']:.2e}; PCM rel L2 {r['pcm_rel_l2']:.2e}, "
+              f"max |diff| {r['pcm_max_abs_lsb']:.0f} LSB (fp32 RMS {r['pcm_ref_rms_lsb']:.0f} LSB)")
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))
     print(json.dumps(results))

@@ -47,7 +47,7 @@ class Token2WavEngineConfig:
     use_cuda_graphs: bool = True            # estimator + vocoder graphs at exact shapes (GPU only)
     max_graphs: int = 32
     ragged: bool = True                     # one flow batch for ragged rows over the slot pool
-    ragged_graphs: bool = False             # CUDA graphs of the ragged estimator solve (not yet GPU-validated)
+    ragged_graphs: bool = True              # CUDA graphs of the ragged encoder and estimator solve
     pool: PoolConfig = PoolConfig()         # slots (max open sessions), prompt cap, bucket sizes
 
 

@@ -21,7 +21,7 @@ import torch
 
 from engine.token2wav.assets import Token2WavModels
 from engine.token2wav.pool import FlowPool, SlotState
-from engine.token2wav.ragged import encode_ragged, round_up
+from engine.token2wav.ragged import round_up
 from engine.token2wav.ragged_graphs import RaggedSolver
 
 if TYPE_CHECKING:
@@ -108,8 +108,9 @@ def run_flow_pooled(models: Token2WavModels, pool: FlowPool, sessions: Sequence[
     b, tg, n_ts = len(slots), host["tg"], pool.scfg.n_timesteps
 
     # 1. conformer: [S, L, H, T, 2dk][slot, :, :, idx] → [B, C, L, H, 2dk] → [L, B, H, C, 2dk]
+    solver = solver or RaggedSolver(flow.decoder.estimator, enabled=False)
     hist = lambda t, idx: t[d["slot"][:, None], :, :, idx].permute(2, 0, 3, 1, 4)  # noqa: E731
-    mu, enc_cnn, new_tok, new_mel = encode_ragged(
+    mu, enc_cnn, new_tok, new_mel = solver.encode(
         flow, d["tokens"], d["m"], d["t_new"], pool.enc_cnn.index_select(0, d["slot"]),
         hist(pool.tok_att, d["tok_idx"]), d["tok_valid"].bool(), hist(pool.mel_att, d["mel_idx"]),
         d["mel_valid"].bool())
@@ -119,7 +120,6 @@ def run_flow_pooled(models: Token2WavModels, pool: FlowPool, sessions: Sequence[
     pool.mel_att[d["mel_slot"], :, :, d["mel_col"]] = new_mel[:, d["mel_row"], :, d["mel_f"]]
 
     # 2. estimator over each slot's physical window [0, tg)
-    solver = solver or RaggedSolver(flow.decoder.estimator, enabled=False)
     kv = solver.kv_buffer((n_ts, fcfg.dit_depth, 2, b, fcfg.dit_heads, tg, 2 * fcfg.dit_head_dim), pool.est_att)
     for i, s in enumerate(slots):
         kv[:, :, :, i].copy_(pool.est_att[s.slot, :, :, :, :, :tg])    # type: ignore[union-attr]

@@ -173,7 +173,8 @@ def test_first_hop_option(models):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("mode", ["exact", "ragged", "ragged_graphs"])
 def test_cuda_graph_equals_eager(models, mode):
-    """exact: DiT, encoder and HiFT graphs. ragged: HiFT graphs, eager flow. ragged_graphs: + solve graphs."""
+    """exact: DiT, encoder and HiFT graphs. ragged: HiFT graphs, eager flow. ragged_graphs: + ragged encoder
+    and solve graphs."""
     dev = torch.device("cuda")
     gpu = Token2WavModels(models.flow.to(dev), models.hift.to(dev), TINY_FLOW, TINY_HIFT, "A")
     runs = []
@@ -191,6 +192,7 @@ def test_cuda_graph_equals_eager(models, mode):
         assert bool(eng.graphs.dit_graphs) == (graphs and not ragged) and bool(eng.graphs.hift_graphs) == graphs
         assert bool(eng.graphs.enc_graphs) == (graphs and not ragged)
         assert bool(eng.solver.graphs) == (graphs and mode == "ragged_graphs")
+        assert bool(eng.solver.enc_graphs) == (graphs and mode == "ragged_graphs")
     models.flow.cpu()
     models.hift.cpu()
     for sid in ("p", "q", "r"):

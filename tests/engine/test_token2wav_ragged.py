@@ -74,14 +74,14 @@ def random_call(rng: random.Random, first: bool, silence: int) -> tuple[list[int
 
 class FakeGraph(ragged_graphs._Graph):
     """CPU stand-in for a captured graph with the same static-buffer semantics: inputs cloned once
-    (except the shared K/V window), replay recomputes from the static inputs into the SAME output
+    (except the shared K/V window of the solve), replay recomputes from the static inputs into the SAME output
     tensors, so a caller that keeps an output past the next replay would see it change."""
 
     replays = 0
 
-    def __init__(self, fn, inputs, pool) -> None:
-        self.fn, self.graph = fn, self
-        self.inputs = tuple(t if i == ragged_graphs.KV_INPUT else t.clone() for i, t in enumerate(inputs))
+    def __init__(self, fn, inputs, pool, shared) -> None:
+        self.fn, self.graph, self.shared = fn, self, shared
+        self.inputs = tuple(t if i == shared else t.clone() for i, t in enumerate(inputs))
         self.outputs = tuple(o.clone() for o in fn(*self.inputs))
 
     def replay(self) -> None:
@@ -138,7 +138,7 @@ def test_ragged_batches_equal_solo(models, trim, graphs, monkeypatch):
     assert n_rows > 60 and n_last >= 3 and len(batch_sizes) > 2
     assert max(s.flow_cache.estimator_len for s in solo) > 100     # some rows ran trimmed
     if solver is not None:
-        assert solver.graphs and FakeGraph.replays > 0
+        assert solver.graphs and solver.enc_graphs and FakeGraph.replays > 0
     for before, v in zip(base, voices, strict=True):                # base caches are never written
         assert all(torch.equal(x, y) for x, y in zip(before, v.tensors(), strict=True))
 
