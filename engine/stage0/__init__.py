@@ -6,6 +6,7 @@ from engine.stage0.frontend import UnitFrontEnd
 from engine.stage0.sampling import SamplingParams
 from engine.stage0.types import (
                                  BadAudioError,
+                                 BadSamplingError,
                                  CapacityError,
                                  Event,
                                  Fence,
@@ -23,8 +24,8 @@ from engine.stage0.types import (
 )
 
 __all__ = [
-    "BadAudioError", "CapacityError", "DecodeRules", "Event", "Fence", "FrontEndError", "InvalidFenceError",
-    "SamplingParams", "SessionClosedError", "SessionExistsError", "SpecialIds", "Stage0Config", "Stage0Engine",
+    "BadAudioError", "BadSamplingError", "CapacityError", "DecodeRules", "Event", "Fence", "FrontEndError",
+    "InvalidFenceError", "SamplingParams", "SessionClosedError", "SessionExistsError", "SpecialIds", "Stage0Config", "Stage0Engine",
     "Stage0Error", "StaleFenceError", "TextTokenizer", "TokenEvent", "TooManyFramesError", "UnitDone",
     "UnitFrontEnd", "UnitMetrics", "UnknownSessionError",
 ]

@@ -8,6 +8,7 @@ thread or by a test. Every bad request raises a `Stage0Error` subclass before an
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -26,6 +27,7 @@ from engine.stage0.session import Phase, Session, UnitJob
 from engine.stage0.slots import SlotTable
 from engine.stage0.types import (
     BadAudioError,
+    BadSamplingError,
     CapacityError,
     Event,
     Fence,
@@ -95,8 +97,11 @@ class Stage0Engine(StepLoop):
             self.wake.set()
 
     def append(self, session_id: str, fence: Fence, pcm: torch.Tensor, frames: Sequence[Any] = (),
-               *, force_listen_override: bool = False) -> int:
-        """Queues one unit; returns its unit index."""
+               *, force_listen_override: bool = False, temperature: float | None = None) -> int:
+        """Queues one unit; returns its unit index. `temperature` (>= 0, 0 = greedy) samples this unit only
+        with that temperature instead of the session's; later units are unaffected."""
+        if temperature is not None and not (math.isfinite(temperature) and temperature >= 0):
+            raise BadSamplingError(f"{session_id}: unit temperature {temperature} must be finite and >= 0")
         with self.lock:
             s = self._live(session_id)
             self._check_fence(s, fence)
@@ -115,7 +120,7 @@ class Stage0Engine(StepLoop):
             if self.config.eviction == "off" and room < (len(s.queue) + 2) * self.config.unit_max_positions(s.rules):
                 raise CapacityError(f"{session_id}: the session context is full (eviction off)")
             s.queue.append(UnitJob(fence=fence, index=s.appended, pcm=pcm, frames=tuple(frames),
-                                   force_listen_override=force_listen_override))
+                                   force_listen_override=force_listen_override, temperature=temperature))
             s.appended += 1
             s.last_seq = fence.seq
             self.wake.set()

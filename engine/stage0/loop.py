@@ -100,7 +100,10 @@ class StepLoop:
         job = s.queue.popleft()
         if s.pending_params is not None:
             s.params, s.pending_params = s.pending_params, None
-        s.unit = UnitRun(job=job, index=job.index, start_len=s.owed_len, started_at=time.perf_counter())
+        # the override is this unit's only: the session's params stay as they are for the next unit
+        params = s.params if job.temperature is None else s.params.with_temperature(job.temperature)
+        s.unit = UnitRun(job=job, index=job.index, start_len=s.owed_len, started_at=time.perf_counter(),
+                         params=params)
         s.phase = Phase.PREFILL
 
     def _fail_unit(self: Stage0Engine, s: Session, error: str) -> None:
@@ -170,7 +173,7 @@ class StepLoop:
 
     def _sample(self: Stage0Engine, rows: list[Session], logits: torch.Tensor) -> None:
         uniforms = [s.stream.peek(2) for s in rows]
-        batch = SamplingBatch.build([s.params for s in rows], [s.history for s in rows], uniforms,
+        batch = SamplingBatch.build([s.unit_params for s in rows], [s.history for s in rows], uniforms,
                                     logits.shape[-1], logits.device)
         token, draws, appended = read_back(torch.stack(sample(logits, batch, self.sampler_ids)).long())  # the sync
         for s, t, d, a in zip(rows, token, draws, appended, strict=True):

@@ -8,6 +8,8 @@ chosen ids and the number of draws each row consumed.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections import deque
 from dataclasses import dataclass
 
@@ -35,10 +37,20 @@ class SamplingParams:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.temperature <= 0 or not 0 < self.top_p <= 1 or self.top_k < 1:
+        if not math.isfinite(self.temperature) or self.temperature <= 0 or not 0 < self.top_p <= 1 \
+                or self.top_k < 1:
             raise ValueError(f"bad sampling parameters: {self}")
         if self.repetition_penalty <= 0 or self.turn_eos_length_penalty <= 0 or self.repetition_window < 1:
             raise ValueError(f"bad penalty parameters: {self}")
+
+    def with_temperature(self, temperature: float) -> SamplingParams:
+        """These settings with another temperature. 0 means greedy: Step B6 divides by the temperature, so
+        the sampler itself needs T > 0, and the limit T -> 0 of the draw is the argmax."""
+        if not math.isfinite(temperature) or temperature < 0:
+            raise ValueError(f"temperature {temperature} must be finite and >= 0")
+        if temperature == 0:
+            return dataclasses.replace(self, greedy=True)
+        return dataclasses.replace(self, greedy=False, temperature=temperature)
 
 
 class UniformStream:

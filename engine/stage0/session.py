@@ -23,6 +23,9 @@ class UnitJob:
     pcm: torch.Tensor
     frames: tuple[Any, ...]
     force_listen_override: bool
+    # per-unit thinker temperature (a response-scoped option, protocol.md §2.8); None = the session's.
+    # Resolved against the session's params when the unit starts, so an update queued before it still applies.
+    temperature: float | None = None
     enqueued_at: float = field(default_factory=time.perf_counter)
 
 
@@ -54,6 +57,7 @@ class UnitRun:
     index: int
     start_len: int  # KV length before `<unit>`
     started_at: float
+    params: SamplingParams  # what this unit samples with: the session's, or its own temperature override
     decoder: UnitDecoder | None = None
     pending_token: int | None = None
     terminator: int | None = None
@@ -96,6 +100,11 @@ class Session:
     prefix_rows: torch.Tensor | None = None  # [P, H] embeddings of the system prefix to feed
     # `merge_unit_close`: the last unit's `[terminator, </unit>]`, owed to the KV until the next prefill
     pending_close: tuple[int, ...] = ()
+
+    @property
+    def unit_params(self) -> SamplingParams:
+        """What the unit in flight samples with (its own temperature override, if any), else the session's."""
+        return self.unit.params if self.unit is not None else self.params
 
     def ledger_total(self) -> int:
         return sum(r.span for r in self.ledger)

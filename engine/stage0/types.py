@@ -59,6 +59,12 @@ class CapacityError(Stage0Error):
     code = "capacity"
 
 
+class BadSamplingError(Stage0Error):
+    """A per-unit sampling override the sampler cannot use (e.g. a negative temperature)."""
+
+    code = "bad_sampling"
+
+
 class FrontEndError(Stage0Error):
     """The audio/vision front end is missing a capability or returned a bad shape."""
 

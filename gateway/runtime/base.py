@@ -36,6 +36,9 @@ class UnitSubmission:
     frames: tuple[bytes, ...] = ()
     force_listen: bool = False
     synthetic: bool = False  # silence continuation (§8.6 U-3), for accounting only
+    # thinker temperature of the response owning this unit (§2.8) when it differs from the session's; None = the
+    # session's. Travels as the append's CONFIG {"thinker": {"temperature": t}} and applies to this unit only.
+    temperature: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

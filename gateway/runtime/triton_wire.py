@@ -52,6 +52,8 @@ def build_request(model: str, correlation_id: int, request_id: str, op: str, fen
         if unit.frames:
             inputs.append(_tensor("FRAMES", np.array(list(unit.frames), dtype=np.object_), "BYTES", batch_dim))
         inputs.append(_tensor("FORCE_LISTEN", np.array([unit.force_listen], dtype=bool), "BOOL", batch_dim))
+        if unit.temperature is not None and config is None:
+            config = unit_config(unit)
     if config is not None:
         inputs.append(_tensor("CONFIG", np.array([json.dumps(config).encode()], dtype=np.object_), "BYTES",
                               batch_dim))
@@ -60,6 +62,11 @@ def build_request(model: str, correlation_id: int, request_id: str, op: str, fen
             "sequence_end": op == "close",
             # Decoupled model: ask for the flagged empty final response that acknowledges each request.
             "parameters": {"triton_enable_empty_final_response": True}}
+
+
+def unit_config(unit: UnitSubmission) -> dict[str, Any]:
+    """An append's CONFIG (docs/triton.md): only the unit's own thinker temperature, when it has one."""
+    return {"thinker": {"temperature": unit.temperature}}
 
 
 def parse_event(raw: bytes | str, audio: np.ndarray | None, epoch: int) -> RuntimeEvent | dict[str, Any]:

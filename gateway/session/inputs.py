@@ -163,7 +163,14 @@ class InputMixin(OutputMixin):
         self._frames_for_unit = {k: f for k, f in self._frames_for_unit.items() if k > unit.index}
         wire, self._unsubmitted_bytes = (0, self._unsubmitted_bytes) if synthetic else (self._unsubmitted_bytes, 0)
         self.lane.submit(UnitSubmission(unit.index, unit.samples.astype("<f4").tobytes(), frames, forced,
-                                        synthetic), wire, commit_ids)
+                                        synthetic, self.unit_temperature()), wire, commit_ids)
+
+    def unit_temperature(self) -> float | None:
+        """§2.8: the thinker temperature of the response that owns the unit being submitted, if it differs from
+        the session's. The owner is the response active when the unit is cut (as for the U-7 hold above): the
+        unit's own decision is not known before the runtime samples it."""
+        t = self._active.options.temperature if self._active is not None else None
+        return None if t is None or t == self.config.temperature else t
 
     def on_tick(self, now: float) -> None:
         """U-3: complete the unit with silence at its deadline while a response or a commit awaits the model."""

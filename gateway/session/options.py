@@ -32,7 +32,7 @@ def _metadata(value: Any) -> dict[str, str] | None:
 
 def defaults(cfg: SessionConfig) -> ResponseOptions:
     return ResponseOptions(text_only=cfg.text_only, output_format=cfg.output_audio_format,
-                           temperature=cfg.temperature, max_output_tokens=cfg.max_output_tokens, metadata=None,
+                           temperature=None, max_output_tokens=cfg.max_output_tokens, metadata=None,
                            return_stage_metrics=cfg.return_stage_metrics)
 
 
@@ -53,7 +53,7 @@ def parse(resp: dict[str, Any] | None, cfg: SessionConfig) -> ResponseOptions:
         fmt = v.output_format(r["output_audio_format"], "response.output_audio_format")
     elif out_fmt is not None:
         fmt = v.output_format(out_fmt, "response.audio.output.format")
-    temperature = base.temperature
+    temperature = None  # only an explicit value overrides the session's (see ResponseOptions.temperature)
     if "temperature" in r:
         t = r["temperature"]
         if isinstance(t, bool) or not isinstance(t, int | float) or not 0.0 <= t <= 2.0:

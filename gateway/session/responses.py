@@ -21,7 +21,9 @@ class ResponseOptions:
     """Response-local copy of the options (§2.8); discarded with the response."""
     text_only: bool
     output_format: str
-    temperature: float
+    # response.create's own thinker temperature; None = none given, the session's applies (and follows
+    # session.update from the next append boundary, §2.7). Sent on the appends of the units it owns.
+    temperature: float | None
     max_output_tokens: int | str
     metadata: dict[str, str] | None
     return_stage_metrics: bool

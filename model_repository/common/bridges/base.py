@@ -33,6 +33,7 @@ ERROR_CODES = {
     "UnknownSessionError": "session_not_found",
     "session_exists": "invalid_request", "SessionExistsError": "invalid_request",
     "bad_audio": "bad_audio",
+    "bad_sampling": "invalid_runtime_config", "BadSamplingError": "invalid_runtime_config",
     "too_many_frames": "invalid_request", "front_end": "invalid_request",
     "capacity": "runtime_backpressure", "CapacityError": "runtime_backpressure",
     "NoFreeSlotError": "runtime_backpressure", "TurnCapacityError": "runtime_backpressure",

@@ -1,5 +1,8 @@
 """Stage0 bridge: Triton requests <-> engine.stage0.Stage0Engine (thinker: audio in, decisions/text out).
 
+An append's CONFIG may carry the unit's own thinker temperature (`options.unit_temperature`, the
+response-scoped option of protocol.md §2.8); the session's sampling stays as it is for the other units.
+
 Per unit the sink sees `decision`, `text`…, then for a speak unit `tts_input` (TOKENS = text ids of the
 TTS rows, HIDDEN = their LLM states flattened [n * hidden_dim]) and last `unit_done` with the thinker
 metrics the gateway reads ({"thinker": {"tokens", "ttft_ms", "token_times_ms"}}). Decisions/text come
@@ -23,7 +26,7 @@ from engine.stage0.frontend import AudioFrontEndAdapter
 from ..codec import RequestError, StageOutput, StageRequest
 from ..settings import StageSettings
 from .base import EngineBridge, configure_torch, control_event, engine_options, session_key, torch_dtype
-from .options import sampling_params, stage0_open_args
+from .options import sampling_params, stage0_open_args, unit_temperature
 
 MS_PER_S = 1000.0
 WINDOW_LOW_FRACTION = 0.75  # eviction drops old units down to this share of the KV window (§7.4)
@@ -95,8 +98,10 @@ class Stage0Bridge(EngineBridge):
         if req.pcm is None:
             raise RequestError("bad_audio", "append needs PCM")
         state = self.sessions.get(sid)
+        temperature = unit_temperature(req.config or {})  # a bad value fails this append only, before any change
         pcm = torch.from_numpy(np.ascontiguousarray(req.pcm, dtype=np.float32))
-        index = self.engine.append(sid, fence, pcm, req.frames, force_listen_override=bool(req.force_listen))
+        index = self.engine.append(sid, fence, pcm, req.frames, force_listen_override=bool(req.force_listen),
+                                   temperature=temperature)
         assert state is not None  # the engine raised for an unknown session
         forced = bool(req.force_listen) or index < state.force_listen_count
         state.units[index] = _Unit(sink, forced)

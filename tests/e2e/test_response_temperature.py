@@ -1,0 +1,58 @@
+"""`response.create{response:{temperature}}` reaches stage0 through the real stack (protocol.md §2.8).
+
+Three sessions, one after the other, with the same audio and the same (default) seed: auto_response off, so the
+first unit listens without sampling; then a commit and a `response.create` whose units follow. Greedy
+(temperature 0) must change what the model says in those units; a `response.create` naming the session's own
+temperature carries no override and must say exactly what one naming none says (the control: the difference
+comes from the override, not from run-to-run noise).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tests.e2e.stack import profile_engine
+from tests.e2e.wire import WAIT_S, cleanup, close_session, collect_until, fit_units, send_audio, unit_decided
+from tests.gateway_ops.wire import opened
+
+pytestmark = pytest.mark.e2e
+STACK_ENV = {"DUPLEX_FORCE_LISTEN_COUNT": "0"}  # the response's units sample from the first one
+SESSION_T = 0.7  # the session default (protocol.md §2.2)
+OWNED = (1, 2)  # the units sent after response.create
+UNITS = 1 + len(OWNED)
+
+
+async def _owned_output(addr: str, speech: np.ndarray, response: dict[str, Any]) -> list[tuple]:
+    """What the model did in the response's units: (event type, unit, text) of its listens and text deltas."""
+    audio = fit_units(speech, UNITS)
+    first = len(fit_units(speech, 1))
+    c, _ = await opened(addr)
+    async with cleanup(c):
+        await c.send({"type": "session.update", "session": {
+            "turn_detection": None, "output_modalities": ["text"], "extra_body": {"auto_response": False}}})
+        await c.until("session.updated", WAIT_S)
+        await send_audio(c, audio[:first], pace=0)  # unit 0: held to listen (no response yet)
+        await collect_until(c, lambda e: unit_decided(e, 0))
+        await c.send({"type": "input_audio_buffer.commit"})
+        await collect_until(c, lambda e: e["type"] == "conversation.item.done")
+        await c.send({"type": "response.create", "response": response})
+        await collect_until(c, lambda e: e["type"] == "response.created")
+        await send_audio(c, audio[first:], pace=0)
+        await collect_until(c, lambda e: unit_decided(e, OWNED[-1]))
+        events = await close_session(c)
+    return [(e["type"], unit, e.get("delta")) for e in events
+            if (unit := e.get("model_unit_index", (e.get("metadata") or {}).get("model_unit_index"))) in OWNED
+            and e["type"] in ("response.listen", "response.output_text.delta")]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(profile_engine().endswith("loopback"), reason="the loopback stand-in does not sample")
+async def test_response_temperature_changes_what_stage0_samples(addr: str, speech: np.ndarray) -> None:
+    greedy = await _owned_output(addr, speech, {"temperature": 0.0})
+    plain = await _owned_output(addr, speech, {})
+    same = await _owned_output(addr, speech, {"temperature": SESSION_T})
+    assert plain == same, "no override -> the same units (deterministic per seed)"
+    assert plain and greedy != plain, (greedy, plain)
