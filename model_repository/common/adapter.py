@@ -18,10 +18,12 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from .codec import (
+    COALESCE_PARAMETER,
     INPUT_NAMES,
     RequestError,
     StageOutput,
     StageRequest,
+    coalesce,
     error_output,
     output_arrays,
     parse_request,
@@ -34,16 +36,27 @@ _SENTINEL = object()
 
 
 class ResponseSink:
-    """One request's way back: `emit` any number of outputs, then `close` once (sends FINAL)."""
+    """One request's way back: `emit` any number of outputs, then `close` once (sends FINAL).
 
-    def __init__(self, sender: Any, outbox: queue.Queue[Any], live: set[ResponseSink], lock: threading.Lock) -> None:
+    `coalesced`: the caller asked for one response (request parameter `coalesce`): outputs are held and
+    `close` sends them as one `batch` output together with FINAL (codec.coalesce).
+    """
+
+    def __init__(self, sender: Any, outbox: queue.Queue[Any], live: set[ResponseSink], lock: threading.Lock,
+                 coalesced: bool = False) -> None:
         self._sender, self._outbox, self._live, self._lock = sender, outbox, live, lock
+        self._held: list[StageOutput] | None = [] if coalesced else None
         self.closed = False
         self.cancelled = False  # set by the response thread when the client cancelled the request
 
     def emit(self, out: StageOutput) -> None:
-        if not self.closed:
-            self._outbox.put((self, out))
+        with self._lock:
+            if self.closed:
+                return
+            if self._held is not None:
+                self._held.append(out)
+                return
+        self._outbox.put((self, out, False))
 
     def close(self) -> None:
         with self._lock:
@@ -51,7 +64,8 @@ class ResponseSink:
                 return
             self.closed = True
             self._live.discard(self)
-        self._outbox.put((self, None))
+            last = coalesce(self._held) if self._held is not None else None
+        self._outbox.put((self, last, True))
 
 
 class StageEngine(Protocol):
@@ -97,7 +111,8 @@ class DecoupledStageModel:
         for request in requests:
             if is_null_request(request):
                 continue  # a batch slot's filler, not a request: nothing may be sent on it
-            sink = ResponseSink(request.get_response_sender(), self._outbox, self._live, self._lock)
+            sink = ResponseSink(request.get_response_sender(), self._outbox, self._live, self._lock,
+                                coalesced=wants_coalesced(request))
             with self._lock:
                 self._live.add(sink)
             try:
@@ -127,17 +142,19 @@ class DecoupledStageModel:
 
     def _send_loop(self) -> None:
         while (item := self._outbox.get()) is not _SENTINEL:
-            sink, out = item
+            sink, out, final = item
             sender = sink._sender
+            flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
             try:
-                if out is None:
-                    sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-                    continue
-                if sink.cancelled or sender.is_cancelled():
+                if out is not None and (sink.cancelled or sender.is_cancelled()):
                     sink.cancelled = True  # engines may poll this to stop early; FINAL still follows
+                    out = None
+                if out is None:
+                    if final:
+                        sender.send(flags=flags)
                     continue
                 tensors = [pb_utils.Tensor(k, v) for k, v in output_arrays(out).items()]
-                sender.send(pb_utils.InferenceResponse(output_tensors=tensors))
+                sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=flags)
             except Exception:  # noqa: BLE001 - a dead stream must not stop other sessions' responses
                 pb_utils.Logger.log_error(traceback.format_exc())
 
@@ -146,6 +163,15 @@ def _input(request: Any, name: str) -> Any:
     """A copy of one input: `as_numpy` views shared memory that Triton frees once execute returns."""
     tensor = pb_utils.get_input_tensor_by_name(request, name) if name in INPUT_NAMES else None
     return None if tensor is None else np.array(tensor.as_numpy(), copy=True)
+
+
+def wants_coalesced(request: Any) -> bool:
+    """The BLS caller's request parameter `coalesce` (codec.COALESCE_PARAMETER)."""
+    try:
+        params = json.loads(request.parameters() or "{}")
+    except (ValueError, TypeError):
+        return False
+    return isinstance(params, dict) and params.get(COALESCE_PARAMETER) is True
 
 
 def _control(request: Any, name: str) -> int:

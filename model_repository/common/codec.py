@@ -18,6 +18,10 @@ OPS = ("open", "append", "cancel", "update", "close")
 FENCE_LEN = 3  # (incarnation, epoch, append_seq)
 INPUT_NAMES = ("OP", "FENCE", "NEXT_FENCE", "PCM", "FRAMES", "FORCE_LISTEN", "CONFIG", "TOKENS", "HIDDEN")
 OUTPUT_NAMES = ("EVENT", "AUDIO", "TOKENS", "HIDDEN")
+# Request parameter a BLS caller sets to get every output of a request in ONE final response (see
+# `coalesce` below and docs/triton.md): the pipeline's guard against the 2.51 stub's decoupled-BLS defect.
+COALESCE_PARAMETER = "coalesce"
+BATCH_EVENT = "batch"
 
 Fence = tuple[int, int, int]
 
@@ -153,6 +157,40 @@ def request_arrays(op: str, fence: Fence, **optional: Any) -> dict[str, np.ndarr
     if (hid := optional.get("hidden")) is not None:
         arrays["HIDDEN"] = np.asarray(hid, dtype=np.float32).reshape(1, -1)
     return arrays
+
+
+def coalesce(outs: list[StageOutput]) -> StageOutput:
+    """Many outputs as one: EVENT {"type": "batch", "events": [...], "sizes": [[audio, tokens, hidden], ...]}
+    and each payload concatenated in order (`split` inverts it)."""
+    sizes = [[_size(o.audio), _size(o.tokens), _size(o.hidden)] for o in outs]
+    return StageOutput({"type": BATCH_EVENT, "events": [o.event for o in outs], "sizes": sizes},
+                       audio=_cat([o.audio for o in outs], np.int16), tokens=_cat([o.tokens for o in outs], np.int64),
+                       hidden=_cat([o.hidden for o in outs], np.float32))
+
+
+def split(out: StageOutput) -> list[StageOutput]:
+    """A `batch` output back into its outputs; any other output is returned alone."""
+    if out.event.get("type") != BATCH_EVENT:
+        return [out]
+    payloads = [np.zeros(0, dt) if a is None else np.asarray(a).reshape(-1)
+                for a, dt in ((out.audio, np.int16), (out.tokens, np.int64), (out.hidden, np.float32))]
+    at, result = [0, 0, 0], []
+    for event, sizes in zip(out.event["events"], out.event["sizes"], strict=True):
+        parts = []
+        for k, n in enumerate(sizes):   # as on the wire: an absent payload is an empty array
+            parts.append(payloads[k][at[k]: at[k] + n])
+            at[k] += n
+        result.append(StageOutput(event, audio=parts[0], tokens=parts[1], hidden=parts[2]))
+    return result
+
+
+def _size(arr: np.ndarray | None) -> int:
+    return 0 if arr is None else int(np.asarray(arr).size)
+
+
+def _cat(arrs: list[np.ndarray | None], dtype: type) -> np.ndarray | None:
+    parts = [np.asarray(a, dtype=dtype).reshape(-1) for a in arrs if a is not None and np.asarray(a).size]
+    return np.concatenate(parts) if parts else None
 
 
 def decode_event(arr: np.ndarray) -> dict[str, Any]:

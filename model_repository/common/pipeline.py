@@ -1,17 +1,18 @@
 """The `duplex` pipeline model: per-session decoupled BLS chaining stage0 -> tts -> token2wav.
 
-`execute` runs each request to its end on the stub's execute thread, forwarding every stage event
-to the client as it arrives: an `append` streams stage0's events; each `tts_input` payload goes to
-tts and each `audio_tokens` payload on to token2wav, whose `audio` events (PCM in AUDIO) reach the
-client before stage0's `unit_done`. Payload-only events never reach the client.
+`execute` runs each request to its end on the stub's execute thread: an `append` forwards stage0's
+events for the unit; each `tts_input` payload goes to tts and each `audio_tokens` payload on to
+token2wav, whose `audio` events (PCM in AUDIO) reach the client as each call returns and before
+stage0's `unit_done`. Payload-only events never reach the client. Every stage call returns all its
+outputs in one response (`_outputs` says why), so stage0's decisions and text for a unit reach the
+client when stage0 has finished that unit, not token by token.
 
 Synchronous on purpose: one instance runs one request at a time, so there is no lock and no
 thread touching pb_utils besides the execute thread. Concurrency across sessions comes from
 `pipeline_instances` stub processes (a sequence stays on one instance) and the stage engines batch
 across them. A cancel waits for the unit in flight on its own sequence; the sequence batcher would
 hold it back until then anyway. Every tensor taken from a request or a BLS response is copied: the
-views from `as_numpy` point into shared memory that is freed under us (that use-after-free
-crashed the stub under concurrent sessions, see docs/triton.md).
+views from `as_numpy` point into shared memory that is freed under us (docs/triton.md).
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from __future__ import annotations
 import json
 import time
 import traceback
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -27,6 +27,7 @@ import triton_python_backend_utils as pb_utils
 
 from .adapter import _input, _sequence, decoupled_setup, is_null_request
 from .codec import (
+    COALESCE_PARAMETER,
     OUTPUT_NAMES,
     RequestError,
     StageOutput,
@@ -35,7 +36,9 @@ from .codec import (
     output_arrays,
     parse_request,
     request_arrays,
+    split,
 )
+from .workarounds import Graveyard
 
 STAGE0, TTS, TOKEN2WAV = "stage0", "tts", "token2wav"
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -44,31 +47,42 @@ MS_PER_S = 1000.0
 
 
 def _bls(model: str, req: StageRequest, fence: tuple[int, int, int], **payload: Any) -> Any:
-    """A BLS request to a stage on the session's sequence (same CORRELATION_ID, START/END from req)."""
+    """A BLS request to a stage on the session's sequence (same CORRELATION_ID, START/END from req),
+    asking for one coalesced response (see `_outputs`)."""
     arrays = request_arrays(req.op, fence, next_fence=req.next_fence, config=payload.pop("config", req.config),
                             **payload)
     flags = (pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START if req.start else 0) | (
         pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END if req.end else 0)
     return pb_utils.InferenceRequest(model_name=model, inputs=[pb_utils.Tensor(k, v) for k, v in arrays.items()],
                                      requested_output_names=list(OUTPUT_NAMES), correlation_id=req.corrid,
-                                     flags=flags)
+                                     flags=flags, parameters={COALESCE_PARAMETER: True})
 
 
-def _outputs(model: str, responses: Any) -> Iterator[StageOutput]:
-    """Consume a decoupled BLS response iterator; NOTE: callers must not await while it is live."""
-    for resp in responses:
+def _outputs(model: str, request: Any, graveyard: Graveyard) -> list[StageOutput]:
+    """Every output of one decoupled BLS call.
+
+    NOTE: the 2.51 stub builds each arriving BLS response (numpy arrays included) on its parent-to-stub
+    thread without taking the GIL, so Python running on this thread while a response arrives corrupts
+    the heap (segfaults, "double free or corruption", dtype refcount errors: docs/triton.md). Hence the
+    stage answers with ONE response carrying FINAL (`coalesce`), and the iterator is drained before any
+    Python work on its responses: nothing of this call can arrive after that. The call's objects then go
+    to the graveyard so that the stub's own cleanup never frees Python objects off this thread.
+    """
+    responses = request.exec(decoupled=True)
+    received = list(responses)
+    graveyard.keep(request, responses, received)  # released later, on this thread (workarounds.Graveyard)
+    outs: list[StageOutput] = []
+    for resp in received:
         if resp.has_error():
             raise RequestError("internal_error", f"{model}: {resp.error().message()}")
         if not resp.output_tensors():
-            continue  # the empty response carrying FINAL
-        # Copies: the arrays outlive `resp`, whose shared memory goes when the iterator moves on.
+            continue  # an empty response carrying FINAL
+        # Copies: the arrays outlive `resp`, whose shared memory goes with the iterator.
         out = {n: np.array(pb_utils.get_output_tensor_by_name(resp, n).as_numpy(), copy=True) for n in OUTPUT_NAMES}
-        yield StageOutput(json.loads(out["EVENT"].reshape(-1)[0]), audio=out["AUDIO"].reshape(-1),
-                          tokens=out["TOKENS"].reshape(-1), hidden=out["HIDDEN"].reshape(-1))
+        outs.extend(split(StageOutput(json.loads(out["EVENT"].reshape(-1)[0]), audio=out["AUDIO"].reshape(-1),
+                                      tokens=out["TOKENS"].reshape(-1), hidden=out["HIDDEN"].reshape(-1))))
+    return outs
 
-
-def _call(model: str, req: StageRequest, fence: tuple[int, int, int], **payload: Any) -> Iterator[StageOutput]:
-    return _outputs(model, _bls(model, req, fence, **payload).exec(decoupled=True))
 
 
 class _Client:
@@ -93,6 +107,11 @@ class PipelineModel:
     def initialize(self, args: dict[str, Any]) -> None:
         self.settings, self.sessions = decoupled_setup(args)
         self._seq: dict[tuple[int, str], int] = {}  # stage-internal append_seq per (session, stage)
+        self._graveyard = Graveyard()
+
+    def _call(self, model: str, req: StageRequest, fence: tuple[int, int, int], **payload: Any
+              ) -> list[StageOutput]:
+        return _outputs(model, _bls(model, req, fence, **payload), self._graveyard)
 
     def execute(self, requests: list[Any]) -> None:
         for corrid in self.sessions.expire_idle():
@@ -104,6 +123,7 @@ class PipelineModel:
 
     def finalize(self) -> None:
         self._seq.clear()
+        self._graveyard.release_all()
 
     def _forget(self, corrid: int) -> None:
         for stage in (TTS, TOKEN2WAV):
@@ -135,16 +155,16 @@ class PipelineModel:
     def _broadcast(self, req: StageRequest, client: _Client) -> None:
         """open/update/cancel/close go to every stage; the client sees stage0's events and any error."""
         for model in (STAGE0, TTS, TOKEN2WAV):
-            for out in _call(model, req, req.fence):
+            for out in self._call(model, req, req.fence):
                 if model == STAGE0 or out.event.get("type") == "error":
                     client.emit(out)
 
     def _append(self, req: StageRequest, client: _Client) -> None:
-        """Decisions and text stream as they come; speech runs after stage0's FINAL (`tts_input` and
-        `unit_done` are its last events anyway), so at most one BLS response iterator is live at a time."""
+        """Stage0's decisions and text first, then speech (`tts_input` and `unit_done` are stage0's last
+        events anyway); one BLS call at a time."""
         started, firsts = time.perf_counter(), {}
         speak, done = [], None
-        for out in _call(STAGE0, req, req.fence, pcm=req.pcm, frames=req.frames, force_listen=req.force_listen):
+        for out in self._call(STAGE0, req, req.fence, pcm=req.pcm, frames=req.frames, force_listen=req.force_listen):
             kind = out.event.get("type")
             if kind == "tts_input":
                 speak.append(out)
@@ -163,9 +183,7 @@ class PipelineModel:
         unit = ev.get("unit")
         turn = {k: ev[k] for k in TURN_KEYS if k in ev}
         sub = StageRequest(corrid=req.corrid, op="append", fence=req.fence)
-        # NOTE: drained before token2wav starts: two live decoupled BLS iterators in one stub coincided
-        # with heap corruption in the 2.51 stub ("double free or corruption", docs/triton.md).
-        codes = list(_call(TTS, sub, self._next_fence(req, TTS), tokens=tts_in.tokens,
+        codes = list(self._call(TTS, sub, self._next_fence(req, TTS), tokens=tts_in.tokens,
                            hidden=_or_none(tts_in.hidden), config={"unit": unit, **turn}))
         for tts_out in codes:
             if tts_out.event.get("type") != "audio_tokens":
@@ -174,7 +192,7 @@ class PipelineModel:
             if tts_out.event.get("dropped"):
                 continue  # cancelled inside tts: nothing to render
             firsts.setdefault("talker", _ms_since(started))
-            for wav in _call(TOKEN2WAV, sub, self._next_fence(req, TOKEN2WAV), tokens=tts_out.tokens,
+            for wav in self._call(TOKEN2WAV, sub, self._next_fence(req, TOKEN2WAV), tokens=tts_out.tokens,
                              config={"unit": unit, "end_of_turn": bool(ev.get("end_of_turn", False))}):
                 if wav.event.get("type") == "audio":
                     firsts.setdefault("code2wav", _ms_since(started))

@@ -5,9 +5,12 @@ Each is applied from `initialize` (never at import) and says what it guards agai
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import faulthandler
 import sys
+import time
+from typing import Any
 
 import numpy as np
 
@@ -31,3 +34,44 @@ def report_fatal_signals() -> None:
     faulthandler writes every thread's Python stack to stderr (the tritonserver log) first."""
     if not faulthandler.is_enabled():
         faulthandler.enable(all_threads=True)
+
+
+# How long a finished BLS call's Python objects are kept (see Graveyard); the stub's cleanup of a call
+# takes milliseconds, so this is a wide margin. Bounded too, for a stub that idles between sweeps.
+GRAVEYARD_HOLD_S = 5.0
+GRAVEYARD_MAX = 4096
+GRAVEYARD_SETTLE_S = 0.5  # at unload: age of the newest call before everything is released
+
+
+class Graveyard:
+    """Keeps a finished decoupled BLS call's response iterator and responses alive for a while.
+
+    NOTE: when the iterator finishes, the 2.51 stub queues a cleanup that erases its own reference to the
+    iterator on the stub-to-parent thread. If Python let go first, that erase is the last reference: the
+    iterator, its responses and their numpy arrays are destroyed on that thread WITHOUT the GIL, racing
+    the execute thread (segfaults in unrelated Python code, e.g. `json.dumps`). Holding Python references
+    past the cleanup makes the last release happen here, on the execute thread, under the GIL.
+    """
+
+    def __init__(self, hold_s: float = GRAVEYARD_HOLD_S, max_items: int = GRAVEYARD_MAX) -> None:
+        self.hold_s, self.max_items = hold_s, max_items
+        self._items: collections.deque[tuple[float, Any]] = collections.deque()
+
+    def keep(self, *objects: Any) -> None:
+        self._items.append((time.monotonic(), objects))
+        self.sweep()
+
+    def sweep(self) -> None:
+        now = time.monotonic()
+        while self._items and (now - self._items[0][0] > self.hold_s or len(self._items) > self.max_items):
+            self._items.popleft()
+
+    def release_all(self, settle_s: float = GRAVEYARD_SETTLE_S) -> None:
+        """At `finalize`: let the last calls' cleanups land, then release everything while the stub is
+        still whole (objects left for interpreter exit segfaulted every duplex stub at unload)."""
+        if self._items:
+            time.sleep(max(0.0, settle_s - (time.monotonic() - self._items[-1][0])))
+        self._items.clear()
+
+    def __len__(self) -> int:
+        return len(self._items)

@@ -36,9 +36,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.e2e)
             if item.get_closest_marker("timeout") is None:
                 item.add_marker(pytest.mark.timeout(E2E_TIMEOUT_S))
-            # One retry: under CI load on 2 cores a session open through Triton has timed out now and
-            # then (root cause open, see docs/triton.md on the duplex stub); a second failure still fails.
-            item.add_marker(pytest.mark.flaky(reruns=1, reruns_delay=3))
 
 
 @pytest.fixture(scope="session")
