@@ -34,9 +34,13 @@ def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     cdf = torch.cumsum(probs.float(), dim=-1)  # [B, V]
     target = u.to(torch.float32)[:, None] * cdf[:, -1:]  # [B, 1]
     hit = cdf > target  # [B, V]
-    # first True: argmax returns the first maximal index. Not a count of cdf <= target, which equals
-    # it only while the (device-computed) cumsum is non-decreasing.
-    first = hit.to(torch.int8).argmax(dim=-1)  # [B]
-    positions = torch.arange(probs.shape[-1], device=probs.device)
+    vocab = probs.shape[-1]
+    positions = torch.arange(vocab, device=probs.device)
+    # first True as a min over positions: not a count of cdf <= target, which equals it only while the
+    # (device-computed) cumsum is non-decreasing; not an int8 argmax, which gave out-of-range ids under
+    # torch.compile in the TTS step graph on the H200.
+    first = torch.where(hit, positions, vocab).amin(dim=-1)  # [B], vocab = no hit
     last_positive = torch.where(probs > 0, positions, -1).amax(dim=-1)  # [B] rounding fallback
-    return torch.where(hit.any(dim=-1), first, last_positive)
+    # A row with no positive probability (NaN logits: the padding rows of a graph bucket) gets id 0, never
+    # −1: the ids feed gathers and scatters (TTS repetition window) that would fault on −1 in the graph.
+    return torch.where(first < vocab, first, last_positive.clamp(min=0))

@@ -82,7 +82,7 @@ class Attention(SlotAttention):
             # scores rounded to the model dtype, softmax in fp32, as transformers' eager attention does
             scores = torch.matmul(qf * d ** -0.5, keys.transpose(-1, -2)).float() + mask  # [B, kvh, g T, L]
             out = torch.matmul(torch.softmax(scores, dim=-1).to(values.dtype), values)
-        return out.view(b, self.n_heads, t, d)
+        return out.reshape(b, self.n_heads, t, d)  # SDPA may return a non-contiguous layout on CUDA
 
 
 class Qwen3Model(nn.Module):

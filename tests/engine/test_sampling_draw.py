@@ -50,3 +50,11 @@ def test_uniform_stream_follows_the_session_generator() -> None:
     s.consume(2)
     got += s.peek(4)[1:]
     assert got == draw_uniforms(ref, 6).tolist()
+
+
+def test_a_row_without_probability_mass_draws_a_valid_id() -> None:
+    """NaN or all-zero rows (a graph bucket's padding) must not yield −1: TTS feeds ids to gathers."""
+    probs = torch.tensor([[0.2, 0.8, 0.0], [float("nan")] * 3, [0.0, 0.0, 0.0]])
+    got = draw(probs, torch.tensor([0.5, 0.5, 0.5], dtype=torch.float64))
+    assert got.tolist() == [1, 0, 0]
+    stage1_sampling.window_counts(got[:, None], 3)  # in range for the repetition window
