@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.sampling_draw import draw_uniforms, session_generator
 from engine.stage1.types import Fence, NoFreeSlotError, TTSUnitRequest
 
 # project convention (model.md §3.5.4): generators llm = seed, tts = seed + 1, vocoder = seed + 2
@@ -47,8 +48,7 @@ class TTSSession:
 
     @classmethod
     def open(cls, session_id: str, slot: int, fence: Fence, seed: int) -> TTSSession:
-        gen = torch.Generator(device="cpu").manual_seed(seed + TTS_SEED_OFFSET)
-        return cls(session_id=session_id, slot=slot, fence=fence, generator=gen)
+        return cls(session_id=session_id, slot=slot, fence=fence, generator=session_generator(seed + TTS_SEED_OFFSET))
 
     def take_uniforms(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(generator state before, `count` fp64 uniforms), without committing the draws.
@@ -57,11 +57,11 @@ class TTSSession:
         used, so the stream of draws equals one scalar draw per sampling step (§5.4 draw accounting).
         """
         state = self.generator.get_state()
-        return state, torch.rand(count, dtype=torch.float64, generator=self.generator)
+        return state, draw_uniforms(self.generator, count)
 
     def commit_draws(self, state: torch.Tensor, used: int) -> None:
         self.generator.set_state(state)
-        torch.rand(used, dtype=torch.float64, generator=self.generator)
+        draw_uniforms(self.generator, used)
 
     def projected_end(self, rows: int, max_samples: int) -> int:
         """Worst-case turn position after the queued units and one more unit with `rows` rows."""
