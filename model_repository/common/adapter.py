@@ -50,13 +50,13 @@ class ResponseSink:
         self.cancelled = False  # set by the response thread when the client cancelled the request
 
     def emit(self, out: StageOutput) -> None:
-        with self._lock:
-            if self.closed:
-                return
-            if self._held is not None:
+        if self._held is None:  # streaming: no lock on the per-event path
+            if not self.closed:
+                self._outbox.put((self, out, False))
+            return
+        with self._lock:  # held outputs are read by `close`, possibly on another thread
+            if not self.closed:
                 self._held.append(out)
-                return
-        self._outbox.put((self, out, False))
 
     def close(self) -> None:
         with self._lock:

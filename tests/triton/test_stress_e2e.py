@@ -9,7 +9,7 @@ own server so that a dead stub cannot take other tests with it.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -39,8 +39,31 @@ def server(triton_install: TritonInstall, torch_repo: Path, tmp_path_factory: py
     finally:
         srv.stop()
     # the unload too: objects the pipeline still held at exit once segfaulted every duplex stub there
-    log = Path(srv.log_path).read_text(errors="replace")
-    assert not [mark for mark in CRASH_MARKS if mark in log], log[-3000:]
+    assert not crashes(srv), Path(srv.log_path).read_text(errors="replace")[-3000:]
+
+
+def crashes(server: TritonServer) -> list[str]:
+    """The crash marks found in the server log."""
+    log = Path(server.log_path).read_text(errors="replace")
+    return [mark for mark in CRASH_MARKS if mark in log]
+
+
+def run_clients(client: Callable[[int], None], seed_step: int) -> list[BaseException]:
+    """`client(seed)` on CLIENTS threads at once; what they raised."""
+    errors: list[BaseException] = []
+
+    def guarded(seed: int) -> None:
+        try:
+            client(seed)
+        except BaseException as exc:  # noqa: BLE001 - reported by the caller
+            errors.append(exc)
+
+    threads = [threading.Thread(target=guarded, args=(seed_step * c,)) for c in range(CLIENTS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=240)
+    return errors
 
 
 def unit(index: int, seed: int = 0) -> np.ndarray:
@@ -51,55 +74,33 @@ def unit(index: int, seed: int = 0) -> np.ndarray:
 def test_gateway_style_traffic_keeps_the_pipeline_healthy(server: TritonServer) -> None:
     """Many short sessions on three streams at once, each request awaited: the perf_analyzer crash
     pattern (a sequence reused before its previous one ended) cannot happen, and the stubs stay up."""
-    errors: list[BaseException] = []
-
     def client(seed: int) -> None:
-        try:
-            for k in range(SESSIONS_PER_CLIENT):
-                run = run_session(server.grpc_url, np.concatenate([unit(0, k), unit(1, k)]), seed + k,
-                                  timeout_s=REPLY_TIMEOUT_S)
-                assert len(run.units) == 2 and run.closed.of_type("closed")
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
+        for k in range(SESSIONS_PER_CLIENT):
+            run = run_session(server.grpc_url, np.concatenate([unit(0, k), unit(1, k)]), seed + k,
+                              timeout_s=REPLY_TIMEOUT_S)
+            assert len(run.units) == 2 and run.closed.of_type("closed")
 
-    threads = [threading.Thread(target=client, args=(100 * c,)) for c in range(CLIENTS)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=240)
+    errors = run_clients(client, 100)
     assert not errors, errors
     assert server.is_ready()
-    log = Path(server.log_path).read_text(errors="replace")
-    for crash in CRASH_MARKS:
-        assert crash not in log
+    assert not crashes(server)
 
 
 def test_requests_sent_back_to_back_on_a_sequence(server: TritonServer) -> None:
     """perf_analyzer's pattern: every request of a session sent without waiting for the previous one's
     FINAL. The sequence batcher queues them; each still ends with exactly one FINAL, in order."""
-    errors: list[BaseException] = []
-
     def client(seed: int) -> None:
         session = TritonSession(server.grpc_url, model="duplex")
-        try:
-            for k in range(SESSIONS_PER_CLIENT):
-                replies = pipelined(session, [("open", (1, 1, 0), {"config": session_config(seed + k)}),
-                                              ("append", (1, 1, 1), {"pcm": unit(0, k)}),
-                                              ("append", (1, 1, 2), {"pcm": unit(1, k)}),
-                                              ("close", (1, 1, 0), {})], timeout_s=REPLY_TIMEOUT_S)
-                session.corrid += 1  # the next session is a new sequence on the same stream
-                assert [r.events[0]["type"] for r in replies] == ["opened", "decision", "decision", "closed"]
-                assert [r.events[-1]["unit"] for r in replies[1:3]] == [0, 1]
-            session.close()
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
+        for k in range(SESSIONS_PER_CLIENT):
+            replies = pipelined(session, [("open", (1, 1, 0), {"config": session_config(seed + k)}),
+                                          ("append", (1, 1, 1), {"pcm": unit(0, k)}),
+                                          ("append", (1, 1, 2), {"pcm": unit(1, k)}),
+                                          ("close", (1, 1, 0), {})], timeout_s=REPLY_TIMEOUT_S)
+            session.corrid += 1  # the next session is a new sequence on the same stream
+            assert [r.events[0]["type"] for r in replies] == ["opened", "decision", "decision", "closed"]
+            assert [r.events[-1]["unit"] for r in replies[1:3]] == [0, 1]
+        session.close()
 
-    threads = [threading.Thread(target=client, args=(1000 * c,)) for c in range(CLIENTS)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=240)
+    errors = run_clients(client, 1000)
     assert not errors, errors
-    log = Path(server.log_path).read_text(errors="replace")
-    assert not [m for m in CRASH_MARKS if m in log]
-
+    assert not crashes(server)
