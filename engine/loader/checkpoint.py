@@ -3,6 +3,10 @@
 Real mode reads sharded safetensors strictly (shards.py), fuses weight norm in fp32 and casts every
 thinker/TTS weight to `dtype`; Token2Wav stays fp32. Dummy mode builds the same full-size modules from
 config.json alone, directly on the target device, with the seeded §9.4 recipe (benchmarks, §9.5).
+`components` names the checkpoint prefixes a process keeps (a stage process: stage0 the thinker's, TTS
+`tts`, Token2Wav none): the others are dropped from the meta skeleton before anything is read, so their
+tensors are never read from the shards nor materialised on any device. The key check still covers the
+whole file (it reads only the shard headers).
 Progress is logged at INFO per component with time and bytes; each record's `extra` carries
 `component`, `bytes` (parameter bytes) and `device_bytes` (the CUDA allocator's growth while the
 component was materialised; None off CUDA), so a benchmark can read memory per component off the log.
@@ -12,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +35,9 @@ log = logging.getLogger(__name__)
 TOKEN2WAV_DIR = Path("assets") / "token2wav"
 VOICES_DIR = "voices"
 _MIB = 1 << 20
+# The checkpoint prefixes each stage process keeps (MiniCPMO.components() names).
+THINKER_COMPONENTS = ("llm", "apm", "audio_projection_layer", "vpm", "resampler")
+TTS_COMPONENTS = ("tts",)
 _WEIGHT_NORM_SUFFIXES = (".parametrizations.weight.original0", ".parametrizations.weight.original1",
                          ".weight_g", ".weight_v")
 
@@ -59,18 +67,22 @@ class LoadedCheckpoint:
 def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu",
                     dtype: torch.dtype = torch.bfloat16, with_vision: bool = True,
                     dummy: bool = False, seed: int = 0, with_token2wav: bool = True,
-                    flow_dtype: torch.dtype = torch.float32) -> LoadedCheckpoint:
-    """Load (or, with `dummy`, randomly build) the checkpoint at `path`."""
+                    flow_dtype: torch.dtype = torch.float32,
+                    components: Collection[str] | None = None) -> LoadedCheckpoint:
+    """Load (or, with `dummy`, randomly build) the checkpoint at `path`; only `components` if given."""
     path, device = Path(path), torch.device(device)
     t0 = time.perf_counter()
     cfg = ModelConfig.from_file(path / "config.json", with_vision=with_vision)
     tok, special = _tokenizer(path, cfg, required=not dummy)
     model = build_skeleton(cfg)
+    _keep_only(model, components)
     if dummy:
         _init_dummy(model, device, dtype, seed)
     else:
         _load_weights(model, path, device, dtype)
-    model.reset_rope_()  # the skeleton was built on meta: RoPE tables are recomputed, never loaded
+    for module in model.components().values():  # built on meta: RoPE tables are recomputed, never loaded
+        if hasattr(module, "reset_rope_"):
+            module.reset_rope_()
     model.eval()
     t2w = None
     if with_token2wav:
@@ -81,6 +93,18 @@ def load_checkpoint(path: str | Path, *, device: str | torch.device = "cpu",
              extra={"dummy": dummy, "device": str(device), "dtype": str(dtype), "seconds": seconds})
     return LoadedCheckpoint(path=path, config=cfg, model=model, tokenizer=tok, special_tokens=special,
                             token2wav=t2w, voices_dir=path / VOICES_DIR, device=device, dtype=dtype)
+
+
+def _keep_only(model: MiniCPMO, components: Collection[str] | None) -> None:
+    """Drop every component not in `components` from the (meta) skeleton: nothing of it is read or built."""
+    if components is None:
+        return
+    unknown = sorted(set(components) - set(THINKER_COMPONENTS) - set(TTS_COMPONENTS))
+    if unknown:
+        raise ValueError(f"unknown checkpoint components {unknown}")
+    for name in list(model.components()):
+        if name not in components:
+            setattr(model, name, None)
 
 
 def _tokenizer(path: Path, cfg: ModelConfig, *, required: bool
@@ -208,7 +232,7 @@ def flow_vocab_size(t2w: Any) -> int | None:
 
 def _validate(cfg: ModelConfig, model: MiniCPMO, t2w: Any | None) -> None:
     """Post-load checks of §8.5 that the key check does not already imply."""
-    emb_rows = model.tts.emb_text.weight.shape[0]
+    emb_rows = model.tts.emb_text.weight.shape[0] if model.tts is not None else cfg.llm.vocab_size
     if emb_rows < cfg.llm.vocab_size:
         raise CheckpointError(f"tts.emb_text has {emb_rows} rows < vocab_size {cfg.llm.vocab_size}")
     if t2w is not None:

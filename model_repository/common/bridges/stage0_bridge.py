@@ -20,6 +20,7 @@ import torch
 
 from engine.audio.frontend import AudioFrontEnd
 from engine.loader import load_checkpoint
+from engine.loader.checkpoint import THINKER_COMPONENTS
 from engine.stage0 import Fence, Stage0Config, Stage0Engine, TokenEvent, UnitDone
 from engine.stage0.frontend import AudioFrontEndAdapter
 
@@ -56,7 +57,7 @@ class Stage0Bridge(EngineBridge):
         configure_torch(settings)
         opts = engine_options(settings, OPTIONS)
         ck = load_checkpoint(settings.checkpoint_dir, device=settings.device, dtype=torch_dtype(settings),
-                             with_vision=False, with_token2wav=False)
+                             with_vision=False, with_token2wav=False, components=THINKER_COMPONENTS)
         model = ck.model
         frontend = AudioFrontEndAdapter(AudioFrontEnd(model.apm, model.audio_projection_layer, ck.config.audio))
         cfg = Stage0Config(max_sessions=settings.max_sessions, window_high=settings.kv_window,

@@ -39,7 +39,7 @@ class Token2WavBridge(EngineBridge):
         if flow_dtype is None:
             raise ConfigError(f"engine option flow_dtype={opts['flow_dtype']!r} must be one of {sorted(DTYPES)}")
         ck = load_checkpoint(settings.checkpoint_dir, device=settings.device, dtype=torch_dtype(settings),
-                             with_vision=False, flow_dtype=flow_dtype)
+                             with_vision=False, flow_dtype=flow_dtype, components=())  # Token2Wav assets only
         if ck.token2wav is None:
             raise ConfigError(f"{settings.checkpoint_dir}: no Token2Wav assets")
         cuda = settings.device.startswith("cuda")

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from engine.loader import load_checkpoint
+from engine.loader.checkpoint import TTS_COMPONENTS
 from engine.stage1.config import TTSEngineConfig
 from engine.stage1.tts_engine import TTSEngine
 from engine.stage1.types import Fence, TTSUnitRequest
@@ -29,12 +30,12 @@ class TTSBridge(EngineBridge):
         configure_torch(settings)
         opts = engine_options(settings, OPTIONS)
         ck = load_checkpoint(settings.checkpoint_dir, device=settings.device, dtype=torch_dtype(settings),
-                             with_vision=False, with_token2wav=False)
+                             with_vision=False, with_token2wav=False, components=TTS_COMPONENTS)
         cfg = TTSEngineConfig(max_sessions=settings.max_sessions, max_batch=settings.max_sessions,
                               use_cuda_graphs=settings.device.startswith("cuda") and opts.get("cuda_graphs", True),
                               compile_step=bool(opts.get("compile_step", False)))
         self.llm_dim = ck.config.tts.llm_dim
-        self.engine = TTSEngine(ck.model.tts, cfg)  # only the TTS module stays referenced
+        self.engine = TTSEngine(ck.model.tts, cfg)  # the process holds only the TTS weights
         self.pending: dict[str, list[tuple[TTSUnitRequest, Any]]] = {}
 
     def handle(self, req: StageRequest, sink: Any) -> None:
