@@ -2,11 +2,13 @@
 
 The mel stream is `prefix_zeros` zero samples followed by the client PCM. Unit k analyses the
 stream window that the reference `StreamingMelProcessorExact` holds with 1 s deliveries, i.e. stream
-samples up to `first_chunk_raw + chunk * k` (16,560 + 16,000·k), minus whatever slid out on the
-left. Later samples wait in `pending` for the next unit. The whole window is re-analysed every unit
-so the dynamic floor sees exactly the reference's window (reflect-padded edges included).
-A caller that delivers only up to readiness (15,920 + 16,000·k client samples) gets a window 80
-samples shorter: identical frames in the fixed-floor phase, a possibly different dynamic max later.
+samples up to `first_chunk_samples + chunk * k` (16,480 + 16,000·k, model.md §2.3), minus whatever
+slid out on the left. The reference pads its first delivery to 16,560 samples but hands the processor
+only the 16,480 it consumes and carries the other 80 into the next unit, so the 80 samples beyond the
+unit never enter the analysis window. Later samples wait in `pending` for the next unit. The whole
+window is re-analysed every unit so the dynamic floor sees exactly the reference's window
+(reflect-padded edges included); the window equals what readiness requires, so it does not depend on
+how far ahead the caller delivered.
 """
 
 from __future__ import annotations
@@ -72,8 +74,8 @@ class StreamConfig:
         return self.ready_stream_samples(unit) - self.prefix_zeros
 
     def buffer_end(self, unit: int) -> int:
-        """Exclusive stream index the reference buffer reaches at unit `unit`: 16,560 + 16,000·k."""
-        return self.first_chunk_raw + self.chunk_samples * unit
+        """Exclusive stream index the reference buffer reaches at unit `unit`: 16,480 + 16,000·k."""
+        return self.first_chunk_samples + self.chunk_samples * unit
 
     def emitted_frames(self, unit: int) -> tuple[int, int]:
         """Global mel frame range emitted for `unit`: [0, 102), then [100k - 2, 100k + 102)."""

@@ -92,17 +92,22 @@ def test_config_arithmetic() -> None:
 
 
 def test_mel_stream_matches_reference_processor_across_floor_switch_and_slide(frontend) -> None:
-    """I4 + §2.3: per-unit mel equals the reference processor fed 1 s deliveries (first left-padded
-    to 1035 ms), through the fixed->dynamic switch (unit 4) and the buffer slide (unit 29)."""
+    """I4 + §2.3: per-unit mel equals the reference processor fed as the demo feeds it (1 s deliveries,
+    the first left-padded to 1035 ms, the processor handed only the 16,480 / 16,000 samples a unit
+    consumes), through the fixed->dynamic switch (unit 4) and the buffer slide (unit 29)."""
     units = 31
     pcm = _client_pcm(units + 1, seed=1)
     ref = RefStreamingMel()
     ours = frontend.streamer.new_state()
+    carry = np.zeros(0, np.float32)  # the demo's audio_buffer: what the processor has not consumed yet
     for k, chunk in enumerate(_wire_units(pcm, units)):
         delivery = pcm[16_000 * k: 16_000 * (k + 1)]
         if k == 0:
             delivery = np.concatenate([np.zeros(560, np.float32), delivery])
-        ref_mel, ref_base = ref.process(delivery)
+        carry = np.concatenate([carry, delivery])
+        need = 16_480 if k == 0 else 16_000  # the processor gets exactly the consumed samples; 80 carry over
+        ref_mel, ref_base = ref.process(carry[:need])
+        carry = carry[need:]
         frontend.streamer.push(ours, chunk)
         unit = frontend.streamer.next_unit(ours)
         assert unit.frames == CFG.emitted_frames(k)
