@@ -58,6 +58,10 @@ class DeployProfile:
     # stage -> engine options (JSON object handed to the stage's factory as `engine_options`), e.g.
     # {"tts": {"compile_step": true}, "stage0": {"compile_mode": "default"}, "token2wav": {"flow_dtype": "float16"}}
     engine_options: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # model -> GPU ids its instance_group names (device cuda only), e.g. {"stage0": [0], "tts": [1],
+    # "token2wav": [1]}: Triton starts `<model>_instances` instances on EACH listed GPU and tells each
+    # instance its GPU (StageSettings.instance_device). A model left out may run on any visible GPU.
+    gpus: dict[str, list[int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         checks = {
@@ -65,6 +69,7 @@ class DeployProfile:
             "engine_options": isinstance(self.engine_options, dict) and set(self.engine_options) <= set(STAGES)
             and all(isinstance(v, dict) for v in self.engine_options.values()),
             "device": self.device.split(":")[0] in ("cpu", "cuda"),
+            "gpus": _gpu_lists(self.gpus) and (not self.gpus or self.device == "cuda"),
             "dtype": self.dtype in ("float32", "bfloat16", "float16"),
             "max_sessions": _positive_int(self.max_sessions),
             "kv_window": _positive_int(self.kv_window),
@@ -100,6 +105,7 @@ _HINTS = {
     "device": " (cpu, cuda or cuda:N)",
     "dtype": " (float32, bfloat16 or float16)",
     "sequence_idle_timeout_s": " (must be a number >= session_idle_ttl_s)",
+    "gpus": f" (a mapping of {', '.join(MODELS)} to non-empty lists of distinct GPU ids >= 0; needs device: cuda)",
 }
 
 
@@ -113,6 +119,20 @@ def _engine_module_exists(engine: Any) -> bool:
         return importlib.util.find_spec(ENGINE_MODULES.get(engine, engine)) is not None
     except ImportError:
         return False
+
+
+def _gpu_lists(gpus: Any) -> bool:
+    return isinstance(gpus, dict) and set(gpus) <= set(MODELS) and all(
+        isinstance(ids, list) and ids and len(set(ids)) == len(ids)
+        and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids) for ids in gpus.values())
+
+
+def _instance_group(model: str, profile: DeployProfile) -> str:
+    kind = "KIND_GPU" if profile.device.startswith("cuda") else "KIND_CPU"
+    count = getattr(profile, f"{model}_instances" if model != PIPELINE else "pipeline_instances")
+    ids = profile.gpus.get(model)
+    gpus = f" gpus: [ {', '.join(str(i) for i in ids)} ]" if ids else ""
+    return f"instance_group [ {{ count: {count} kind: {kind}{gpus} }} ]\n"
 
 
 def _positive_int(v: Any) -> bool:
@@ -139,8 +159,6 @@ def _io_block() -> str:
 
 def render_config(model: str, profile: DeployProfile, checkpoint: str) -> str:
     """config.pbtxt text of one model (decoupled Python backend, sequence batching, UINT64 CORRID)."""
-    kind = "KIND_GPU" if profile.device.startswith("cuda") else "KIND_CPU"
-    instances = getattr(profile, f"{model}_instances" if model != PIPELINE else "pipeline_instances")
     params = {"stage": model, "checkpoint_dir": checkpoint, "device": profile.device, "dtype": profile.dtype,
               "max_sessions": str(profile.max_sessions), "kv_window": str(profile.kv_window),
               "session_idle_ttl_s": str(profile.session_idle_ttl_s)}
@@ -160,7 +178,7 @@ def render_config(model: str, profile: DeployProfile, checkpoint: str) -> str:
         f'    {{ name: "CORRID" control [ {{ kind: CONTROL_SEQUENCE_CORRID data_type: TYPE_UINT64 }} ] }},\n'
         f'    {{ name: "READY" control [ {{ kind: CONTROL_SEQUENCE_READY int32_false_true: [ 0, 1 ] }} ] }}\n'
         f"  ]\n}}\n{_io_block()}"
-        f"instance_group [ {{ count: {instances} kind: {kind} }} ]\n"
+        f"{_instance_group(model, profile)}"
         f"parameters [\n{param_text}\n]\n"
     )
 

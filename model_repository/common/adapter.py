@@ -8,6 +8,7 @@ error, a client cancel or an unload; `finalize` stops the engine and drains with
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import queue
 import threading
@@ -29,7 +30,7 @@ from .codec import (
     parse_request,
 )
 from .sessions import SessionTable
-from .settings import StageSettings, load_factory
+from .settings import StageSettings, instance_device, load_factory
 from .workarounds import pin_object_dtype, report_fatal_signals
 
 _SENTINEL = object()
@@ -88,6 +89,7 @@ def decoupled_setup(args: dict[str, Any]) -> tuple[StageSettings, SessionTable]:
     if not pb_utils.using_decoupled_model_transaction_policy(model_config):
         raise pb_utils.TritonModelException(f"{args['model_name']}: must be decoupled (model_transaction_policy)")
     settings = StageSettings.from_model_config(model_config)
+    settings = dataclasses.replace(settings, device=instance_device(settings.device, args))
     return settings, SessionTable(settings.max_sessions, settings.session_idle_ttl_s)
 
 

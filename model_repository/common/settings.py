@@ -63,6 +63,18 @@ class StageSettings:
         )
 
 
+def instance_device(device: str, args: dict[str, Any]) -> str:
+    """The device this model instance runs on: Triton places each KIND_GPU instance on a GPU of its
+    `instance_group` and passes it as `model_instance_kind` / `model_instance_device_id` in the
+    `initialize` args. A bare `cuda` takes that GPU; an explicit `cuda:N` (or `cpu`) is kept as written."""
+    if device != "cuda" or str(args.get("model_instance_kind", "")).upper() != "GPU":
+        return device
+    device_id = str(args.get("model_instance_device_id", ""))
+    if not device_id.isdigit():
+        raise ConfigError(f"a KIND_GPU instance without a GPU id (model_instance_device_id={device_id!r})")
+    return f"cuda:{int(device_id)}"
+
+
 def load_factory(spec: str) -> Callable[..., Any]:
     module_name, _, attr = spec.partition(":")
     try:

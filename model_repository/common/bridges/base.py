@@ -77,6 +77,10 @@ def session_key(corrid: int) -> str:
 def configure_torch(settings: StageSettings) -> None:
     if settings.device == "cpu":
         torch.set_num_threads(CPU_THREADS)
+    elif settings.device.startswith("cuda:"):
+        # The instance's GPU (settings.instance_device) becomes the current device, so streams, events,
+        # graph pools and every `device="cuda"` allocation of this process land on it, not on GPU 0.
+        torch.cuda.set_device(torch.device(settings.device))
 
 
 class EngineBridge:
