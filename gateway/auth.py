@@ -6,7 +6,10 @@ as the WebSocket subprotocol `openai-insecure-api-key.<key>` next to `realtime` 
 never the key-bearing entry. Keys are compared in constant time over SHA-256 digests, so neither content
 nor length leaks through timing.
 
-Policy: off by default when bound to loopback; required as soon as a key is configured. protocol.md §1.1
+Policy: off by default when bound to loopback; required as soon as a key is configured. Without a key, a
+request must name this server by a loopback name, an IP literal or a configured host (`Host` header): a page
+on `evil.example` that re-resolves its name to 127.0.0.1 (DNS rebinding) sends `Host: evil.example` and a
+matching `Origin`, so the origin check alone would let it drive a key-less loopback server. protocol.md §1.1
 leaves authentication to deployments and defines no code for it, so a refusal uses OpenAI's code
 `invalid_api_key` (HTTP 401) and `origin_not_allowed` (HTTP 403); on a WebSocket both are handshake errors
 (error event, then close 1008, §1.8: a client-caused handshake error). Unknown to a client, they read as
@@ -29,12 +32,28 @@ log = logging.getLogger(__name__)
 KEY_SUBPROTOCOL_PREFIX = "openai-insecure-api-key."
 ECHO_SUBPROTOCOLS = ("realtime", "openai-beta.realtime-v1")
 PUBLIC_HTTP_PATHS = frozenset({"/health", "/ready", "/metrics"})  # probes and scrapers carry no key
-HTTP_STATUS = {"invalid_api_key": 401, "origin_not_allowed": 403}
+HTTP_STATUS = {"invalid_api_key": 401, "origin_not_allowed": 403, "host_not_allowed": 403}
 AUTH_MODES = ("auto", "required", "off")
 
 
 class AuthConfigError(ValueError):
     """The auth settings cannot serve safely; startup stops with this message (it names the variable)."""
+
+
+def host_name(host_header: str) -> str:
+    """`Host` header -> lower-case name or IP literal, without the port (`[::1]:8000` -> `::1`)."""
+    value = host_header.strip().lower()
+    if value.startswith("["):
+        return value[1:].partition("]")[0]
+    return value.rpartition(":")[0] if value.count(":") == 1 else value
+
+
+def is_ip_literal(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
 
 
 def is_loopback(host: str) -> bool:
@@ -51,10 +70,11 @@ class AuthConfig:
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     allowed_origins: tuple[str, ...] = ()  # exact `scheme://host[:port]` besides our own; "*" = any origin
     required: bool = False
+    allowed_hosts: tuple[str, ...] = ()  # DNS names a key-less server answers to besides localhost; "*" = any
 
     @classmethod
     def build(cls, bind_host: str, api_keys: Iterable[str] = (), allowed_origins: Iterable[str] = (),
-              mode: str = "auto") -> AuthConfig:
+              mode: str = "auto", allowed_hosts: Iterable[str] = ()) -> AuthConfig:
         """`mode` (DUPLEX_AUTH): `auto` requires a key when one is configured and refuses to start
         without one on a non-loopback bind; `required` always needs a key; `off` serves without
         authentication on purpose (refused if a key is configured, so a key is never silently unused)."""
@@ -70,7 +90,8 @@ class AuthConfig:
                 f"no API key configured while bound to {bind_host}: set DUPLEX_API_KEYS, "
                 "or DUPLEX_AUTH=off to serve without authentication on purpose")
         origins = tuple(o.rstrip("/").lower() for o in allowed_origins if o)
-        return cls(keys, origins, required=bool(keys))
+        hosts = tuple(h.strip().lower() for h in allowed_hosts if h.strip())
+        return cls(keys, origins, required=bool(keys), allowed_hosts=hosts)
 
 
 def _error(code: str, message: str) -> ProtocolError:
@@ -124,8 +145,23 @@ class Authenticator:
             return True
         return origin in allowed
 
+    def host_ok(self, host: str | None) -> bool:
+        """With a key, any Host (the key is the guard). Without one: an IP literal (no name to rebind),
+        `localhost` or a name under it, or a configured name. No Host header at all (HTTP/1.0) is no name."""
+        if self.config.required or host is None or "*" in self.config.allowed_hosts:
+            return True
+        name = host_name(host)
+        return (is_ip_literal(name) or name == "localhost" or name.endswith(".localhost")
+                or name in self.config.allowed_hosts)
+
+    def _check_host(self, headers: Mapping[str, str]) -> None:
+        if not self.host_ok(headers.get("host")):
+            raise _error("host_not_allowed", "this server has no API key and answers only to loopback host names; "
+                         "add the name to DUPLEX_ALLOWED_HOSTS or configure DUPLEX_API_KEYS")
+
     def check_http(self, headers: Mapping[str, str]) -> None:
-        """Raises ProtocolError(invalid_api_key | origin_not_allowed). `headers` keys lower-case."""
+        """Raises ProtocolError(host_not_allowed | invalid_api_key | origin_not_allowed). Keys lower-case."""
+        self._check_host(headers)
         if not self.origin_ok(headers.get("origin"), headers.get("host")):
             raise _error("origin_not_allowed", "origin not allowed")
         if not self.key_ok(bearer_key(headers)):
@@ -133,6 +169,7 @@ class Authenticator:
 
     def check_websocket(self, headers: Mapping[str, str], subprotocols: Sequence[str]) -> str | None:
         """WebSocket upgrade: header or subprotocol key. Returns the subprotocol to echo (or None)."""
+        self._check_host(headers)
         if not self.origin_ok(headers.get("origin"), headers.get("host")):
             raise _error("origin_not_allowed", "origin not allowed")
         key = bearer_key(headers) or subprotocol_key(subprotocols)

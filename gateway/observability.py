@@ -7,6 +7,8 @@ closed set here, and anything outside it is recorded as `other`.
 
 from __future__ import annotations
 
+import logging
+import re
 from collections.abc import Iterable
 
 from prometheus_client import (
@@ -143,3 +145,30 @@ class GatewayMetrics:
     def render(self) -> tuple[bytes, str]:
         """Body and content type for `GET /metrics` (text format 0.0.4)."""
         return generate_latest(self.registry), CONTENT_TYPE_PLAIN_0_0_4  # §11.5 pins format 0.0.4
+
+
+# Query parameters that may carry a credential. The gateway reads keys only from headers or the subprotocol,
+# but a client may still put one in the URL (`?api_key=`), and uvicorn logs every request line with its query.
+SECRET_QUERY = re.compile(r"([?&](?:api_key|apikey|key|token|access_token|resume_token)=)[^&\s\"]*", re.IGNORECASE)
+REDACTED = "[redacted]"
+SERVER_LOGGERS = ("uvicorn.access", "uvicorn.error")  # request lines; WebSocket "[accepted]" lines
+
+
+class RedactSecrets(logging.Filter):
+    """Rewrites credential values in a log record's message and string arguments (never drops a record)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.msg, str):
+            record.msg = SECRET_QUERY.sub(rf"\1{REDACTED}", record.msg)
+        if isinstance(record.args, tuple):
+            record.args = tuple(SECRET_QUERY.sub(rf"\1{REDACTED}", a) if isinstance(a, str) else a
+                                for a in record.args)
+        return True
+
+
+def redact_server_logs() -> None:
+    """Attach `RedactSecrets` to uvicorn's loggers (after uvicorn configured logging); idempotent."""
+    for name in SERVER_LOGGERS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, RedactSecrets) for f in logger.filters):
+            logger.addFilter(RedactSecrets())

@@ -14,6 +14,7 @@ import socket
 
 import uvicorn
 
+from gateway.observability import redact_server_logs
 from gateway.settings import GatewaySettings
 from gateway.state import GatewayState
 from gateway.ws.messages import Shutdown
@@ -52,6 +53,7 @@ def build(host: str, port: int, log_level: str = "info") -> DrainingServer:
     state: GatewayState = app.state.gateway
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
                             ws_max_size=state.settings.ws_max_message_bytes)
+    redact_server_logs()  # after uvicorn.Config, which (re)configures uvicorn's loggers
     return DrainingServer(config, state)
 
 

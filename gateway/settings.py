@@ -59,10 +59,12 @@ class GatewaySettings(BaseModel):
     api_keys: tuple[str, ...] = ()  # DUPLEX_API_KEYS (comma-separated); any key set makes auth required
     auth: Literal["auto", "required", "off"] = "auto"  # DUPLEX_AUTH, see gateway/auth.py AuthConfig.build
     allowed_origins: tuple[str, ...] = ()  # DUPLEX_ALLOWED_ORIGINS besides the gateway's own; "*" = any
+    allowed_hosts: tuple[str, ...] = ()  # DUPLEX_ALLOWED_HOSTS: Host names a key-less gateway answers to (auth.py)
     vad_onset_confirm_ms: int = Field(64, gt=0)
     web_root: str | None = None  # DUPLEX_WEB_ROOT; None = <repo>/clients/web when it exists; "" = off
 
-    @field_validator("triton_ready_models", "model_aliases", "voices", "api_keys", "allowed_origins", mode="before")
+    @field_validator("triton_ready_models", "model_aliases", "voices", "api_keys", "allowed_origins",
+                     "allowed_hosts", mode="before")
     @classmethod
     def _split(cls, v: Any) -> Any:
         if isinstance(v, str):

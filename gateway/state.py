@@ -37,7 +37,8 @@ class GatewayState:
                                                    retry_max_s=s.reaper_interval_s),
                                    on_change=self.metrics.set_session_counts)
         self.leases = LeaseManager(LeaseConfig(s.idle_ttl_s, s.disconnect_grace_s, s.reaper_interval_s))
-        self.auth = Authenticator(AuthConfig.build(s.bind_host, s.api_keys, s.allowed_origins, s.auth))
+        self.auth = Authenticator(AuthConfig.build(s.bind_host, s.api_keys, s.allowed_origins, s.auth,
+                                                   s.allowed_hosts))
         self.vad: SileroVad | None = None  # one shared model, loaded by the first server_vad session
         self.sessions: dict[str, LiveSession] = {}  # open, detached or closing: the resume lookup
         self.tasks: set[asyncio.Task[None]] = set()  # session hosts; they outlive their sockets

@@ -18,6 +18,7 @@ from gateway.protocol.validate import G711_RATE, MAX_RATE_HZ, MIN_RATE_HZ, OUTPU
 
 _BYTES_PER_SAMPLE = {"pcm16": 2, "pcm_f32le": 4, "g711_ulaw": 1, "g711_alaw": 1}
 _G711_SUBTYPE = {"g711_ulaw": "ULAW", "g711_alaw": "ALAW"}
+WAV_SUBTYPES = frozenset({"PCM_16", "FLOAT"})  # §9.1: a WAV append is PCM 16-bit or float32, nothing else
 PCM16_SCALE = 32768.0
 
 
@@ -46,7 +47,11 @@ def decode_audio(raw: bytes, fmt: str, rate_hz: int | None, *, rate_given: bool,
     """Wire bytes -> float32 mono. `rate_hz` is the effective rate (append or session)."""
     if fmt == "wav":
         try:
-            data, sr = soundfile.read(io.BytesIO(raw), dtype="float32", always_2d=True)
+            with soundfile.SoundFile(io.BytesIO(raw)) as wav:
+                if wav.format not in ("WAV", "WAVEX") or wav.subtype not in WAV_SUBTYPES:
+                    raise ProtocolError("bad_audio", f"WAV must be PCM 16-bit or float32, not {wav.format} "
+                                        f"{wav.subtype}", param=param)
+                data, sr = wav.read(dtype="float32", always_2d=True), wav.samplerate
         except (RuntimeError, soundfile.LibsndfileError):
             raise ProtocolError("bad_audio", "undecodable WAV", param=param) from None
         if data.shape[1] != 1:

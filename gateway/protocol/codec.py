@@ -31,9 +31,29 @@ def client_event_id(raw: object) -> str | None:
     """Best-effort `event_id` of a frame, for echoing in the error that rejects it."""
     if isinstance(raw, dict):
         eid = raw.get("event_id")
-        if isinstance(eid, str) and 1 <= len(eid) <= MAX_CLIENT_EVENT_ID_CHARS:
+        if isinstance(eid, str) and 1 <= len(eid) <= MAX_CLIENT_EVENT_ID_CHARS and not _has_lone_surrogate(eid):
             return eid
     return None
+
+
+def _has_lone_surrogate(value: object) -> bool:
+    """True when a string anywhere in a parsed frame holds a lone UTF-16 surrogate (JSON `"\\udfff"`): valid
+    JSON syntax but not Unicode text, so it could never be echoed or stored as UTF-8. Iterative: a frame may
+    nest as deep as the JSON parser allows."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
 
 
 def _loc_to_param(loc: tuple[int | str, ...]) -> str:
@@ -51,10 +71,14 @@ def decode_frame(text: str, limits: FrameLimits) -> tuple[ClientEvent, dict]:
         raise ProtocolError("event_too_large", f"frame exceeds {limits.max_frame_bytes} bytes")
     try:
         raw = json.loads(text)
-    except (json.JSONDecodeError, RecursionError) as exc:
+    except (ValueError, RecursionError) as exc:
+        # ValueError besides JSONDecodeError: an integer of more than sys.get_int_max_str_digits() digits
         raise ProtocolError("invalid_json", f"frame is not valid JSON: {exc.__class__.__name__}") from None
     if not isinstance(raw, dict):
         raise ProtocolError("invalid_json", "frame is not a JSON object")
+    # a surrogate can only come from a backslash-u escape (the socket delivers decoded UTF-8): skip the walk otherwise
+    if "\\u" in text and _has_lone_surrogate(raw):
+        raise ProtocolError("invalid_json", "frame holds a lone UTF-16 surrogate (not Unicode text)")
     try:
         return decode_object(raw)
     except ProtocolError as err:

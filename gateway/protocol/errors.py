@@ -58,6 +58,7 @@ CODES: dict[str, CodeSpec] = {
     # Deployment auth (issue 9, gateway.auth): not in protocol.md §1.7, which leaves auth to deployments.
     "invalid_api_key": CodeSpec(_IR, False, _HS),
     "origin_not_allowed": CodeSpec(_IR, False, _HS),
+    "host_not_allowed": CodeSpec(_IR, False, _HS),
     "resource_exhausted": CodeSpec(_RL, True, _HS),
     "runtime_unavailable": CodeSpec(_SE, True, _HS),
     "runtime_open_failed": CodeSpec(_SE, True, _HS),

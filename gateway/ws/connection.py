@@ -154,6 +154,9 @@ class Connection:
                 except ProtocolError as err:
                     live.post(Rejected(err, generation))
                     continue
+                except Exception as exc:  # noqa: BLE001 - a decoder fault must cost one frame, not the socket
+                    live.post(Rejected(faults.internal(exc), generation))
+                    continue
                 live.post(Admitted(ev, raw, generation))
         except (WebSocketDisconnect, RuntimeError, OSError):
             live.post(Disconnected("transport_error", generation))
