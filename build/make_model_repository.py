@@ -36,6 +36,8 @@ _MODULE_PATH = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 PIPELINE_FACTORY = "model_repository.common.pipeline:PipelineModel"  # informational: BLS, no engine
 DEFAULT_CHECKPOINT = "/checkpoints/MiniCPM-o-4_5"
 US_PER_S = 1_000_000
+# engine_options.stage0.scripted_decisions: a benchmark decision plan for random weights (ScriptPlan's fields)
+SCRIPT_PLAN_KEYS = ("listen_units", "speak_units", "text_ids_per_unit", "tail_listen_units")
 
 
 class ProfileError(ValueError):
@@ -67,7 +69,8 @@ class DeployProfile:
         checks = {
             "engine": _engine_module_exists(self.engine),
             "engine_options": isinstance(self.engine_options, dict) and set(self.engine_options) <= set(STAGES)
-            and all(isinstance(v, dict) for v in self.engine_options.values()),
+            and all(isinstance(v, dict) for v in self.engine_options.values())
+            and _script_plan_ok(self.engine_options),
             "device": self.device.split(":")[0] in ("cpu", "cuda"),
             "gpus": _gpu_lists(self.gpus) and (not self.gpus or self.device == "cuda"),
             "dtype": self.dtype in ("float32", "bfloat16", "float16"),
@@ -101,7 +104,8 @@ class DeployProfile:
 
 _HINTS = {
     "engine": " (torch, or a module path whose stage0/tts/token2wav are engine factories)",
-    "engine_options": f" (a mapping of {', '.join(STAGES)} to option mappings)",
+    "engine_options": f" (a mapping of {', '.join(STAGES)} to option mappings; stage0's scripted_decisions is a "
+                      f"mapping of {', '.join(SCRIPT_PLAN_KEYS)} to integers >= 0, speak_units >= 1)",
     "device": " (cpu, cuda or cuda:N)",
     "dtype": " (float32, bfloat16 or float16)",
     "sequence_idle_timeout_s": " (must be a number >= session_idle_ttl_s)",
@@ -119,6 +123,16 @@ def _engine_module_exists(engine: Any) -> bool:
         return importlib.util.find_spec(ENGINE_MODULES.get(engine, engine)) is not None
     except ImportError:
         return False
+
+
+def _script_plan_ok(options: dict[str, Any]) -> bool:
+    """`stage0.scripted_decisions` (engine/stage0/script.py ScriptPlan), when present, is a well-formed plan."""
+    plan = (options.get("stage0") or {}).get("scripted_decisions")
+    if plan is None:
+        return True
+    return isinstance(plan, dict) and set(plan) <= set(SCRIPT_PLAN_KEYS) and all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in plan.values()) \
+        and plan.get("speak_units", 1) >= 1
 
 
 def _gpu_lists(gpus: Any) -> bool:

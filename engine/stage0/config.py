@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
+
+if TYPE_CHECKING:
+    from engine.stage0.script import ScriptPlan  # script.py imports this module
 
 CLOSE_POSITIONS = 2  # `[terminator, </unit>]` (§3.6)
 # torch.compile modes that leave graph capture to the engine (the others capture CUDA graphs themselves)
@@ -105,6 +108,7 @@ class Stage0Config:
     # `benchmark_mode` is set, which only benchmark entry points do.
     scripted_decisions: bool = False
     benchmark_mode: bool = False
+    script_plan: ScriptPlan | None = None  # the cycle of a scripted session (None: ScriptPlan's defaults)
 
     def __post_init__(self) -> None:
         if self.max_sessions < 1 or self.window_low > self.window_high or self.window_low < 1:

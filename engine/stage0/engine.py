@@ -63,7 +63,7 @@ class Stage0Engine(StepLoop):
         prefill = PrefillGraphs.create(model, kv, config.prefill_batch_buckets, config.prefill_lengths(),
                                        config.decode_kv_buckets, **how)
         self.runner = ModelRunner(model, kv, graphs, prefill)
-        self.script = DecisionScript(self.ids, tokenizer.decode, model.cfg.vocab_size) \
+        self.script = DecisionScript(self.ids, tokenizer.decode, model.cfg.vocab_size, config.script_plan) \
             if config.scripted_decisions else None
         self.slots = SlotTable(config.max_sessions)
         self.sessions: dict[str, Session] = {}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import queue
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -18,6 +19,7 @@ from typing import Any
 import torch
 
 from ..codec import RequestError, StageOutput, StageRequest, error_output
+from ..metrics import StageMetrics
 from ..settings import ConfigError, StageSettings
 
 IDLE_WAIT_S = 0.05  # the idle engine thread wakes this often (a new request wakes it at once)
@@ -90,20 +92,24 @@ class EngineBridge:
         self.settings = settings
         self._queue: queue.Queue[Any] = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name=f"{settings.stage}-engine", daemon=True)
+        self.metrics = StageMetrics(settings.stage)
+        self.step_rows = 0  # rows the running step serves; each bridge's `step` sets it (batch occupancy)
 
     # ---- StageEngine protocol (adapter thread) ------------------------------------------------------
     def start(self) -> None:
+        self.metrics.start()
         self._thread.start()
 
     def submit(self, req: StageRequest, sink: Any) -> None:
-        self._queue.put((req, sink))
+        self._queue.put((req, sink, time.perf_counter()))
 
     def drop(self, corrid: int) -> None:
-        self._queue.put((corrid, None))
+        self._queue.put((corrid, None, None))
 
     def stop(self) -> None:
         self._queue.put(_STOP)
         self._thread.join()
+        self.metrics.stop()
 
     # ---- the engine thread ------------------------------------------------------------------------
     def handle(self, req: StageRequest, sink: Any) -> None:
@@ -111,7 +117,7 @@ class EngineBridge:
         raise NotImplementedError
 
     def step(self) -> bool:
-        """One engine step; False when there was no work."""
+        """One engine step; False when there was no work. Sets `step_rows` to the rows the step serves."""
         raise NotImplementedError
 
     def forget(self, corrid: int) -> None:
@@ -132,13 +138,19 @@ class EngineBridge:
             while item is not None:
                 if item is _STOP:
                     return
-                self._apply(*item)
+                req, sink, submitted = item
+                if submitted is not None:
+                    self.metrics.queue_wait(time.perf_counter() - submitted)
+                self._apply(req, sink)
                 try:
                     item = self._queue.get_nowait()
                 except queue.Empty:
                     item = None
             try:
+                self.step_rows, started = 0, time.perf_counter()
                 busy = self.step()
+                if self.step_rows:
+                    self.metrics.step(self.step_rows, time.perf_counter() - started)
             except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, not the engine
                 traceback.print_exc()
                 self.fail_all(engine_error(exc))

@@ -23,16 +23,19 @@ from engine.loader import load_checkpoint
 from engine.loader.checkpoint import THINKER_COMPONENTS
 from engine.stage0 import Fence, Stage0Config, Stage0Engine, TokenEvent, UnitDone
 from engine.stage0.frontend import AudioFrontEndAdapter
+from engine.stage0.script import ScriptPlan
+from engine.stage0.session import Phase
 
 from ..codec import RequestError, StageOutput, StageRequest
-from ..settings import StageSettings
+from ..settings import ConfigError, StageSettings
 from .base import EngineBridge, configure_torch, control_event, engine_options, session_key, torch_dtype
 from .options import sampling_params, stage0_open_args, unit_temperature
 
 MS_PER_S = 1000.0
 WINDOW_LOW_FRACTION = 0.75  # eviction drops old units down to this share of the KV window (§7.4)
 
-OPTIONS = ("compile_mode", "cuda_graphs")  # deploy profile `engine_options.stage0` keys
+OPTIONS = ("compile_mode", "cuda_graphs", "scripted_decisions")  # deploy profile `engine_options.stage0` keys
+PLAN_KEYS = ("listen_units", "speak_units", "text_ids_per_unit", "tail_listen_units")  # ScriptPlan's fields
 
 
 @dataclass
@@ -63,7 +66,7 @@ class Stage0Bridge(EngineBridge):
         cfg = Stage0Config(max_sessions=settings.max_sessions, window_high=settings.kv_window,
                            window_low=max(1, int(settings.kv_window * WINDOW_LOW_FRACTION)),
                            use_cuda_graphs=settings.device.startswith("cuda") and opts.get("cuda_graphs", True),
-                           compile_mode=opts.get("compile_mode"))
+                           compile_mode=opts.get("compile_mode"), **scripted_decisions(opts.get("scripted_decisions")))
         self.hidden_dim = ck.config.llm.hidden_size
         self.engine = Stage0Engine(model.llm, ck.tokenizer, frontend, self._on_event, cfg)
         self.terminators = self.engine.ids.terminators
@@ -108,6 +111,10 @@ class Stage0Bridge(EngineBridge):
         state.units[index] = _Unit(sink, forced)
 
     def step(self) -> bool:
+        # a row is one session's forward in this step (prefix, unit prefill, token or close): every session
+        # with work (Stage0Engine.step serves them all)
+        self.step_rows = sum(1 for s in self.engine.sessions.values()
+                             if s.phase is not Phase.IDLE or s.queue or s.pending_prompt is not None)
         return self.engine.step()
 
     def forget(self, corrid: int) -> None:
@@ -184,6 +191,23 @@ class Stage0Bridge(EngineBridge):
                                     "token_times_ms": _token_times_ms(m.ttft_s, m.itl_s),
                                     "queue_ms": m.queue_s * MS_PER_S}}}))
         unit.sink.close()
+
+
+def scripted_decisions(value: Any) -> dict[str, Any]:
+    """`engine_options.stage0.scripted_decisions` -> Stage0Config arguments ({} when absent).
+
+    A benchmark plan for random weights (engine/stage0/script.py): every kernel runs, only the sampled ids
+    follow the plan. The deploy profile is the benchmark entry point that sets `benchmark_mode`."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or set(value) - set(PLAN_KEYS):
+        raise ConfigError(f"engine option scripted_decisions must be a mapping of {PLAN_KEYS}, got {value!r}")
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value.values()):
+        raise ConfigError(f"engine option scripted_decisions: values must be integers >= 0, got {value!r}")
+    plan = ScriptPlan(**value)
+    if plan.speak_units < 1:
+        raise ConfigError("engine option scripted_decisions: speak_units must be >= 1")
+    return {"scripted_decisions": True, "benchmark_mode": True, "script_plan": plan}
 
 
 def _token_times_ms(ttft_s: float, itl_s: tuple[float, ...]) -> list[float]:

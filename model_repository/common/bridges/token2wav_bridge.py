@@ -23,7 +23,7 @@ from .base import (
     session_key,
     torch_dtype,
 )
-from .options import seed_of, voice_of
+from .options import check_config, seed_of, voice_of
 
 DEFAULT_VOICE = "default"
 
@@ -57,6 +57,8 @@ class Token2WavBridge(EngineBridge):
     def handle(self, req: StageRequest, sink: Any) -> None:
         sid, fence = session_key(req.corrid), Fence(req.fence[0], req.fence[1])
         cfg = req.config or {}
+        if req.op in ("open", "update"):
+            check_config(cfg)
         if req.op == "open":
             self.engine.open(sid, fence, voice_of(cfg, self.voices, self.default_voice), seed_of(cfg))
             self.pending[sid] = []
@@ -78,6 +80,9 @@ class Token2WavBridge(EngineBridge):
         sink.close()
 
     def step(self) -> bool:
+        # a row is one session's flow + vocoder call (queued silence is no row)
+        self.step_rows = min(self.engine.cfg.max_batch, sum(
+            1 for s in self.engine.sessions.values() if any(item.call is not None for item in s.queue)))
         chunks = self.engine.step()
         for chunk in chunks:
             waiting = self.pending.get(chunk.session_id, [])

@@ -19,7 +19,7 @@ from engine.stage1.types import Fence, TTSUnitRequest
 from ..codec import RequestError, StageOutput, StageRequest
 from ..settings import StageSettings
 from .base import EngineBridge, configure_torch, control_event, engine_options, session_key, torch_dtype
-from .options import seed_of
+from .options import check_config, check_talker, seed_of
 
 OPTIONS = ("compile_step", "cuda_graphs")  # deploy profile `engine_options.tts` keys
 
@@ -41,8 +41,11 @@ class TTSBridge(EngineBridge):
     def handle(self, req: StageRequest, sink: Any) -> None:
         sid, fence = session_key(req.corrid), Fence(req.fence[0], req.fence[1])
         if req.op == "open":
+            self._check(req.config or {})
             self.engine.open(sid, fence, seed_of(req.config or {}))
             self.pending[sid] = []
+        elif req.op == "update":
+            self._check(req.config or {})
         elif req.op == "append":
             unit = self._unit(sid, fence, req)
             self.engine.submit(unit)
@@ -58,6 +61,13 @@ class TTSBridge(EngineBridge):
         sink.emit(control_event(req, "tts"))
         sink.close()
 
+    def _check(self, cfg: dict[str, Any]) -> None:
+        """The session's runtime options: the talker's must be this engine's (`options.check_talker`)."""
+        check_config(cfg)
+        ecfg = self.engine.cfg
+        check_talker(cfg, temperature=ecfg.temperature, repetition_penalty=ecfg.repetition_penalty,
+                     codes_per_unit=ecfg.max_new_tokens - 1)  # the last sample is never returned (§5.3)
+
     def _unit(self, sid: str, fence: Fence, req: StageRequest) -> TTSUnitRequest:
         cfg = req.config or {}
         ids = req.tokens if req.tokens is not None else np.zeros(0, np.int64)
@@ -72,6 +82,7 @@ class TTSBridge(EngineBridge):
                               bool(cfg.get("turn_start", False)))
 
     def step(self) -> bool:
+        self.step_rows = min(self.engine.cfg.max_batch, sum(1 for s in self.engine.sessions.values() if s.queue))
         results = self.engine.step()
         for res in results:
             waiting = self.pending.get(res.session_id, [])

@@ -1,0 +1,136 @@
+"""Figures of one sweep step (N sessions) from the users' raw receipt stamps (protocol.md §10.2 definitions).
+
+- `commit_to_first_audio_ms`: receipt of a server-VAD `input_audio_buffer.committed` (the gateway decides the
+  commit, so its receipt is the client's first sight of it) -> first audio delta of the first response created
+  after it; absent when no response with audio followed before the next commit.
+- `response_created_to_first_audio_ms`: per response.
+- `cancel_to_last_audio_ms`: send time of our `response.cancel` -> receipt of the cancelled response's last
+  audio delta (0 if none arrived after the cancel).
+- `transcript_delay_ms`: per model unit, first transcript delta receipt - first audio delta receipt (negative
+  = the text arrived ahead of the audio).
+- chunk gaps: receive-time intervals between consecutive audio deltas of a response; player: the §10.2
+  gapless 1x player, an underrun is a gap > `UNDERRUN_EPS_MS`.
+- real-time factor of a response: its audio duration / (last delta end - first delta receipt) on a 1x player.
+
+A session holds real time (targets.md P8) when it stayed up, received audio, no chunk gap exceeded 1.2 s and
+its returned audio kept pace (real-time factor >= `MIN_RTF`). A run holds when every session did.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from bench.loadgen.user import ResponseLog, UserLog
+from clients.stats import percentile
+
+MAX_CHUNK_GAP_MS = 1200.0  # targets.md P8
+MIN_RTF = 0.95  # audio keeps pace: at most 5 % of the playing time spent waiting for the next chunk
+UNDERRUN_EPS_MS = 10.0  # a player gap shorter than this is scheduling noise, not an audible underrun
+MS = 1000.0
+
+
+def pcts(values: Sequence[float], *qs: int) -> dict[str, float | int | None]:
+    out: dict[str, float | int | None] = {f"p{q}": (round(percentile(values, q), 1) if values else None) for q in qs}
+    out["count"] = len(values)
+    return out
+
+
+@dataclass
+class Player:
+    underruns: int = 0
+    underrun_ms: float = 0.0
+    max_gap_ms: float = 0.0
+    audio_ms: float = 0.0
+    span_ms: float = 0.0  # first receipt -> end of the last chunk on the player
+
+
+def play(resp: ResponseLog) -> Player:
+    p, end = Player(), None
+    for i, (t, dur) in enumerate(zip(resp.audio_t, resp.audio_ms, strict=True)):
+        t_ms = t * MS
+        if i:
+            p.max_gap_ms = max(p.max_gap_ms, (t - resp.audio_t[i - 1]) * MS)
+        if end is not None and t_ms - end > UNDERRUN_EPS_MS:
+            p.underruns += 1
+            p.underrun_ms += t_ms - end
+        end = t_ms + dur if end is None else max(t_ms, end) + dur
+        p.audio_ms += dur
+    if resp.audio_t:
+        p.span_ms = end - resp.audio_t[0] * MS
+    return p
+
+
+def commit_latencies(log: UserLog) -> list[float]:
+    out = []
+    commits = sorted(log.commits)
+    responses = sorted(log.responses.values(), key=lambda r: r.created_t)
+    for i, c in enumerate(commits):
+        until = commits[i + 1] if i + 1 < len(commits) else float("inf")
+        nxt = next((r for r in responses if c < r.created_t < until), None)
+        if nxt is not None and nxt.audio_t:
+            out.append((nxt.audio_t[0] - c) * MS)
+    return out
+
+
+def cancel_latency(resp: ResponseLog) -> float | None:
+    if resp.cancel_t is None:
+        return None
+    after = [t for t in resp.audio_t if t >= resp.cancel_t]
+    return (after[-1] - resp.cancel_t) * MS if after else 0.0
+
+
+def session_figures(log: UserLog) -> dict[str, Any]:
+    players = [play(r) for r in log.responses.values()]
+    audio_ms = sum(p.audio_ms for p in players)
+    span_ms = sum(p.span_ms for p in players)
+    rtf = audio_ms / span_ms if span_ms > 0 else None
+    max_gap = max((p.max_gap_ms for p in players), default=0.0)
+    reason = None
+    if log.failure is not None:
+        reason = log.failure
+    elif audio_ms == 0:
+        reason = "no audio received"
+    elif max_gap > MAX_CHUNK_GAP_MS:
+        reason = f"chunk gap {max_gap:.0f} ms > {MAX_CHUNK_GAP_MS:.0f} ms"
+    elif rtf is not None and rtf < MIN_RTF:
+        reason = f"real-time factor {rtf:.3f} < {MIN_RTF}"
+    return {"index": log.index, "session_id": log.session_id, "held_realtime": reason is None, "not_held": reason,
+            "responses": len(log.responses), "audio_s": round(audio_ms / MS, 3),
+            "realtime_factor": None if rtf is None else round(rtf, 4), "max_chunk_gap_ms": round(max_gap, 1),
+            "underruns": sum(p.underruns for p in players),
+            "underrun_ms": round(sum(p.underrun_ms for p in players), 1),
+            "commits": len(log.commits), "cancels_sent": log.cancels_sent, "cancel_races": log.cancel_races,
+            "max_send_lag_ms": round(log.max_send_lag_ms, 1), "errors": dict(log.errors)}
+
+
+def run_figures(sessions: int, logs: list[UserLog], scripted: bool | None) -> dict[str, Any]:
+    per = [session_figures(log) for log in logs]
+    responses = [r for log in logs for r in log.responses.values()]
+    commit_ms = [x for log in logs for x in commit_latencies(log)]
+    created_ms = [(r.audio_t[0] - r.created_t) * MS for r in responses if r.audio_t]
+    cancel_ms = [x for r in responses if (x := cancel_latency(r)) is not None]
+    text_ms = [(r.unit_text_t[u] - t) * MS for r in responses for u, t in r.unit_audio_t.items() if u in r.unit_text_t]
+    rtfs = [p["realtime_factor"] for p in per if p["realtime_factor"] is not None]
+    errors: Counter[str] = Counter()
+    for log in logs:
+        errors.update(log.errors)
+    return {
+        "sessions": sessions, "scripted": scripted, "held_realtime": bool(per) and all(p["held_realtime"] for p in per),
+        "not_held": sorted({p["not_held"] for p in per if p["not_held"]})[:5],
+        "commit_to_first_audio_ms": pcts(commit_ms, 50, 99),
+        "response_created_to_first_audio_ms": pcts(created_ms, 50, 99),
+        "cancel_to_last_audio_ms": pcts(cancel_ms, 50, 99),
+        "transcript_delay_ms": pcts(text_ms, 50, 99),
+        "max_chunk_gap_ms": round(max((p["max_chunk_gap_ms"] for p in per), default=0.0), 1),
+        "underruns": sum(p["underruns"] for p in per),
+        "underrun_ms": round(sum(p["underrun_ms"] for p in per), 1),
+        "realtime_factor": {"min": min(rtfs, default=None), "p50": pcts(rtfs, 50)["p50"]},
+        "responses": len(responses), "audio_s": round(sum(p["audio_s"] for p in per), 3),
+        "cancels_sent": sum(log.cancels_sent for log in logs),
+        "max_send_lag_ms": round(max((log.max_send_lag_ms for log in logs), default=0.0), 1),
+        "errors": dict(errors),
+        "per_session": per,
+    }

@@ -1,0 +1,260 @@
+"""One simulated user over `/v1/realtime`: speech in at exactly 1x real time, the assistant's audio into a 1x player.
+
+The user streams continuously (protocol.md §8.6 U-2) in 200 ms appends scheduled on an absolute clock, so a
+slow event loop shows up as send lag instead of silently slowing the input. It speaks one sentence, then
+sends silence; it speaks again once it has been silent for `MIN_SILENCE_S` and the assistant is quiet (no
+active response, the simulated player drained), or after `MAX_SILENCE_S` at the latest. Server VAD
+(`turn_detection: server_vad`) decides the commits. With `cancel_every_s` it sends `response.cancel` at that
+period, each time while a response's audio is streaming (barge-in). Every receipt is stamped on the client's
+monotonic clock; `UserLog` keeps the raw stamps and `report.py` derives the figures.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import websockets
+from websockets.exceptions import ConnectionClosed, InvalidHandshake
+
+from clients.connection import ws_url
+
+INPUT_RATE = 16_000
+OUTPUT_RATE = 24_000
+APPEND_S = 0.2
+APPEND_SAMPLES = int(INPUT_RATE * APPEND_S)
+MIN_SILENCE_S = 1.5
+MAX_SILENCE_S = 8.0
+OPEN_TIMEOUT_S = 30.0
+CLOSE_TIMEOUT_S = 10.0
+CANCEL_POLL_S = 0.05
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # protocol.md §1.5
+CANCEL_ID = "lg-cancel-"  # event_id prefix of our cancels: a `response_not_active` for one is a race, not a fault
+SESSION_CONFIG: dict[str, Any] = {
+    "type": "realtime",
+    "output_modalities": ["audio"],
+    "audio": {"input": {"format": {"type": "audio/pcm", "rate": INPUT_RATE}, "turn_detection": {"type": "server_vad"}},
+              "output": {"format": {"type": "audio/pcm", "rate": OUTPUT_RATE}}},
+}
+
+
+@dataclass
+class ResponseLog:
+    response_id: str
+    created_t: float
+    audio_t: list[float] = field(default_factory=list)  # receipt of each audio delta
+    audio_ms: list[float] = field(default_factory=list)  # its decoded duration
+    unit_audio_t: dict[int, float] = field(default_factory=dict)  # model unit -> first audio delta receipt
+    unit_text_t: dict[int, float] = field(default_factory=dict)  # model unit -> first transcript delta receipt
+    cancel_t: float | None = None  # send time of our response.cancel
+    done_t: float | None = None
+    status: str | None = None
+
+
+@dataclass
+class UserLog:
+    index: int
+    session_id: str | None = None
+    opened_t: float | None = None
+    commits: list[float] = field(default_factory=list)  # receipt of committed items that may get a response
+    responses: dict[str, ResponseLog] = field(default_factory=dict)
+    errors: Counter[str] = field(default_factory=Counter)
+    cancels_sent: int = 0
+    cancel_races: int = 0  # our cancel met a response that had just ended
+    max_send_lag_ms: float = 0.0
+    failure: str | None = None  # why the session ended before the run did
+
+
+def audio_delta_ms(ev: dict[str, Any]) -> float:
+    """Decoded duration of a PCM16 delta without decoding it (base64: 3 bytes per 4 characters)."""
+    b64 = ev.get("delta") or ""
+    n_bytes = len(b64) * 3 // 4 - b64[-2:].count("=")
+    return n_bytes / 2 / int(ev.get("sample_rate_hz") or OUTPUT_RATE) * 1000.0
+
+
+def _error_code(ev: dict[str, Any]) -> tuple[str, str | None]:
+    err = ev.get("error")
+    if isinstance(err, dict):
+        return str(err.get("code")), err.get("event_id")
+    return str(ev.get("code")), ev.get("client_event_id")
+
+
+class User:
+    def __init__(self, index: int, url: str, speech: list[np.ndarray], duration_s: float, *,
+                 cancel_every_s: float | None = None, api_key: str | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.url, self.speech, self.duration_s = url, speech, duration_s
+        self.cancel_every_s, self.api_key, self.clock = cancel_every_s, api_key, clock
+        self.log = UserLog(index)
+        self._ws: websockets.ClientConnection | None = None
+        self._active: str | None = None  # the non-terminal response
+        self._player_end = 0.0  # when the simulated 1x player runs dry (client clock)
+
+    # -- lifecycle ----------------------------------------------------------------------------------
+    async def run(self) -> UserLog:
+        try:
+            await self._open()
+        except (OSError, TimeoutError, InvalidHandshake, ConnectionClosed) as exc:
+            self.log.failure = f"open failed: {type(exc).__name__}: {exc}"
+            self.log.errors["connect_failed"] += 1
+            return self.log
+        if self.log.failure is not None:
+            return self.log
+        receiver = asyncio.create_task(self._receive())
+        cancels = asyncio.create_task(self._cancel_loop()) if self.cancel_every_s else None
+        try:
+            await self._send_audio(receiver)
+        except ConnectionClosed:
+            pass  # the receiver records why
+        finally:
+            if cancels is not None:
+                cancels.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await cancels
+        await self._close(receiver)
+        return self.log
+
+    async def _open(self) -> None:
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
+        self._ws = await websockets.connect(ws_url(self.url, "/v1/realtime", autostart="0"),
+                                            max_size=MAX_MESSAGE_BYTES, open_timeout=OPEN_TIMEOUT_S,
+                                            additional_headers=headers)
+        await self._ws.send(json.dumps({"type": "session.update", "session": SESSION_CONFIG}))
+        first = json.loads(await asyncio.wait_for(self._ws.recv(), OPEN_TIMEOUT_S))
+        if first.get("type") != "session.created":
+            code, _ = _error_code(first)
+            self.log.errors[code] += 1
+            self.log.failure = f"open refused: {code}"
+            await self._ws.close()
+            return
+        self.log.session_id = (first.get("session") or {}).get("id")
+        self.log.opened_t = self.clock()
+
+    async def _close(self, receiver: asyncio.Task[None]) -> None:
+        assert self._ws is not None
+        with contextlib.suppress(ConnectionClosed):
+            await self._ws.send(json.dumps({"type": "session.close"}))
+        try:
+            await asyncio.wait_for(asyncio.shield(receiver), CLOSE_TIMEOUT_S)
+        except TimeoutError:
+            self.log.errors["close_timeout"] += 1
+            receiver.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await receiver
+        with contextlib.suppress(ConnectionClosed):
+            await self._ws.close()
+
+    # -- input ---------------------------------------------------------------------------------------
+    async def _send_audio(self, receiver: asyncio.Task[None]) -> None:
+        assert self._ws is not None
+        t0 = self.clock()
+        for k, chunk in enumerate(self._chunks()):
+            target = t0 + k * APPEND_S
+            if target - t0 >= self.duration_s or receiver.done():
+                return
+            delay = target - self.clock()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            self.log.max_send_lag_ms = max(self.log.max_send_lag_ms, (self.clock() - target) * 1000.0)
+            await self._ws.send(json.dumps({"type": "input_audio_buffer.append",
+                                            "audio": base64.b64encode(chunk.astype("<i2").tobytes()).decode()}))
+
+    def _chunks(self) -> Iterator[np.ndarray]:
+        """200 ms chunks forever: a sentence, then silence until the assistant is quiet (or MAX_SILENCE_S)."""
+        silence = np.zeros(APPEND_SAMPLES, np.int16)
+        turn = self.log.index
+        while True:
+            pcm = self.speech[turn % len(self.speech)]
+            for start in range(0, len(pcm), APPEND_SAMPLES):
+                piece = pcm[start:start + APPEND_SAMPLES]
+                yield np.pad(piece, (0, APPEND_SAMPLES - len(piece)))
+            turn += 1
+            quiet_s = 0.0
+            while quiet_s < MIN_SILENCE_S or (quiet_s < MAX_SILENCE_S and not self._assistant_quiet()):
+                yield silence
+                quiet_s += APPEND_S
+
+    def _assistant_quiet(self) -> bool:
+        return self._active is None and self.clock() >= self._player_end
+
+    # -- barge-in ------------------------------------------------------------------------------------
+    async def _cancel_loop(self) -> None:
+        assert self._ws is not None and self.cancel_every_s
+        due = self.clock() + self.cancel_every_s
+        while True:
+            await asyncio.sleep(CANCEL_POLL_S)
+            resp = self.log.responses.get(self._active) if self._active else None
+            if self.clock() < due or resp is None or not resp.audio_t or resp.cancel_t is not None:
+                continue
+            resp.cancel_t = self.clock()
+            self.log.cancels_sent += 1
+            await self._ws.send(json.dumps({"type": "response.cancel", "response_id": resp.response_id,
+                                            "event_id": f"{CANCEL_ID}{self.log.cancels_sent}"}))
+            due = self.clock() + self.cancel_every_s
+
+    # -- output --------------------------------------------------------------------------------------
+    async def _receive(self) -> None:
+        assert self._ws is not None
+        try:
+            async for raw in self._ws:
+                t = self.clock()
+                ev = json.loads(raw)
+                if self._on_event(ev, t):
+                    return
+        except ConnectionClosed as exc:
+            self.log.failure = f"socket closed without session.closed: {exc}"
+            self.log.errors["socket_closed"] += 1
+            return
+        self.log.failure = "socket closed without session.closed"
+        self.log.errors["socket_closed"] += 1
+
+    def _on_event(self, ev: dict[str, Any], t: float) -> bool:
+        """Record one server event; True at the session's terminal event."""
+        kind = ev.get("type")
+        resp = self.log.responses.get(ev.get("response_id") or "")
+        if kind == "response.output_audio.delta" and resp is not None:
+            dur = audio_delta_ms(ev)
+            resp.audio_t.append(t)
+            resp.audio_ms.append(dur)
+            resp.unit_audio_t.setdefault(_unit(ev), t)
+            self._player_end = max(self._player_end, t) + dur / 1000.0
+        elif kind == "response.output_audio_transcript.delta" and resp is not None:
+            resp.unit_text_t.setdefault(_unit(ev), t)
+        elif kind == "response.created":
+            rid = ev["response"]["id"]
+            self.log.responses[rid] = ResponseLog(rid, t)
+            self._active = rid
+        elif kind == "response.done":
+            rid = ev["response"]["id"]
+            if rid in self.log.responses:
+                self.log.responses[rid].done_t, self.log.responses[rid].status = t, ev["response"].get("status")
+            if self._active == rid:
+                self._active = None
+        elif kind == "input_audio_buffer.committed":
+            if not (ev.get("metadata") or {}).get("no_response"):
+                self.log.commits.append(t)
+        elif kind == "output_audio_buffer.cleared":
+            self._player_end = t  # the client stops playback at once (§8.4 B5)
+        elif kind == "error":
+            self._on_error(ev)
+        return kind in ("session.closed", "session.expired")
+
+    def _on_error(self, ev: dict[str, Any]) -> None:
+        code, event_id = _error_code(ev)
+        if code == "response_not_active" and str(event_id or "").startswith(CANCEL_ID):
+            self.log.cancel_races += 1
+        else:
+            self.log.errors[code] += 1
+
+
+def _unit(ev: dict[str, Any]) -> int:
+    unit = (ev.get("metadata") or {}).get("model_unit_index")
+    return -1 if unit is None else int(unit)

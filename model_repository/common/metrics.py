@@ -1,0 +1,119 @@
+"""Stage metrics on Triton's Prometheus endpoint: rows per engine step, step time, queue wait (issue 13).
+
+Three histograms, labelled by `stage` (stage0 | tts | token2wav), through the Python backend's custom
+metrics API (`pb_utils.MetricFamily`, histograms present in Triton 2.51):
+  duplex_stage_rows_per_step        rows one engine step served (batch occupancy; a row is one session's
+                                    unit, token or chunk in that step)
+  duplex_stage_step_seconds         wall time of one engine step that had work
+  duplex_stage_queue_wait_seconds   a request's wait from `submit` (adapter thread) until the engine
+                                    thread took it (it waits while a step runs)
+`_sum / _count` of a histogram is its mean; the load generator diffs them around a run.
+
+Every `observe` is an IPC round trip to the Triton process, so the engine thread never makes one: it
+appends to a buffer, and a flusher thread hands the buffer to Triton every `FLUSH_S`. Outside Triton
+(`pb_utils` absent: unit tests of the bridges) the same object keeps only the in-memory totals.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+FLUSH_S = 0.5
+ROW_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128]
+SECONDS_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0]
+FAMILIES = {  # key -> (name, description, buckets)
+    "rows": ("duplex_stage_rows_per_step", "Rows one engine step served (batch occupancy)", ROW_BUCKETS),
+    "step": ("duplex_stage_step_seconds", "Wall time of one engine step that had work", SECONDS_BUCKETS),
+    "wait": ("duplex_stage_queue_wait_seconds", "Request submit -> taken by the engine thread", SECONDS_BUCKETS),
+}
+
+
+@dataclass
+class Totals:
+    """In-memory running totals per family (count, sum), kept with or without Triton."""
+    count: int = 0
+    total: float = 0.0
+
+    @property
+    def mean(self) -> float | None:
+        return self.total / self.count if self.count else None
+
+
+class _TritonHistograms:
+    """key -> pb_utils histogram labelled with the stage. NOTE: a Metric fails once its MetricFamily is
+    collected, so the families stay referenced here for the life of the stage."""
+
+    def __init__(self, pb_utils: Any, stage: str) -> None:
+        self.families, self.metrics = {}, {}
+        for key, (name, description, buckets) in FAMILIES.items():
+            self.families[key] = pb_utils.MetricFamily(name=name, description=description,
+                                                       kind=pb_utils.MetricFamily.HISTOGRAM)
+            self.metrics[key] = self.families[key].Metric(labels={"stage": stage}, buckets=buckets)
+
+    def __getitem__(self, key: str) -> Any:
+        return self.metrics[key]
+
+
+def _triton_histograms(stage: str) -> _TritonHistograms | None:
+    """None outside a Triton stub (no `triton_python_backend_utils`)."""
+    try:
+        import triton_python_backend_utils as pb_utils
+    except ImportError:
+        return None
+    return _TritonHistograms(pb_utils, stage)
+
+
+class StageMetrics:
+    def __init__(self, stage: str, histograms: Callable[[str], Any] = _triton_histograms,
+                 flush_s: float = FLUSH_S) -> None:
+        self.stage = stage
+        self.totals = {key: Totals() for key in FAMILIES}
+        self._sink = histograms(stage)
+        self._pending: list[tuple[str, float]] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._flush_s = flush_s
+        self._thread = threading.Thread(target=self._run, name=f"{stage}-metrics", daemon=True) \
+            if self._sink is not None else None
+
+    # ---- engine thread ------------------------------------------------------------------------------
+    def step(self, rows: int, seconds: float) -> None:
+        self._add("rows", float(rows))
+        self._add("step", seconds)
+
+    def queue_wait(self, seconds: float) -> None:
+        self._add("wait", seconds)
+
+    def _add(self, key: str, value: float) -> None:
+        with self._lock:
+            totals = self.totals[key]
+            totals.count += 1
+            totals.total += value
+            if self._sink is not None:
+                self._pending.append((key, value))
+
+    # ---- flusher thread -----------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is not None:
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread.is_alive():
+            self._thread.join()
+        self.flush()
+
+    def flush(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, []
+        if self._sink is None:
+            return
+        for key, value in pending:
+            self._sink[key].observe(value)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._flush_s):
+            self.flush()
