@@ -30,14 +30,25 @@ def web_root(settings: GatewaySettings) -> Path | None:
     return root if root.is_dir() else None
 
 
+def triton_runtime(settings: GatewaySettings) -> Runtime:
+    """The served runtime: the gateway chaining the stages, or the one-stream `duplex` pipeline (settings)."""
+    # tritonclient is imported only when serving
+    if settings.triton_mode == "stages":
+        from gateway.runtime.stages import StagedTritonRuntime  # noqa: PLC0415
+
+        return StagedTritonRuntime(settings.triton_url, settings.triton_ready_models,
+                                   batch_dim=settings.triton_batch_dim)
+    from gateway.runtime.triton import TritonRuntime  # noqa: PLC0415
+
+    return TritonRuntime(settings.triton_url, settings.triton_model, settings.triton_ready_models,
+                         batch_dim=settings.triton_batch_dim)
+
+
 def create_app(settings: GatewaySettings | None = None, *, runtime: Runtime | None = None) -> FastAPI:
     """`runtime` is injectable for tests; by default the Triton runtime is built from the settings."""
     settings = settings if settings is not None else GatewaySettings.from_env()
     if runtime is None:
-        from gateway.runtime.triton import TritonRuntime  # noqa: PLC0415 - tritonclient only when serving
-
-        runtime = TritonRuntime(settings.triton_url, settings.triton_model, settings.triton_ready_models,
-                                batch_dim=settings.triton_batch_dim)
+        runtime = triton_runtime(settings)
     state = GatewayState(settings, runtime)
 
     async def on_expire(session_id: str, reason: ExpiryReason) -> None:

@@ -18,6 +18,9 @@ class GatewaySettings(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     triton_url: str = "localhost:8001"
+    # "stages": the gateway chains stage0 -> tts -> token2wav on one stream per session (the served path,
+    # gateway/runtime/stages.py); "pipeline": one request per unit to the `triton_model` BLS model.
+    triton_mode: Literal["stages", "pipeline"] = "stages"
     triton_model: str = "duplex"
     triton_batch_dim: bool = True  # the pipeline has max_batch_size >= 1 (sequence batching): tensors get [1, ...]
     triton_ready_models: tuple[str, ...] = ("duplex",)

@@ -25,6 +25,7 @@ from gateway.runtime.base import (
 )
 
 OUTPUTS = ("EVENT", "AUDIO")
+STAGE_OUTPUTS = ("EVENT", "AUDIO", "TOKENS", "HIDDEN")  # a stage's payload events carry TOKENS / HIDDEN
 CONTROL_EVENTS = frozenset({"opened", "updated", "cancelled", "closed"})
 
 
@@ -41,8 +42,9 @@ def _fence(f: Fence) -> np.ndarray:
 
 def build_request(model: str, correlation_id: int, request_id: str, op: str, fence: Fence, *, batch_dim: bool,
                   next_fence: Fence | None = None, unit: UnitSubmission | None = None,
-                  config: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """One `stream_infer` request dict for a fenced operation."""
+                  config: Mapping[str, Any] | None = None, tokens: np.ndarray | None = None,
+                  hidden: np.ndarray | None = None, outputs: tuple[str, ...] = OUTPUTS) -> dict[str, Any]:
+    """One `stream_infer` request dict for a fenced operation (`tokens` / `hidden`: a stage's payload)."""
     inputs = [_tensor("OP", np.array([op.encode()], dtype=np.object_), "BYTES", batch_dim),
               _tensor("FENCE", _fence(fence), "INT64", batch_dim)]
     if next_fence is not None:
@@ -54,10 +56,14 @@ def build_request(model: str, correlation_id: int, request_id: str, op: str, fen
         inputs.append(_tensor("FORCE_LISTEN", np.array([unit.force_listen], dtype=bool), "BOOL", batch_dim))
         if unit.temperature is not None and config is None:
             config = unit_config(unit)
+    if tokens is not None:
+        inputs.append(_tensor("TOKENS", np.asarray(tokens, dtype=np.int64).reshape(-1), "INT64", batch_dim))
+    if hidden is not None:
+        inputs.append(_tensor("HIDDEN", np.asarray(hidden, dtype=np.float32).reshape(-1), "FP32", batch_dim))
     if config is not None:
         inputs.append(_tensor("CONFIG", np.array([json.dumps(config).encode()], dtype=np.object_), "BYTES",
                               batch_dim))
-    return {"model_name": model, "inputs": inputs, "outputs": [InferRequestedOutput(n) for n in OUTPUTS],
+    return {"model_name": model, "inputs": inputs, "outputs": [InferRequestedOutput(n) for n in outputs],
             "request_id": request_id, "sequence_id": correlation_id, "sequence_start": op == "open",
             "sequence_end": op == "close",
             # Decoupled model: ask for the flagged empty final response that acknowledges each request.

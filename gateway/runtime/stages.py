@@ -1,0 +1,387 @@
+"""`StagedTritonRuntime`: the `Runtime` protocol with the gateway chaining the stage models itself.
+
+One gRPC stream per session carries requests to all three stage models (a Triton streaming RPC is not
+tied to one model; each model's sequence batcher keys the session by the same CORRELATION_ID). Stage0
+streams its decisions and text as it generates them; its `tts_input` starts a `tts` request at once and
+each `audio_tokens` a `token2wav` request, so TTS and Token2Wav of unit N run while stage0 works on unit
+N+1 of the same session, and every stage engine batches across all sessions with work. An append is
+acknowledged when stage0 has finished its unit (A-1: the next append waits for that, not for the audio).
+A cancel goes to the three stages at once. Why this and not the `duplex` BLS model: docs/triton.md.
+
+Per session the units leave in order (`UnitOrder`): unit N's events are held until unit N-1's `UnitDone`
+has gone out, and a unit's `UnitDone` follows its audio, which is what the session's projection expects
+(one response per model turn, output released per unit).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import itertools
+import json
+import time
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from gateway.runtime.base import (
+    Fence,
+    Readiness,
+    RuntimeEvent,
+    RuntimeFailure,
+    SessionKey,
+    StreamError,
+    UnitDone,
+    UnitSubmission,
+)
+from gateway.runtime.triton_wire import STAGE_OUTPUTS, build_request, parse_event
+
+STAGE0, TTS, TOKEN2WAV = "stage0", "tts", "token2wav"
+STAGES = (STAGE0, TTS, TOKEN2WAV)
+TURN_KEYS = ("is_turn_eos", "end_of_turn", "turn_start")  # the tts_input fields the tts stage needs
+MS_PER_S = 1000.0
+
+OnEvent = Callable[[dict[str, Any], Any], None]  # (event, result) for each response carrying an EVENT
+OnFinal = Callable[[RuntimeFailure | None], None]  # the request's end: None, or why it failed
+
+
+@dataclass
+class _Call:
+    on_event: OnEvent
+    on_final: OnFinal
+    failure: RuntimeFailure | None = None  # the first `error` EVENT of this request
+
+
+class _Stream:
+    """One session's gRPC stream: requests to any stage model, responses routed back by request id."""
+
+    def __init__(self, client: Any, key: SessionKey, batch_dim: bool, on_broken: Callable[[RuntimeFailure], None]
+                 ) -> None:
+        self.client, self.key, self.batch_dim, self._on_broken = client, key, batch_dim, on_broken
+        self.requests: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+        self.calls: dict[str, _Call] = {}
+        self._ids = itertools.count(1)
+        self.broken: RuntimeFailure | None = None
+        self.reader = asyncio.create_task(self._read(), name=f"triton-stages:{key.session_id}")
+
+    def send(self, model: str, op: str, fence: Fence, on_event: OnEvent, on_final: OnFinal, **kw: Any) -> None:
+        if self.broken is not None:
+            raise self.broken
+        rid = f"{model}:{op}-{next(self._ids)}"
+        self.calls[rid] = _Call(on_event, on_final)
+        self.requests.put_nowait(build_request(model, self.key.correlation_id, rid, op, fence,
+                                               batch_dim=self.batch_dim, outputs=STAGE_OUTPUTS, **kw))
+
+    async def call(self, model: str, op: str, fence: Fence, on_event: OnEvent | None = None, **kw: Any) -> None:
+        """Send and wait for the final response; an `error` EVENT raises it as a RuntimeFailure."""
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+        def final(failure: RuntimeFailure | None) -> None:
+            if not fut.done():
+                fut.set_exception(failure) if failure is not None else fut.set_result(None)
+
+        self.send(model, op, fence, on_event or _ignore, final, **kw)
+        await fut
+
+    async def _iter(self) -> AsyncIterator[dict[str, Any]]:
+        while (req := await self.requests.get()) is not None:
+            yield req
+
+    async def _read(self) -> None:
+        try:
+            async for result, error in self.client.stream_infer(self._iter()):
+                if error is not None:
+                    # tritonclient gives no request id with a stream error, so no single call can be failed; the
+                    # ones seen here mean the sequence is gone (idle expiry, server restart): end the session.
+                    self._break(triton_failure(str(error)))
+                    return
+                self._on_result(result)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the stream is gone: every waiter and the session learn it
+            self._break(RuntimeFailure("internal_error", f"stream broke: {exc}"))
+        finally:
+            self._break(RuntimeFailure("internal_error", "stream ended"))
+
+    def _on_result(self, result: Any) -> None:
+        resp = result.get_response()
+        call = self.calls.get(resp.id)
+        if call is None:
+            return
+        raw = result.as_numpy("EVENT")
+        if raw is not None and raw.size:
+            ev = json.loads(raw.reshape(-1)[0])
+            if ev.get("type") == "error":
+                call.failure = call.failure or RuntimeFailure(ev.get("code", "internal_error"), ev.get("message", ""))
+            else:
+                call.on_event(ev, result)
+        final = resp.parameters.get("triton_final_response")
+        if final is not None and final.bool_param:
+            del self.calls[resp.id]
+            call.on_final(call.failure)
+
+    def _break(self, failure: RuntimeFailure) -> None:
+        if self.broken is not None:
+            return
+        self.broken = failure
+        calls, self.calls = list(self.calls.values()), {}
+        for call in calls:
+            call.on_final(failure)
+        self._on_broken(failure)
+
+    async def aclose(self) -> None:
+        self.requests.put_nowait(None)
+        self.reader.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await self.reader
+
+
+def triton_failure(message: str) -> RuntimeFailure:
+    """A stream error from Triton itself (docs/triton.md "Errors") as a runtime failure."""
+    if "START flag" in message:
+        return RuntimeFailure("session_not_found", message)  # the sequence is unknown to Triton
+    return RuntimeFailure("internal_error", message)
+
+
+def _ignore(ev: dict[str, Any], result: Any) -> None:
+    return None
+
+
+def _array(result: Any, name: str, dtype: type) -> np.ndarray:
+    arr = result.as_numpy(name)
+    return np.zeros(0, dtype) if arr is None else np.asarray(arr, dtype=dtype).reshape(-1)
+
+
+@dataclass
+class _Unit:
+    """One appended unit on its way through the stages."""
+    index: int
+    epoch: int
+    started: float = field(default_factory=time.perf_counter)
+    held: list[RuntimeEvent] = field(default_factory=list)  # events waiting for the unit before to finish
+    done_event: UnitDone | None = None  # stage0's unit_done, sent after the unit's audio
+    stage0_open: bool = True  # stage0's request has not ended yet
+    speech_calls: int = 0  # tts / token2wav requests of this unit not ended yet
+    firsts: dict[str, float] = field(default_factory=dict)  # stage -> ms from the append to its first output
+
+    @property
+    def finished(self) -> bool:
+        return not self.stage0_open and self.speech_calls == 0
+
+
+class UnitOrder:
+    """A session's units in append order: only the head's events go out, the others are held (module doc)."""
+
+    def __init__(self, put: Callable[[RuntimeEvent], None]) -> None:
+        self._put = put
+        self._units: collections.deque[_Unit] = collections.deque()
+
+    def add(self, unit: _Unit) -> None:
+        self._units.append(unit)
+
+    def emit(self, unit: _Unit, ev: RuntimeEvent) -> None:
+        if self._units and self._units[0] is unit:
+            self._put(ev)
+        elif unit in self._units:
+            unit.held.append(ev)
+
+    def settle(self) -> None:
+        """Send what the finished head units owe (their UnitDone) and release the next unit's held events."""
+        while self._units and self._units[0].finished:
+            unit = self._units.popleft()
+            if unit.done_event is not None:
+                self._put(_with_firsts(unit.done_event, unit.firsts))
+            if self._units:
+                head = self._units[0]
+                for ev in head.held:
+                    self._put(ev)
+                head.held.clear()
+
+    def drop_before(self, epoch: int) -> None:
+        """A cancel: units of older epochs emit nothing more (the session rejects their epoch anyway)."""
+        self._units = collections.deque(u for u in self._units if u.epoch >= epoch)
+        if self._units:
+            head = self._units[0]
+            for ev in head.held:
+                self._put(ev)
+            head.held.clear()
+        self.settle()
+
+    def clear(self) -> None:
+        self._units.clear()
+
+
+def _with_firsts(ev: UnitDone, firsts: dict[str, float]) -> UnitDone:
+    if not firsts:
+        return ev
+    metrics = dict(ev.metrics)
+    for stage, ms in firsts.items():
+        metrics[stage] = {"first_output_ms": ms}
+    return UnitDone(ev.epoch, ev.unit, ev.is_listen, ev.end_of_turn, metrics, forced=ev.forced)
+
+
+class _Session:
+    def __init__(self, client: Any, key: SessionKey, batch_dim: bool) -> None:
+        self.events: asyncio.Queue[RuntimeEvent | None] = asyncio.Queue()
+        self.order = UnitOrder(self.events.put_nowait)
+        self.stream = _Stream(client, key, batch_dim, self._on_broken)
+        self.seq = {TTS: 0, TOKEN2WAV: 0}  # stage-internal append_seq (each stage checks its own order)
+
+    def stage_fence(self, base: Fence, stage: str) -> Fence:
+        self.seq[stage] += 1
+        return Fence(base.incarnation, base.epoch, self.seq[stage])
+
+    def _on_broken(self, failure: RuntimeFailure) -> None:
+        self.order.clear()
+        self.events.put_nowait(None)
+
+
+class StagedTritonRuntime:
+    def __init__(self, url: str, ready_models: tuple[str, ...] = STAGES, *, batch_dim: bool = True,
+                 client: Any = None) -> None:
+        self._url, self._ready_models, self._batch_dim = url, ready_models, batch_dim
+        self._client = client
+        self._sessions: dict[int, _Session] = {}
+
+    def _get_client(self) -> Any:
+        if self._client is None:
+            from tritonclient.grpc.aio import InferenceServerClient  # noqa: PLC0415 - created on the loop
+
+            self._client = InferenceServerClient(self._url)
+        return self._client
+
+    def _session(self, key: SessionKey) -> _Session:
+        s = self._sessions.get(key.correlation_id)
+        if s is None:
+            raise RuntimeFailure("session_not_found", "no open sequence for this session")
+        return s
+
+    async def _all_stages(self, s: _Session, op: str, fences: Mapping[str, Fence], **kw: Any) -> None:
+        """`op` on every stage at once; the first failure (stage0's first) is raised after all have ended."""
+        results = await asyncio.gather(*(s.stream.call(m, op, fences[m], **kw) for m in STAGES),
+                                       return_exceptions=True)
+        for res in results:
+            if isinstance(res, BaseException):
+                raise res
+
+    async def open(self, key: SessionKey, fence: Fence, config: Mapping[str, Any]) -> None:
+        s = _Session(self._get_client(), key, self._batch_dim)
+        self._sessions[key.correlation_id] = s
+        try:
+            await self._all_stages(s, "open", dict.fromkeys(STAGES, fence), config=config)
+        except BaseException:
+            self._sessions.pop(key.correlation_id, None)
+            await s.stream.aclose()
+            raise
+
+    async def append(self, key: SessionKey, fence: Fence, unit: UnitSubmission) -> None:
+        s = self._session(key)
+        flow = _Unit(unit.unit_index, fence.epoch)
+        s.order.add(flow)
+
+        def on_event(ev: dict[str, Any], result: Any) -> None:
+            kind = ev.get("type")
+            if kind == "tts_input":
+                self._speak(s, fence, flow, ev, result)
+                return
+            parsed = parse_event(json.dumps(ev), None, fence.epoch)
+            if isinstance(parsed, UnitDone):
+                flow.done_event = parsed
+            elif not isinstance(parsed, dict):
+                s.order.emit(flow, parsed)
+
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+        def on_final(failure: RuntimeFailure | None) -> None:
+            flow.stage0_open = False
+            s.order.settle()
+            if not fut.done():
+                fut.set_exception(failure) if failure is not None else fut.set_result(None)
+
+        s.stream.send(STAGE0, "append", fence, on_event, on_final, unit=unit)
+        await fut
+
+    def _speak(self, s: _Session, fence: Fence, flow: _Unit, ev: dict[str, Any], result: Any) -> None:
+        """stage0's `tts_input` -> tts; each of its `audio_tokens` -> token2wav; each `audio` -> the session."""
+        turn = {k: ev[k] for k in TURN_KEYS if k in ev}
+        hidden = _array(result, "HIDDEN", np.float32)
+
+        def on_codes(out: dict[str, Any], res: Any) -> None:
+            if out.get("type") != "audio_tokens" or out.get("dropped"):
+                return
+            flow.firsts.setdefault("talker", _ms_since(flow.started))
+            flow.speech_calls += 1
+            s.stream.send(TOKEN2WAV, "append", s.stage_fence(fence, TOKEN2WAV), on_audio, ended,
+                          tokens=_array(res, "TOKENS", np.int64),
+                          config={"unit": flow.index, "end_of_turn": bool(ev.get("end_of_turn", False))})
+
+        def on_audio(out: dict[str, Any], res: Any) -> None:
+            if out.get("type") != "audio":
+                return
+            flow.firsts.setdefault("code2wav", _ms_since(flow.started))
+            piece = parse_event(json.dumps(out), _array(res, "AUDIO", np.int16), fence.epoch)
+            if not isinstance(piece, dict):
+                s.order.emit(flow, piece)
+
+        def ended(failure: RuntimeFailure | None) -> None:
+            flow.speech_calls -= 1
+            if failure is not None and failure.code != "stale_fence":  # stale: a cancel overtook this unit
+                s.order.emit(flow, StreamError(fence.epoch, failure.code, failure.message))
+            s.order.settle()
+
+        flow.speech_calls += 1
+        s.stream.send(TTS, "append", s.stage_fence(fence, TTS), on_codes, ended,
+                      tokens=_array(result, "TOKENS", np.int64), hidden=hidden if hidden.size else None,
+                      config={"unit": flow.index, **turn})
+
+    async def cancel(self, key: SessionKey, fence: Fence, next_fence: Fence) -> None:
+        s = self._session(key)
+        s.order.drop_before(next_fence.epoch)
+        await self._all_stages(s, "cancel", dict.fromkeys(STAGES, fence), next_fence=next_fence)
+
+    async def update(self, key: SessionKey, fence: Fence, config: Mapping[str, Any]) -> None:
+        s = self._session(key)
+        await self._all_stages(s, "update", dict.fromkeys(STAGES, fence), config=config)
+
+    async def close(self, key: SessionKey, fence: Fence) -> None:
+        s = self._session(key)
+        try:
+            if s.stream.broken is None:  # a dead stream's sequences hold nothing: Triton's idle timeout ends them
+                await self._all_stages(s, "close", dict.fromkeys(STAGES, fence))
+        except RuntimeFailure as exc:
+            if exc.code != "session_not_found":  # already gone (a stage expired it): closed all the same
+                raise
+        finally:
+            self._sessions.pop(key.correlation_id, None)
+            s.order.clear()
+            await s.stream.aclose()
+
+    async def events(self, key: SessionKey) -> AsyncIterator[RuntimeEvent]:
+        s = self._session(key)
+        while (ev := await s.events.get()) is not None:
+            yield ev
+
+    async def readiness(self) -> Readiness:
+        c = self._get_client()
+        try:
+            live = await c.is_server_live()
+            ready = await c.is_server_ready()
+            models = {m: bool(await c.is_model_ready(m)) for m in self._ready_models}
+        except Exception as exc:  # noqa: BLE001 - unreachable Triton is "not ready", with the reason
+            return Readiness(False, False, {m: False for m in self._ready_models}, (f"triton: {exc}",))
+        reasons = tuple(f"model {m} not ready" for m, ok in models.items() if not ok)
+        return Readiness(live, ready, models, reasons)
+
+    async def aclose(self) -> None:
+        for s in list(self._sessions.values()):
+            await s.stream.aclose()
+        self._sessions.clear()
+        if self._client is not None:
+            await self._client.close()
+
+
+def _ms_since(t0: float) -> float:
+    return (time.perf_counter() - t0) * MS_PER_S

@@ -1,0 +1,253 @@
+"""`StagedTritonRuntime`: the gateway chaining stage0 -> tts -> token2wav, against a fake gRPC client.
+
+The fake answers like the three stage models; tts answers only when the test lets it, so the tests can
+hold a unit in TTS while stage0 works on the next one. The real models are exercised by
+tests/e2e/test_staged_serving.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import numpy as np
+import pytest
+
+from gateway.runtime.base import (
+    AudioPiece,
+    Decision,
+    Fence,
+    RuntimeFailure,
+    SessionKey,
+    StreamError,
+    TextPiece,
+    UnitDone,
+    UnitSubmission,
+)
+from gateway.runtime.stages import StagedTritonRuntime
+
+HIDDEN_DIM = 4
+KEY = SessionKey("s", 7)
+
+
+class _Param:
+    def __init__(self, b: bool) -> None:
+        self.bool_param = b
+
+
+class _Resp:
+    def __init__(self, rid: str, final: bool) -> None:
+        self.id = rid
+        self.parameters = {"triton_final_response": _Param(final)}
+
+
+class _Result:
+    def __init__(self, rid: str, event: dict | None, final: bool = False, **arrays: np.ndarray) -> None:
+        self._resp, self._event, self._arrays = _Resp(rid, final), event, arrays
+
+    def get_response(self) -> _Resp:
+        return self._resp
+
+    def as_numpy(self, name: str) -> np.ndarray | None:
+        if name == "EVENT":
+            return None if self._event is None else np.array([[json.dumps(self._event).encode()]], dtype=np.object_)
+        return self._arrays.get(name)
+
+
+class StageClient:
+    """Answers like the stage models: stage0 speaks every unit whose index is even, else listens."""
+
+    def __init__(self) -> None:
+        self.requests: list[dict[str, Any]] = []
+        self.tts_gate: asyncio.Event = asyncio.Event()
+        self.tts_gate.set()
+        self.log: list[str] = []  # "<model>:<op>:<unit> start|end", in the order the fake ran them
+        self.close_error: str | None = None
+        self.stage0_units = -1
+
+    async def stream_infer(self, it):  # noqa: ANN001, ANN201
+        out: asyncio.Queue[tuple[Any, Any] | None] = asyncio.Queue()
+
+        async def feed() -> None:
+            async for req in it:
+                self.requests.append(req)
+                asyncio.create_task(self._answer(req, out))
+            out.put_nowait(None)
+
+        feeder = asyncio.create_task(feed())
+        while (item := await out.get()) is not None:
+            yield item
+        await feeder
+
+    async def _answer(self, req: dict[str, Any], out: asyncio.Queue) -> None:  # noqa: C901
+        rid, model = req["request_id"], req["model_name"]
+        op = rid.split(":")[1].split("-")[0]
+        if op == "append" and model == "stage0":
+            unit = self.stage0_units = self.stage0_units + 1
+            self.log.append(f"stage0:{unit} start")
+            speak = unit % 2 == 0
+            out.put_nowait((_Result(rid, {"type": "decision", "action": "speak" if speak else "listen",
+                                          "unit": unit}), None))
+            if speak:
+                out.put_nowait((_Result(rid, {"type": "text", "text": f"t{unit}", "unit": unit}), None))
+                out.put_nowait((_Result(rid, {"type": "tts_input", "unit": unit, "is_turn_eos": [False],
+                                              "end_of_turn": False, "turn_start": unit == 0},
+                                        TOKENS=np.array([[5]], np.int64),
+                                        HIDDEN=np.ones((1, HIDDEN_DIM), np.float32)), None))
+            out.put_nowait((_Result(rid, {"type": "unit_done", "unit": unit, "is_listen": not speak,
+                                          "end_of_turn": False, "metrics": {"thinker": {"tokens": 2}}}), None))
+            self.log.append(f"stage0:{unit} end")
+        elif op == "append" and model == "tts":
+            self.log.append("tts start")
+            await self.tts_gate.wait()
+            out.put_nowait((_Result(rid, {"type": "audio_tokens", "count": 2}, TOKENS=np.array([[1, 2]], np.int64)),
+                            None))
+            self.log.append("tts end")
+        elif op == "append" and model == "token2wav":
+            out.put_nowait((_Result(rid, {"type": "audio", "unit": 0, "seq": 0},
+                                    AUDIO=np.arange(480, dtype=np.int16)[None, :]), None))
+        elif op == "close" and self.close_error is not None:
+            out.put_nowait((_Result(rid, {"type": "error", "code": self.close_error, "message": "gone"}), None))
+        out.put_nowait((_Result(rid, None, final=True), None))
+
+    async def is_server_live(self) -> bool:
+        return True
+
+    async def is_server_ready(self) -> bool:
+        return True
+
+    async def is_model_ready(self, name: str) -> bool:
+        return True
+
+    async def close(self) -> None:
+        return None
+
+
+def _unit(index: int) -> UnitSubmission:
+    return UnitSubmission(index, np.zeros(16480 if index == 0 else 16000, np.float32).tobytes())
+
+
+async def _take(events: Any, n: int) -> list[Any]:
+    return [await asyncio.wait_for(events.__anext__(), 2) for _ in range(n)]
+
+
+async def test_a_speak_unit_flows_through_the_three_stages_in_order() -> None:
+    client = StageClient()
+    rt = StagedTritonRuntime("unused:1", client=client)
+    await rt.open(KEY, Fence(1, 0), {"instructions": "x"})
+    assert sorted(r["model_name"] for r in client.requests) == ["stage0", "token2wav", "tts"]
+    assert all(r["sequence_start"] for r in client.requests)
+    events = rt.events(KEY)
+    await rt.append(KEY, Fence(1, 0, 1), _unit(0))
+    got = await _take(events, 4)
+    assert [type(e) for e in got] == [Decision, TextPiece, AudioPiece, UnitDone]
+    assert len(got[2].pcm16) == 960
+    done = got[3]
+    assert done.metrics["thinker"] == {"tokens": 2}
+    assert set(done.metrics) == {"thinker", "talker", "code2wav"}
+    tts = next(r for r in client.requests if r["request_id"].startswith("tts:append"))
+    names = {i.name() for i in tts["inputs"]}
+    assert {"TOKENS", "HIDDEN", "CONFIG"} <= names
+    await rt.close(KEY, Fence(1, 0))
+    assert sum(r["sequence_end"] for r in client.requests) == 3
+    await rt.aclose()
+
+
+async def test_stage0_runs_the_next_unit_while_tts_holds_the_previous_one_and_output_keeps_unit_order() -> None:
+    client = StageClient()
+    client.tts_gate.clear()
+    rt = StagedTritonRuntime("unused:1", client=client)
+    await rt.open(KEY, Fence(1, 0), {})
+    events = rt.events(KEY)
+    await asyncio.wait_for(rt.append(KEY, Fence(1, 0, 1), _unit(0)), 2)  # acked with its TTS still running
+    first = await _take(events, 2)  # unit 0's decision and text go out at once
+    assert [type(e) for e in first] == [Decision, TextPiece]
+    seen: list[Any] = []
+    collector = asyncio.create_task(_collect(events, seen))
+    await asyncio.wait_for(rt.append(KEY, Fence(1, 0, 2), _unit(1)), 2)
+    assert "stage0:1 end" in client.log and "tts end" not in client.log  # stage0 ran unit 1 during unit 0's TTS
+    await asyncio.sleep(0.2)
+    assert seen == []  # unit 1's decision is held until unit 0 is done
+    client.tts_gate.set()
+    await asyncio.sleep(0.2)
+    assert [(type(e), e.unit) for e in seen] == [(AudioPiece, 0), (UnitDone, 0), (Decision, 1), (UnitDone, 1)]
+    collector.cancel()
+    await rt.aclose()
+
+
+async def _collect(events: Any, into: list[Any]) -> None:
+    async for ev in events:
+        into.append(ev)
+
+
+async def test_cancel_reaches_every_stage_and_drops_the_old_epochs_units() -> None:
+    client = StageClient()
+    client.tts_gate.clear()
+    rt = StagedTritonRuntime("unused:1", client=client)
+    await rt.open(KEY, Fence(1, 0), {})
+    events = rt.events(KEY)
+    await rt.append(KEY, Fence(1, 0, 1), _unit(0))
+    await _take(events, 2)
+    await asyncio.wait_for(rt.cancel(KEY, Fence(1, 0), Fence(1, 1)), 2)  # not held back by the unit in TTS
+    cancels = [r["model_name"] for r in client.requests if r["request_id"].split(":")[1].startswith("cancel")]
+    assert sorted(cancels) == ["stage0", "token2wav", "tts"]
+    await rt.append(KEY, Fence(1, 1, 2), _unit(1))  # the new epoch's unit is not held behind the old one
+    (ev,) = await _take(events, 1)
+    assert isinstance(ev, Decision) and ev.epoch == 1 and ev.unit == 1
+    client.tts_gate.set()
+    await rt.aclose()
+
+
+async def test_a_failed_tts_call_reaches_the_session_as_a_stream_error() -> None:
+    class FailingTTS(StageClient):
+        async def _answer(self, req: dict[str, Any], out: asyncio.Queue) -> None:
+            if req["model_name"] == "tts" and "append" in req["request_id"]:
+                rid = req["request_id"]
+                out.put_nowait((_Result(rid, {"type": "error", "code": "invalid_request", "message": "rows"}), None))
+                out.put_nowait((_Result(rid, None, final=True), None))
+                return
+            await super()._answer(req, out)
+
+    rt = StagedTritonRuntime("unused:1", client=FailingTTS())
+    await rt.open(KEY, Fence(1, 0), {})
+    events = rt.events(KEY)
+    await rt.append(KEY, Fence(1, 0, 1), _unit(0))
+    got = await _take(events, 4)
+    assert [type(e) for e in got] == [Decision, TextPiece, StreamError, UnitDone]
+    assert got[2].code == "invalid_request"
+    await rt.aclose()
+
+
+async def test_close_of_a_session_a_stage_already_forgot_succeeds() -> None:
+    client = StageClient()
+    client.close_error = "session_not_found"
+    rt = StagedTritonRuntime("unused:1", client=client)
+    await rt.open(KEY, Fence(1, 0), {})
+    await rt.close(KEY, Fence(1, 0))
+    with pytest.raises(RuntimeFailure):
+        await rt.append(KEY, Fence(1, 0, 1), _unit(0))  # the session is gone from the runtime
+    await rt.aclose()
+
+
+async def test_a_stream_error_from_triton_ends_the_session_and_close_still_succeeds() -> None:
+    class Expired(StageClient):
+        async def stream_infer(self, it):  # noqa: ANN001, ANN201
+            async for req in it:
+                self.requests.append(req)
+                if req["request_id"].split(":")[1].startswith("append"):
+                    yield None, RuntimeError("inference request for sequence 7 to model 'stage0' must specify "
+                                             "the START flag on the first request of the sequence")
+                    return
+                yield _Result(req["request_id"], None, final=True), None
+
+    rt = StagedTritonRuntime("unused:1", client=Expired())
+    await rt.open(KEY, Fence(1, 0), {})
+    events = rt.events(KEY)
+    with pytest.raises(RuntimeFailure) as exc:
+        await asyncio.wait_for(rt.append(KEY, Fence(1, 0, 1), _unit(0)), 2)
+    assert exc.value.code == "session_not_found"
+    with pytest.raises(StopAsyncIteration):
+        await asyncio.wait_for(events.__anext__(), 1)
+    await asyncio.wait_for(rt.close(KEY, Fence(1, 0)), 1)
+    await rt.aclose()
