@@ -139,7 +139,18 @@ class MelStreamer:
 
     def next_unit(self, state: MelStreamState) -> UnitMel:
         """Advance the window to unit `state.unit` and emit its mel slice. Requires `ready`."""
-        cfg, hop = self.cfg, self.cfg.mel.hop_length
+        floor = self.advance(state)
+        return self.cut(state, floor, self.logmel(state.buffer, floor))
+
+    def next_units(self, states: list[MelStreamState]) -> list[UnitMel]:
+        """`next_unit` of many sessions with one batched log-mel over their windows (LogMel.batch)."""
+        floors = [self.advance(s) for s in states]
+        mels = self.logmel.batch([s.buffer for s in states], floors)
+        return [self.cut(s, f, m) for s, f, m in zip(states, floors, mels, strict=True)]
+
+    def advance(self, state: MelStreamState) -> FloorMode:
+        """Move unit `state.unit`'s samples into the window and slide it; the floor its log-mel takes."""
+        cfg = self.cfg
         k = state.unit
         if not self.ready(state):
             raise ValueError(f"unit {k}: needs {cfg.ready_stream_samples(k)} stream samples, "
@@ -150,8 +161,12 @@ class MelStreamer:
         state.pending = state.pending[take:]
         self._maybe_slide(state)
         length = state.buffer.numel()
-        floor = FloorMode.FIXED if length < cfg.dynamic_floor_min_s * cfg.mel.sample_rate else FloorMode.DYNAMIC
-        mel_full = self.logmel(state.buffer, floor)  # [n_mels, T_local]
+        return FloorMode.FIXED if length < cfg.dynamic_floor_min_s * cfg.mel.sample_rate else FloorMode.DYNAMIC
+
+    def cut(self, state: MelStreamState, floor: FloorMode, mel_full: torch.Tensor) -> UnitMel:
+        """The unit's emitted slice of the window's log-mel `mel_full` [n_mels, T_local]; next unit."""
+        cfg, hop = self.cfg, self.cfg.mel.hop_length
+        k, length = state.unit, state.buffer.numel()
         base_frame = state.base_sample // hop
         stable = min(mel_full.shape[1], (length - cfg.mel.n_fft // 2) // hop + 1)
         start, stop = cfg.emitted_frames(k)

@@ -1,7 +1,9 @@
 """Per-session Stage0 audio front end: PCM -> 10 LLM embeddings per unit (model.md §2).
 
 The engine calls `encode_unit` once per unit with the unit's client PCM (16,480 samples for unit 0,
-16,000 later; any split is accepted, samples beyond the unit's window wait for the next unit).
+16,000 later; any split is accepted, samples beyond the unit's window wait for the next unit), or
+`encode_units` for every session with a unit ready in one batch (the same numbers, batched: one log-mel
+STFT over all windows, one encoder pass; engine/audio/batched.py).
 `encode_reference` is the offline reference-audio path of §2.6 used once per session.
 """
 
@@ -12,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.audio.batched import forward_stream_batch
 from engine.audio.framing import MelStreamer, MelStreamState, StreamConfig, UnitMel
 from engine.audio.mel import FloorMode
 from engine.config import AudioConfig
@@ -85,6 +88,25 @@ class AudioFrontEnd:
             raise AssertionError(f"unit {unit.unit}: {emb.shape[0]} audio embeddings, "
                                  f"expected exactly {self.embeddings_per_unit}")
         return emb
+
+    @torch.inference_mode()
+    def encode_units(self, states: list[AudioStreamState],
+                     pcms: list[torch.Tensor | None] | None = None) -> list[torch.Tensor]:
+        """`encode_unit` of many sessions at once (each `ready`, each at its own stream point): one
+        log-mel over their windows, one encoder pass, one projector -> a [10, llm_hidden] per session."""
+        if not states:
+            return []
+        for state, pcm in zip(states, pcms or [None] * len(states), strict=True):
+            if pcm is not None:
+                self.push(state, pcm)
+        units = self.streamer.next_units([s.mel for s in states])
+        for state, unit in zip(states, units, strict=True):
+            state.last_unit = unit
+        hidden = forward_stream_batch(self.encoder, units, [s.kv for s in states])  # [B, 50, d]
+        emb = self.projector.embed(hidden, self.cfg.audio_pool_step)  # [B, 10, llm_hidden]
+        if emb.shape[1] != self.embeddings_per_unit:
+            raise AssertionError(f"{emb.shape[1]} audio embeddings per unit, expected {self.embeddings_per_unit}")
+        return list(emb.unbind(0))
 
     def reference_mel(self, pcm16k: torch.Tensor) -> list[torch.Tensor]:
         """§2.6 mel: 30 s pieces, each zero-padded to 30 s, dynamic floor, T = ceil(N / hop) kept."""

@@ -115,3 +115,28 @@ class LogMel:
     def __call__(self, waveform: torch.Tensor, mode: FloorMode) -> torch.Tensor:
         """[N] float PCM -> [n_mels, N // hop] features."""
         return self.floor_and_scale(self.raw(waveform), mode)
+
+    def batch(self, waveforms: list[torch.Tensor], modes: list[FloorMode]) -> list[torch.Tensor]:
+        """Many windows of different lengths in one STFT: item i is `self(waveforms[i], modes[i])`.
+
+        Each window is reflect-padded on its own (what `center=True` does), then zero-padded on the right
+        to the longest; the frames past a window's own N // hop never mix into its valid frames, and its
+        dynamic floor is the max over its valid frames only.
+        """
+        cfg, half = self.cfg, self.cfg.n_fft // 2
+        frames = [w.numel() // cfg.hop_length for w in waveforms]
+        padded = [torch.nn.functional.pad(w.to(self.device, torch.float32).reshape(1, -1), (half, half),
+                                          mode="reflect")[0] for w in waveforms]
+        width = max(p.numel() for p in padded)
+        wav = torch.stack([torch.nn.functional.pad(p, (0, width - p.numel())) for p in padded])  # [B, L]
+        stft = torch.stft(wav, cfg.n_fft, cfg.hop_length, window=self.window, center=False,
+                          return_complex=True)  # [B, n_freqs, 1 + (L - n_fft) // hop]
+        t_max = max(frames)
+        power = (stft[..., :t_max].abs() ** 2).contiguous()  # [B, n_freqs, T_max]
+        log_spec = torch.clamp(self.filters_t @ power, min=cfg.log_clamp).log10()  # [B, n_mels, T_max]
+        valid = torch.arange(t_max, device=self.device)[None, :] < torch.tensor(frames, device=self.device)[:, None]
+        peak = log_spec.masked_fill(~valid[:, None, :], float("-inf")).amax(dim=(1, 2))  # [B]
+        dynamic = torch.tensor([m is FloorMode.DYNAMIC for m in modes], device=self.device)
+        floor = torch.where(dynamic, peak - cfg.dynamic_range, torch.full_like(peak, cfg.fixed_floor))
+        out = (torch.maximum(log_spec, floor[:, None, None]) + cfg.scale_offset) / cfg.scale_divisor
+        return [out[i, :, :n] for i, n in enumerate(frames)]

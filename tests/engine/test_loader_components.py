@@ -16,9 +16,8 @@ import pytest
 import torch
 
 from engine.config import ModelConfig
-from engine.loader import ShardIndex, check_keys
+from engine.loader import ShardIndex, check_keys, load_checkpoint
 from engine.loader import checkpoint as checkpoint_mod
-from engine.loader import load_checkpoint
 from engine.loader import shards as shards_mod
 from engine.loader.checkpoint import THINKER_COMPONENTS, TTS_COMPONENTS
 

@@ -1,0 +1,120 @@
+"""Batched audio front end (issue 15): one log-mel STFT over many windows and one streaming-encoder pass
+over many sessions' units give what the per-session path gives, for sessions at different points of
+their stream in the same batch: the first unit, both sides of the fixed/dynamic floor switch, the 30 s
+window slide, and the audio-KV reset (model.md §2.2-§2.4).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from engine.audio import AudioFrontEnd, FloorMode, LogMel, StreamConfig
+from engine.audio.frontend import AudioStreamState
+from tests.engine.test_audio_encoder import build, tiny_audio
+
+CFG = StreamConfig()
+ATOL = 1e-5  # fp32: the batched path reorders reductions (padded keys, batched FFT plans)
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _pcm(seed: int, n: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return 0.1 * torch.randn(n, generator=g)
+
+
+def _unit_pcm(session: int, unit: int) -> torch.Tensor:
+    n = CFG.first_chunk_samples - CFG.prefix_zeros if unit == 0 else CFG.chunk_samples
+    return _pcm(1000 * session + unit, n)
+
+
+@pytest.mark.parametrize("lengths", [(16_480, 64_560, 80_560, 480_560, 320_000), (401, 16_000)])
+def test_logmel_batch_equals_one_window_at_a_time(lengths: tuple[int, ...]) -> None:
+    mel = LogMel()
+    windows = [_pcm(n, n) for n in lengths]
+    modes = [FloorMode.FIXED if i % 2 else FloorMode.DYNAMIC for i in range(len(lengths))]
+    for got, w, m in zip(mel.batch(windows, modes), windows, modes, strict=True):
+        torch.testing.assert_close(got, mel(w, m), atol=ATOL, rtol=0)
+
+
+@CUDA
+def test_logmel_on_the_gpu_equals_the_cpu_path() -> None:
+    windows = [_pcm(n, n) for n in (16_480, 80_560, 480_560)]
+    modes = [FloorMode.FIXED, FloorMode.DYNAMIC, FloorMode.DYNAMIC]
+    gpu, cpu = LogMel(device="cuda"), LogMel()
+    for got, w, m in zip(gpu.batch(windows, modes), windows, modes, strict=True):
+        torch.testing.assert_close(got.cpu(), cpu(w, m), atol=ATOL, rtol=0)
+
+
+# Sessions brought to these next units, then stepped together: unit 0; unit 3 (last fixed floor) and
+# 4 (first dynamic); unit 29 (window reaches 30 s: slide, and 29 x 50 + 52 >= 1500 frames: KV reset);
+# unit 39 (second slide, no reset); unit 58 (second KV reset, no slide).
+START_UNITS = (0, 3, 4, 29, 39, 58)
+
+
+def _front_end() -> AudioFrontEnd:
+    enc, proj = build(1500, seed=3)
+    return AudioFrontEnd(enc, proj, tiny_audio(1500))
+
+
+def _advanced(fe: AudioFrontEnd, session: int, units: int) -> AudioStreamState:
+    state = fe.new_session()
+    for k in range(units):
+        fe.encode_unit(state, _unit_pcm(session, k))
+    return state
+
+
+def _facts(state: AudioStreamState) -> tuple:
+    unit = state.last_unit
+    assert unit is not None
+    return (unit.unit, unit.floor, unit.base_sample, unit.buffer_samples, state.kv.length, state.kv.resets)
+
+
+def test_batched_units_equal_per_session_units_at_every_stream_point() -> None:
+    fe = _front_end()
+    states = [_advanced(fe, i, k) for i, k in enumerate(START_UNITS)]
+    single, batched = copy.deepcopy(states), copy.deepcopy(states)
+    for step in range(3):  # the special units first, then two ordinary ones
+        pcms = [_unit_pcm(i, k + step) for i, k in enumerate(START_UNITS)]
+        want = [fe.encode_unit(s, p) for s, p in zip(single, pcms, strict=True)]
+        got = fe.encode_units(batched, pcms)
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            torch.testing.assert_close(g, w, atol=ATOL, rtol=0, msg=f"session at unit {START_UNITS[i] + step}")
+        assert [_facts(s) for s in batched] == [_facts(s) for s in single]
+        for b, s in zip(batched, single, strict=True):
+            n = s.kv.length
+            torch.testing.assert_close(b.kv.k[:, :, :, :n], s.kv.k[:, :, :, :n], atol=ATOL, rtol=0)
+            torch.testing.assert_close(b.kv.v[:, :, :, :n], s.kv.v[:, :, :, :n], atol=ATOL, rtol=0)
+        if step == 0:  # the batch really covered every case of the stream rule
+            facts = {k: _facts(s) for k, s in zip(START_UNITS, batched, strict=True)}
+            assert facts[3][1] is FloorMode.FIXED and facts[4][1] is FloorMode.DYNAMIC
+            before = {k: _facts(s) for k, s in zip(START_UNITS, states, strict=True) if k}
+            assert facts[29][2] > before[29][2] and facts[29][5] == before[29][5] + 1  # slide + reset
+            assert facts[39][2] > before[39][2] and facts[39][5] == before[39][5]  # slide only
+            assert facts[58][2] == before[58][2] and facts[58][5] == before[58][5] + 1  # reset only
+            assert facts[0][0] == 0 and facts[0][4] == 50
+
+
+def test_one_session_batch_equals_encode_unit() -> None:
+    fe = _front_end()
+    a, b = fe.new_session(), fe.new_session()
+    pcm = _unit_pcm(7, 0)
+    torch.testing.assert_close(fe.encode_units([b], [pcm])[0], fe.encode_unit(a, pcm), atol=ATOL, rtol=0)
+    assert fe.encode_units([]) == []
+
+
+@CUDA
+def test_batched_units_on_the_gpu_equal_the_cpu_path() -> None:
+    cpu = _front_end()
+    enc, proj = build(1500, seed=3)
+    gpu = AudioFrontEnd(enc.cuda(), proj.cuda(), tiny_audio(1500), mel_device="cuda")
+    states = [_advanced(cpu, i, k) for i, k in enumerate((0, 4, 29))]
+    on_gpu = copy.deepcopy(states)
+    for s in on_gpu:
+        s.kv.k, s.kv.v = s.kv.k.cuda(), s.kv.v.cuda()
+    pcms = [_unit_pcm(i, k) for i, k in enumerate((0, 4, 29))]
+    want = [cpu.encode_unit(s, p) for s, p in zip(states, pcms, strict=True)]
+    for g, w in zip(gpu.encode_units(on_gpu, pcms), want, strict=True):
+        torch.testing.assert_close(g.cpu(), w, atol=1e-4, rtol=1e-4)  # TF32-free fp32, GPU reductions
