@@ -207,3 +207,28 @@ def encode_frame(tower: SiglipVisionTower, resampler: Resampler, image: torch.Te
     pixels = (image.to(dev, torch.float32) / PIXEL_MAX - PIXEL_MEAN) / PIXEL_STD  # [H, W, 3]
     states = tower(pixels.permute(2, 0, 1)[None])  # [1, P, hidden]
     return resampler(states, (h // p, w // p))[0]
+
+
+@torch.inference_mode()
+def encode_frames(tower: SiglipVisionTower, resampler: Resampler, images: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Many RGB frames uint8 [H_i, W_i, 3] -> [query_num, embed] each, in order.
+
+    Frames of one size run as one batch through the tower and the resampler (one slice each, no padding
+    mask needed); a batch per distinct size.
+    """
+    p = tower.cfg.patch_size
+    by_size: dict[tuple[int, int], list[int]] = {}
+    for i, image in enumerate(images):
+        h, w, c = image.shape
+        if h % p or w % p or c != tower.cfg.num_channels:
+            raise ValueError(f"frame {tuple(image.shape)}: sides must be multiples of {p} with {c} channels")
+        by_size.setdefault((h, w), []).append(i)
+    dev = tower.post_layernorm.weight.device
+    out: list[torch.Tensor | None] = [None] * len(images)
+    for (h, w), idx in by_size.items():
+        batch = torch.stack([images[i] for i in idx]).to(dev, torch.float32)  # [B, H, W, 3]
+        pixels = (batch / PIXEL_MAX - PIXEL_MEAN) / PIXEL_STD
+        states = tower(pixels.permute(0, 3, 1, 2))  # [B, P, hidden]
+        for i, emb in zip(idx, resampler(states, (h // p, w // p)), strict=True):
+            out[i] = emb
+    return out  # type: ignore[return-value] - every index is filled above

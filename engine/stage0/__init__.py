@@ -6,6 +6,7 @@ from engine.stage0.frontend import UnitFrontEnd
 from engine.stage0.sampling import SamplingParams
 from engine.stage0.types import (
                                  BadAudioError,
+                                 BadFrameError,
                                  BadSamplingError,
                                  CapacityError,
                                  Event,
@@ -24,7 +25,7 @@ from engine.stage0.types import (
 )
 
 __all__ = [
-    "BadAudioError", "BadSamplingError", "CapacityError", "DecodeRules", "Event", "Fence", "FrontEndError",
+    "BadAudioError", "BadFrameError", "BadSamplingError", "CapacityError", "DecodeRules", "Event", "Fence", "FrontEndError",
     "InvalidFenceError", "SamplingParams", "SessionClosedError", "SessionExistsError", "SpecialIds", "Stage0Config", "Stage0Engine",
     "Stage0Error", "StaleFenceError", "TextTokenizer", "TokenEvent", "TooManyFramesError", "UnitDone",
     "UnitFrontEnd", "UnitMetrics", "UnknownSessionError",

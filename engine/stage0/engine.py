@@ -27,6 +27,7 @@ from engine.stage0.session import Phase, Session, UnitJob
 from engine.stage0.slots import SlotTable
 from engine.stage0.types import (
     BadAudioError,
+    BadFrameError,
     BadSamplingError,
     CapacityError,
     Event,
@@ -74,15 +75,15 @@ class Stage0Engine(StepLoop):
     # ---- public API -------------------------------------------------------------------------------
     def open(self, session_id: str, fence: Fence, *, prompt: str | None = None,
              ref_audio: torch.Tensor | None = None, params: SamplingParams | None = None,
-             force_listen_count: int | None = None) -> None:
+             force_listen_count: int | None = None, rules: DecodeRules | None = None) -> None:
+        """`rules` are the session's decode rules (default: the engine's); `force_listen_count` overrides theirs."""
         params = params or SamplingParams()
+        rules = self._session_rules(rules or self.rules, force_listen_count)
         with self.lock:
             if session_id in self.sessions:
                 raise SessionExistsError(session_id)
             if self.slots.free == 0:
                 raise CapacityError(f"all {self.config.max_sessions} session slots are in use")
-            rules = self.rules if force_listen_count is None else dataclasses.replace(
-                self.rules, force_listen_count=force_listen_count)
             prompt = self.config.default_prompt if prompt is None else prompt
             prefix = self._prefix_embeds(prompt, ref_audio)
             if prefix.shape[0] + self.config.unit_max_positions(rules) > self.runner.kv.reserved_pos:
@@ -113,13 +114,14 @@ class Stage0Engine(StepLoop):
                                     f"got shape {tuple(pcm.shape)}")
             if len(frames) > self.config.max_frames_per_unit:
                 raise TooManyFramesError(f"{session_id}: {len(frames)} frames > {self.config.max_frames_per_unit}")
-            if frames and not hasattr(self.frontend, "encode_frame"):
+            if frames and not hasattr(self.frontend, "encode_frame") and not hasattr(self.frontend, "encode_frames"):
                 raise FrontEndError("this front end has no vision encoder")
+            images = self._prepare_frames(session_id, frames)
             room = self.runner.kv.reserved_pos - s.cached_len - len(s.pending_close) - (
                 s.prefix_rows.shape[0] if s.prefix_rows is not None else 0)
             if self.config.eviction == "off" and room < (len(s.queue) + 2) * self.config.unit_max_positions(s.rules):
                 raise CapacityError(f"{session_id}: the session context is full (eviction off)")
-            s.queue.append(UnitJob(fence=fence, index=s.appended, pcm=pcm, frames=tuple(frames),
+            s.queue.append(UnitJob(fence=fence, index=s.appended, pcm=pcm, frames=images,
                                    force_listen_override=force_listen_override, temperature=temperature))
             s.appended += 1
             s.last_seq = fence.seq
@@ -152,15 +154,21 @@ class Stage0Engine(StepLoop):
             return True
 
     def update(self, session_id: str, fence: Fence, *, params: SamplingParams | None = None,
-               prompt: str | None = None) -> None:
-        """Applies from the next unit. A new prompt rebuilds the prefix and drops the retained units."""
+               prompt: str | None = None, rules: DecodeRules | None = None,
+               force_listen_count: int | None = None) -> None:
+        """Applies from the next unit. A new prompt rebuilds the prefix and drops the retained units. New
+        `rules` replace the session's; a `force_listen_count` restarts the count of forced units (§2.4)."""
         with self.lock:
             s = self._live(session_id)
             self._check_fence(s, fence)
+            new_rules = self._session_rules(rules or s.rules, force_listen_count)
             if params is not None:
                 s.pending_params = params
             if prompt is not None:
                 s.pending_prompt = prompt
+            s.rules = new_rules
+            if force_listen_count is not None:
+                s.turn.units_generated = 0
 
     def close(self, session_id: str, fence: Fence) -> bool:
         with self.lock:
@@ -182,6 +190,26 @@ class Stage0Engine(StepLoop):
             return self._live(session_id)
 
     # ---- helpers ----------------------------------------------------------------------------------
+    def _session_rules(self, rules: DecodeRules, force_listen_count: int | None) -> DecodeRules:
+        """A session's rules; their unit may not outgrow the engine's (the KV slot is sized by those)."""
+        if force_listen_count is not None:
+            rules = dataclasses.replace(rules, force_listen_count=force_listen_count)
+        if not 1 <= rules.max_steps <= self.rules.max_steps or rules.max_speak_chars_per_unit < 0 \
+                or rules.force_listen_count < 0:
+            raise BadSamplingError(f"decode rules {rules}: max_steps must be in [1, {self.rules.max_steps}], "
+                                   "the character cap and force_listen_count >= 0")
+        return rules
+
+    def _prepare_frames(self, session_id: str, frames: Sequence[Any]) -> tuple[Any, ...]:
+        """Wire frames -> encoder input (decoded and resized) now, so a bad image fails its append alone."""
+        prepare = getattr(self.frontend, "prepare_frame", None)
+        if prepare is None:
+            return tuple(frames)
+        try:
+            return tuple(prepare(f) for f in frames)
+        except ValueError as exc:
+            raise BadFrameError(f"{session_id}: {exc}") from None
+
     def _live(self, session_id: str) -> Session:
         s = self.sessions.get(session_id)
         if s is None:

@@ -21,19 +21,43 @@ class UnitFrontEnd(Protocol):
         """Reference audio for the system prefix (§2.6) → [N, H]."""
 
     def encode_frame(self, frame: Any) -> torch.Tensor:
-        """One camera frame → `frame_embeddings` embeddings [64, H]."""
+        """One camera frame → `frame_embeddings` embeddings [64, H]. Optional, like the two below: a front
+        end without any frame method refuses frames."""
+
+    # Optional: `prepare_frame(data) -> frame` turns the wire bytes into what the encoder takes (at append,
+    # ValueError for a bad image); `encode_frames(frames) -> [64, H] each` encodes many frames in one batch.
+
+
+class VisionFrames:
+    """The camera path of the real front end: Pillow decode/resize (`engine.model.frames`), then SigLIP and
+    the resampler over every frame of a step in one batch per frame size."""
+
+    def __init__(self, tower: Any, resampler: Any) -> None:
+        self.tower, self.resampler = tower, resampler
+        self.patch = tower.cfg.patch_size
+
+    def prepare_frame(self, data: bytes) -> torch.Tensor:
+        from engine.model.frames import decode_frame  # Pillow only where frames are served
+
+        return decode_frame(bytes(data), self.patch)
+
+    def encode_frames(self, frames: list[torch.Tensor]) -> list[torch.Tensor]:
+        from engine.model.vision import encode_frames
+
+        return encode_frames(self.tower, self.resampler, frames)
 
 
 class AudioFrontEndAdapter:
-    """Adapts `engine.audio.frontend.AudioFrontEnd` (and an optional frame encoder) to `UnitFrontEnd`.
+    """Adapts `engine.audio.frontend.AudioFrontEnd` (and the optional camera path) to `UnitFrontEnd`.
 
     The audio front end tracks the unit index itself (its mel stream adds the 560-sample zero prefix).
     """
 
-    def __init__(self, audio: Any, encode_frame: Any | None = None) -> None:
+    def __init__(self, audio: Any, vision: VisionFrames | None = None) -> None:
         self.audio = audio
-        if encode_frame is not None:
-            self.encode_frame = encode_frame
+        if vision is not None:
+            self.prepare_frame = vision.prepare_frame
+            self.encode_frames = vision.encode_frames
 
     def new_state(self) -> Any:
         return self.audio.new_session()

@@ -9,8 +9,10 @@ the session's own uniforms, and the ids come back in one read-back, the step's o
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
+import traceback
 from typing import TYPE_CHECKING
 
 import torch
@@ -21,7 +23,7 @@ from engine.stage0.runner import Row
 from engine.stage0.sampling import SamplingBatch, sample
 from engine.stage0.session import Phase, Session, UnitRecord, UnitRun
 from engine.stage0.slots import evict_span
-from engine.stage0.types import FrontEndError, TokenEvent, UnitDone
+from engine.stage0.types import FrontEndError, TokenEvent, UnitDone, UnitMetrics
 
 if TYPE_CHECKING:
     from engine.stage0.engine import Stage0Engine
@@ -49,30 +51,72 @@ class StepLoop:
 
     def step(self: Stage0Engine) -> bool:
         with self.lock:
-            work = [(s, row) for s in sorted(self.sessions.values(), key=lambda s: s.slot)
-                    if (row := self._schedule(s)) is not None]
+            sessions = sorted(self.sessions.values(), key=lambda s: s.slot)
+            for s in sessions:
+                self._prepare(s)
+            self._encode_frames(sessions)
+            work = [(s, row) for s in sessions if (row := self._schedule(s)) is not None]
             if not work:
                 return False
-            hidden: dict[str, torch.Tensor] = {}
-            for (s, row), h in zip(work, self.runner.forward([r for _, r in work]), strict=True):
-                hidden[s.session_id] = h
+            hidden, failed = self._forward(work)
+            for s, exc in failed:
+                self._fail_step(s, exc)
+            work = [(s, row) for s, row in work if s.session_id in hidden]
+            for s, row in work:
                 s.cached_len += row.length
                 if s.phase is Phase.PREFILL:
                     s.pending_close = ()  # fed in front of this prefill
-            self._postprocess([s for s, _ in work], hidden)
+            try:
+                self._postprocess([s for s, _ in work], hidden)
+            except Exception as exc:  # noqa: BLE001 - fails the units of this step, never the engine
+                for s, _ in work:
+                    self._fail_step(s, exc)
             return True
+
+    # ---- a failed step ------------------------------------------------------------------------------
+    def _forward(self: Stage0Engine, work: list[tuple[Session, Row]]
+                 ) -> tuple[dict[str, torch.Tensor], list[tuple[Session, Exception]]]:
+        """The batch's forward; if it raises, each row alone, so that only the rows that fail by themselves
+        fail. Rows write the KV only at and past their session's cache length, which nothing reads yet."""
+        try:
+            out = self.runner.forward([r for _, r in work])
+            return {s.session_id: h for (s, _), h in zip(work, out, strict=True)}, []
+        except Exception:  # noqa: BLE001 - isolated below
+            traceback.print_exc()
+        hidden, failed = {}, []
+        for s, row in work:
+            try:
+                hidden[s.session_id] = self.runner.forward([row])[0]
+            except Exception as exc:  # noqa: BLE001 - this session's row fails alone
+                failed.append((s, exc))
+        return hidden, failed
+
+    def _fail_step(self: Stage0Engine, s: Session, exc: Exception) -> None:
+        """Undo what this step did to `s`: the unit in flight is dropped from the KV and ends with an
+        `internal_error`; a system prefix that cannot be fed closes the session (its queued units end too)."""
+        error = f"{type(exc).__name__}: {exc}"
+        if s.phase is Phase.PREFIX:
+            for job in s.queue:
+                self._emit(UnitDone(s.session_id, job.fence, job.index, True, self.ids.listen, (), "", False, True,
+                                    UnitMetrics(0.0, 0.0, 0.0, (), 0), error=error, error_code="internal_error",
+                                    forced=job.force_listen_override))
+            s.queue.clear()
+            del self.sessions[s.session_id]
+            self.slots.give(s.slot)
+            self.closed.add(s.session_id)
+            return
+        unit = s.unit
+        if unit is None:
+            return  # its unit finished before the failure: nothing of this session is undone
+        s.cached_len = unit.start_len - len(s.pending_close)  # an owed close was not fed if the prefill failed
+        s.turn = dataclasses.replace(unit.turn_before)
+        del s.history[unit.history_len:]
+        self._fail_unit(s, error, code="internal_error")
+        s.check_accounting()
 
     # ---- schedule ---------------------------------------------------------------------------------
     def _schedule(self: Stage0Engine, s: Session) -> Row | None:
-        if s.phase is Phase.IDLE and s.pending_prompt is not None:
-            s.prompt, s.pending_prompt = s.pending_prompt, None
-            s.prefix_rows = self._prefix_embeds(s.prompt, s.ref_audio)
-            s.cached_len, s.prefix_len, s.ledger, s.pending_close = 0, 0, [], ()
-            s.phase = Phase.PREFIX
-        if s.phase is Phase.CLOSE and self.config.merge_unit_close:
-            self._defer_close(s)  # a cancel's close: owed to the next prefill like any other
-        if s.phase is Phase.IDLE and s.queue:
-            self._start_unit(s)
+        """This step's row of `s` (after `_prepare`), or None when it has nothing to feed."""
         ids, unit = self.ids, s.unit
         if s.phase is Phase.PREFIX:
             assert s.prefix_rows is not None
@@ -96,6 +140,39 @@ class StepLoop:
             return Row(s.slot, s.cached_len, self.runner.embed([unit.terminator, ids.unit_close]))
         return None
 
+    def _prepare(self: Stage0Engine, s: Session) -> None:
+        """Phase changes due before this step's row: a new prefix, an owed close, the next unit."""
+        if s.phase is Phase.IDLE and s.pending_prompt is not None:
+            s.prompt, s.pending_prompt = s.pending_prompt, None
+            s.prefix_rows = self._prefix_embeds(s.prompt, s.ref_audio)
+            s.cached_len, s.prefix_len, s.ledger, s.pending_close = 0, 0, [], ()
+            s.phase = Phase.PREFIX
+        if s.phase is Phase.CLOSE and self.config.merge_unit_close:
+            self._defer_close(s)  # a cancel's close: owed to the next prefill like any other
+        if s.phase is Phase.IDLE and s.queue:
+            self._start_unit(s)
+
+    def _encode_frames(self: Stage0Engine, sessions: list[Session]) -> None:
+        """Every camera frame of the units prefilled this step, through the vision encoder in one batch."""
+        batch = self.frontend.encode_frames if hasattr(self.frontend, "encode_frames") else None
+        units = [s.unit for s in sessions if s.phase is Phase.PREFILL and s.unit is not None
+                 and s.unit.job.frames and s.unit.frame_embeds is None]
+        if batch is None or not units:
+            return
+        frames = [f for u in units for f in u.job.frames]
+        try:
+            encoded = batch(frames)
+        except Exception:  # noqa: BLE001 - one bad frame must not fail the others: each unit alone
+            traceback.print_exc()
+            for u in units:
+                try:
+                    u.frame_embeds = batch(list(u.job.frames))
+                except Exception:  # noqa: BLE001 - left unencoded: `_unit_embeds` fails this unit
+                    traceback.print_exc()
+            return
+        for u in units:
+            u.frame_embeds, encoded = encoded[:len(u.job.frames)], encoded[len(u.job.frames):]
+
     def _start_unit(self: Stage0Engine, s: Session) -> None:
         job = s.queue.popleft()
         if s.pending_params is not None:
@@ -103,14 +180,15 @@ class StepLoop:
         # the override is this unit's only: the session's params stay as they are for the next unit
         params = s.params if job.temperature is None else s.params.with_temperature(job.temperature)
         s.unit = UnitRun(job=job, index=job.index, start_len=s.owed_len, started_at=time.perf_counter(),
-                         params=params)
+                         params=params, turn_before=dataclasses.replace(s.turn), history_len=len(s.history))
         s.phase = Phase.PREFILL
 
-    def _fail_unit(self: Stage0Engine, s: Session, error: str) -> None:
+    def _fail_unit(self: Stage0Engine, s: Session, error: str, code: str = "bad_audio") -> None:
         unit = s.unit
         assert unit is not None
+        forced = unit.decoder.force if unit.decoder is not None else unit.job.force_listen_override
         self._emit(UnitDone(s.session_id, unit.job.fence, unit.index, True, self.ids.listen, (), "", False,
-                            True, unit.metrics(), error=error))
+                            True, unit.metrics(), error=error, error_code=code, forced=forced))
         s.unit, s.phase = None, Phase.IDLE
 
     def _unit_embeds(self: Stage0Engine, s: Session) -> torch.Tensor:
@@ -118,8 +196,12 @@ class StepLoop:
         assert s.unit is not None
         job, cfg, h = s.unit.job, self.config, self.model.cfg.hidden_size
         parts = [self.runner.embed([self.ids.unit_open])]
-        for frame in job.frames:
-            f = self.frontend.encode_frame(frame)
+        frames = s.unit.frame_embeds
+        if frames is None:  # not batched (a front end with `encode_frame` only, or a failed batch)
+            if job.frames and not hasattr(self.frontend, "encode_frame"):
+                raise FrontEndError(f"unit {job.index}: its frames could not be encoded")
+            frames = [self.frontend.encode_frame(frame) for frame in job.frames]
+        for f in frames:
             if tuple(f.shape) != (cfg.frame_embeddings, h):
                 raise FrontEndError(f"frame embeddings have shape {tuple(f.shape)}")
             parts += [self.runner.embed([self.ids.image_open]), f.to(self.runner.device, self.runner.dtype),
@@ -195,7 +277,7 @@ class StepLoop:
         unit.terminator, s.phase = action.terminator, Phase.CLOSE
         if unit.decoder.j == 0:  # a terminator decision is reported before the close runs
             self._emit(TokenEvent(s.session_id, unit.job.fence, unit.index, 0, action.terminator, "", None,
-                                  False, False, True))
+                                  False, False, True, listen=unit.decoder.is_listen, forced=unit.decoder.force))
         if self.config.merge_unit_close:
             self._defer_close(s)
 
@@ -214,7 +296,7 @@ class StepLoop:
         piece = text[len(s.text_sent):] if text.startswith(s.text_sent) else text
         s.text_sent = text
         self._emit(TokenEvent(s.session_id, unit.job.fence, unit.index, j, unit.pending_token, piece, h,
-                              dec.end_of_turn, row is not None, j == 0))
+                              dec.end_of_turn, row is not None, j == 0, listen=False, forced=dec.force))
         unit.pending_token = None
 
     def _finish_unit(self: Stage0Engine, s: Session) -> None:
@@ -225,7 +307,7 @@ class StepLoop:
                                    dec.is_listen))
         rows = () if dec.is_listen or unit.aborted else tuple(dec.rows)
         self._emit(UnitDone(s.session_id, unit.job.fence, unit.index, dec.is_listen, unit.terminator, rows,
-                            dec.text, dec.end_of_turn, unit.aborted, unit.metrics()))
+                            dec.text, dec.end_of_turn, unit.aborted, unit.metrics(), forced=dec.force))
         s.unit, s.phase, s.text_sent = None, Phase.IDLE, ""
         self._evict(s)
         s.check_accounting()

@@ -63,6 +63,10 @@ class UnitRun:
     terminator: int | None = None
     aborted: bool = False
     token_times: list[float] = field(default_factory=list)
+    # what a failed step restores (the unit is dropped from the KV as if it had never started)
+    turn_before: TurnState = field(default_factory=TurnState)
+    history_len: int = 0
+    frame_embeds: list[torch.Tensor] | None = None  # [64, H] per frame, encoded with the step's other frames
 
     def metrics(self) -> UnitMetrics:
         t = self.token_times

@@ -71,6 +71,12 @@ class FrontEndError(Stage0Error):
     code = "front_end"
 
 
+class BadFrameError(Stage0Error):
+    """A camera frame that is not a decodable JPEG/PNG image."""
+
+    code = "bad_frame"
+
+
 @dataclass(frozen=True)
 class UnitMetrics:
     queue_s: float  # append accepted → unit prefill scheduled
@@ -94,6 +100,10 @@ class TokenEvent:
     end_of_turn: bool
     is_tts_row: bool
     decision: bool
+    # on the decision event (j = 0): the engine's own verdict (B4: the token is `<|listen|>`) and whether the
+    # unit was forced to listen (force_listen_count or an override), so no reader has to recompute either
+    listen: bool = False
+    forced: bool = False
 
 
 @dataclass(frozen=True)
@@ -110,7 +120,9 @@ class UnitDone:
     end_of_turn: bool
     aborted: bool
     metrics: UnitMetrics
-    error: str | None = None  # the front end failed on this unit; nothing was fed
+    error: str | None = None  # the unit failed; the KV is as it was before the unit (nothing of it was kept)
+    error_code: str = "bad_audio"  # `bad_audio` (its audio/frames could not be encoded) or `internal_error`
+    forced: bool = False  # the unit was forced to listen (the decoder's A0/override verdict)
 
 
 Event = TokenEvent | UnitDone

@@ -78,13 +78,15 @@ def pcm(index: int, seed: int = 0) -> np.ndarray:
 
 
 def reference_stage0(ckpt: Path, seed: int, units: list[np.ndarray]) -> list[Any]:
-    """The same units through a Stage0Engine driven directly (no bridge, no thread): its events."""
+    """The same units through a Stage0Engine driven directly (no bridge, no thread): its events. The prefix
+    carries the default voice's clip, as the bridge's does for a session without `ref_audio`."""
     ck = load_checkpoint(ckpt, device="cpu", dtype=torch.float32, with_vision=False, with_token2wav=False)
     front = AudioFrontEndAdapter(AudioFrontEnd(ck.model.apm, ck.model.audio_projection_layer, ck.config.audio))
     events: list[Any] = []
     engine = Stage0Engine(ck.model.llm, ck.tokenizer, front, events.append,
                           Stage0Config(max_sessions=2, window_high=4096, window_low=3072))
-    engine.open("ref", Fence(1, 1), params=SamplingParams(seed=seed), force_listen_count=0)
+    engine.open("ref", Fence(1, 1), params=SamplingParams(seed=seed), force_listen_count=0,
+                ref_audio=ck.voice("default").ref_audio_16k)
     for i, unit in enumerate(units):
         engine.append("ref", Fence(1, 1, i + 1), torch.from_numpy(unit))
         engine.run_until_idle()
@@ -107,7 +109,8 @@ def test_stage0_events_are_the_engines(engines: dict[str, Any], tiny_checkpoint:
         done = mine[-1]
         assert isinstance(done, UnitDone)
         decision = next(e for e in mine if isinstance(e, TokenEvent) and e.decision)
-        assert sink.outs[0].event["action"] == ("listen" if decision.token_id in s0.terminators else "speak")
+        assert sink.outs[0].event["action"] == ("listen" if decision.listen else "speak")
+        assert sink.outs[0].event["forced"] == decision.forced == done.forced
         texts = [(e.token_id, e.text) for e in mine if isinstance(e, TokenEvent) and not e.decision and e.text]
         assert [(o.event["token_id"], o.event["text"]) for o in sink.of("text")] == texts
         assert sink.outs[-1].event["is_listen"] == done.is_listen

@@ -67,7 +67,8 @@ def reference_units(ckpt: Path, terminators: frozenset[int], hot: SamplingParams
     engine = Stage0Engine(ck.model.llm, ck.tokenizer, front, events.append,
                           Stage0Config(max_sessions=2, window_high=4096, window_low=3072))
     base = SamplingParams(seed=SEED)
-    engine.open("ref", Fence(1, 1), params=base, force_listen_count=0)
+    engine.open("ref", Fence(1, 1), params=base, force_listen_count=0,
+                ref_audio=ck.voice("default").ref_audio_16k)  # the bridge's prefix: the default voice's clip
     for k in range(UNITS):
         if hot is not None and k in (HOT_UNIT, HOT_UNIT + 1):
             engine.update("ref", Fence(1, 1), params=hot if k == HOT_UNIT else base)
@@ -76,7 +77,7 @@ def reference_units(ckpt: Path, terminators: frozenset[int], hot: SamplingParams
     out: list[list[tuple]] = [[] for _ in range(UNITS)]
     for e in events:
         if isinstance(e, TokenEvent) and e.decision:
-            out[e.unit_index].append(("decision", "listen" if e.token_id in terminators else "speak"))
+            out[e.unit_index].append(("decision", "listen" if e.listen else "speak"))
         elif isinstance(e, TokenEvent) and e.text:
             out[e.unit_index].append((e.token_id, e.text))
     assert sum(isinstance(e, UnitDone) for e in events) == UNITS

@@ -1,7 +1,9 @@
-"""Stage0 bridge: Triton requests <-> engine.stage0.Stage0Engine (thinker: audio in, decisions/text out).
+"""Stage0 bridge: Triton requests <-> engine.stage0.Stage0Engine (thinker: audio and camera in, decisions/text out).
 
 An append's CONFIG may carry the unit's own thinker temperature (`options.unit_temperature`, the
 response-scoped option of protocol.md §2.8); the session's sampling stays as it is for the other units.
+The system prefix carries a reference clip (model.md §3.2): the client's `ref_audio`, else the clip of the
+session's voice pack. An append's FRAMES (JPEG/PNG) go through SigLIP + the resampler into the unit's prompt.
 
 Per unit the sink sees `decision`, `text`…, then for a speak unit `tts_input` (TOKENS = text ids of the
 TTS rows, HIDDEN = their LLM states flattened [n * hidden_dim]) and last `unit_done` with the thinker
@@ -22,14 +24,25 @@ from engine.audio.frontend import AudioFrontEnd
 from engine.loader import load_checkpoint
 from engine.loader.checkpoint import THINKER_COMPONENTS
 from engine.stage0 import Fence, Stage0Config, Stage0Engine, TokenEvent, UnitDone
-from engine.stage0.frontend import AudioFrontEndAdapter
+from engine.stage0.frontend import AudioFrontEndAdapter, VisionFrames
 from engine.stage0.script import ScriptPlan
 from engine.stage0.session import Phase
 
 from ..codec import RequestError, StageOutput, StageRequest
 from ..settings import ConfigError, StageSettings
 from .base import EngineBridge, configure_torch, control_event, engine_options, session_key, torch_dtype
-from .options import sampling_params, stage0_open_args, unit_temperature
+from .options import (
+    check_config,
+    decode_rules,
+    force_listen_count,
+    instructions,
+    ref_audio,
+    sampling_params,
+    seed_of,
+    text_only,
+    unit_temperature,
+    voice_of,
+)
 
 MS_PER_S = 1000.0
 WINDOW_LOW_FRACTION = 0.75  # eviction drops old units down to this share of the KV window (§7.4)
@@ -38,17 +51,20 @@ OPTIONS = ("compile_mode", "cuda_graphs", "scripted_decisions")  # deploy profil
 PLAN_KEYS = ("listen_units", "speak_units", "text_ids_per_unit", "tail_listen_units")  # ScriptPlan's fields
 
 
+DEFAULT_VOICE = "default"
+
+
 @dataclass
 class _Unit:
     sink: Any
-    forced: bool
     accepted_at: float = field(default_factory=time.perf_counter)
 
 
 @dataclass
 class _Session:
     corrid: int
-    force_listen_count: int
+    seed: int
+    text_only: bool = False  # no `tts_input`: nothing for the talker and the vocoder to do
     units: dict[int, _Unit] = field(default_factory=dict)
     started: int = 0  # units whose decision the engine reached
     in_turn: bool = False  # a speak unit opened a turn that no `end_of_turn` has closed yet
@@ -60,9 +76,13 @@ class Stage0Bridge(EngineBridge):
         configure_torch(settings)
         opts = engine_options(settings, OPTIONS)
         ck = load_checkpoint(settings.checkpoint_dir, device=settings.device, dtype=torch_dtype(settings),
-                             with_vision=False, with_token2wav=False, components=THINKER_COMPONENTS)
+                             with_vision=True, with_token2wav=False, components=THINKER_COMPONENTS)
         model = ck.model
-        frontend = AudioFrontEndAdapter(AudioFrontEnd(model.apm, model.audio_projection_layer, ck.config.audio))
+        vision = VisionFrames(model.vpm, model.resampler) if model.vpm is not None else None
+        frontend = AudioFrontEndAdapter(AudioFrontEnd(model.apm, model.audio_projection_layer, ck.config.audio), vision)
+        # the voices' reference clips (model.md §3.2: the prefix and the Token2Wav prompt use the same clip)
+        self.voice_clips = {v: ck.voice(v).ref_audio_16k for v in ck.voices()}
+        self.default_voice = DEFAULT_VOICE if DEFAULT_VOICE in self.voice_clips else min(self.voice_clips, default="")
         cfg = Stage0Config(max_sessions=settings.max_sessions, window_high=settings.kv_window,
                            window_low=max(1, int(settings.kv_window * WINDOW_LOW_FRACTION)),
                            use_cuda_graphs=settings.device.startswith("cuda") and opts.get("cuda_graphs", True),
@@ -76,18 +96,12 @@ class Stage0Bridge(EngineBridge):
     def handle(self, req: StageRequest, sink: Any) -> None:
         sid, fence = session_key(req.corrid), Fence(req.fence[0], req.fence[1], req.fence[2])
         if req.op == "open":
-            args = stage0_open_args(req.config or {})
-            self.engine.open(sid, fence, **args)
-            self.sessions[sid] = _Session(req.corrid, args["force_listen_count"]
-                                          if args["force_listen_count"] is not None
-                                          else self.engine.rules.force_listen_count)
+            self._open(sid, fence, req.corrid, req.config or {})
         elif req.op == "append":
             self._append(sid, fence, req, sink)
             return  # the sink closes at the unit's UnitDone
         elif req.op == "update":
-            cfg = req.config or {}
-            params = sampling_params(cfg) if cfg else None
-            self.engine.update(sid, fence, params=params, prompt=cfg.get("instructions"))
+            self._update(sid, fence, req.config or {})
         elif req.op == "cancel":
             assert req.next_fence is not None
             self.engine.cancel(sid, fence, Fence(*req.next_fence))
@@ -98,6 +112,42 @@ class Stage0Bridge(EngineBridge):
         sink.emit(control_event(req, "stage0"))
         sink.close()
 
+    def _open(self, sid: str, fence: Fence, corrid: int, cfg: dict[str, Any]) -> None:
+        check_config(cfg)
+        seed = seed_of(cfg)
+        self.engine.open(sid, fence, prompt=instructions(cfg), ref_audio=self._clip(cfg),
+                         params=sampling_params(cfg, seed), rules=decode_rules(cfg, self.engine.rules),
+                         force_listen_count=force_listen_count(cfg))
+        self.sessions[sid] = _Session(corrid, seed, text_only=bool(text_only(cfg)))
+
+    def _clip(self, cfg: dict[str, Any]) -> torch.Tensor | None:
+        """The prefix's reference clip: the client's, else the voice's (None without voices)."""
+        clip = ref_audio(cfg)
+        if clip is not None or not self.voice_clips:
+            return clip
+        return self.voice_clips[voice_of(cfg, self.voice_clips, self.default_voice)]
+
+    def _update(self, sid: str, fence: Fence, cfg: dict[str, Any]) -> None:
+        """A runtime update: sampling, rules, force-listen and output mode from the next unit. The prefix
+        (instructions) may change; its clip and the seed are fixed at open (protocol.md §2.6)."""
+        if not cfg:
+            return
+        check_config(cfg)
+        state = self.sessions.get(sid)
+        live = self.engine.session(sid)  # raises for an unknown session
+        assert state is not None
+        if cfg.get("seed") is not None and seed_of(cfg) != state.seed:
+            raise RequestError("invalid_runtime_config", "CONFIG seed cannot change after open")
+        flc = force_listen_count(cfg)  # every update carries it: only a new value restarts the count
+        prompt = instructions(cfg)  # every update carries it too: only a new prompt rebuilds the prefix
+        prompt = None if prompt == (live.pending_prompt or live.prompt) else prompt
+        self.engine.update(sid, fence, params=sampling_params(cfg, state.seed), prompt=prompt,
+                           rules=decode_rules(cfg, live.rules),
+                           force_listen_count=None if flc == live.rules.force_listen_count else flc)
+        mode = text_only(cfg)
+        if mode is not None:
+            state.text_only = mode
+
     def _append(self, sid: str, fence: Fence, req: StageRequest, sink: Any) -> None:
         if req.pcm is None:
             raise RequestError("bad_audio", "append needs PCM")
@@ -107,8 +157,7 @@ class Stage0Bridge(EngineBridge):
         index = self.engine.append(sid, fence, pcm, req.frames, force_listen_override=bool(req.force_listen),
                                    temperature=temperature)
         assert state is not None  # the engine raised for an unknown session
-        forced = bool(req.force_listen) or index < state.force_listen_count
-        state.units[index] = _Unit(sink, forced)
+        state.units[index] = _Unit(sink)
 
     def step(self) -> bool:
         # a row is one session's forward in this step (prefix, unit prefill, token or close): every session
@@ -155,11 +204,11 @@ class Stage0Bridge(EngineBridge):
         if state is None or unit is None:
             return
         if isinstance(ev, TokenEvent):
-            if ev.decision:
+            if ev.decision:  # the engine's verdict: `listen` iff it decided `<|listen|>` (its unit_done agrees)
                 state.started += 1
-                action = "listen" if ev.token_id in self.terminators else "speak"
+                action = "listen" if ev.listen else "speak"
                 unit.sink.emit(StageOutput({"type": "decision", "action": action, "decision": action,
-                                            "unit": ev.unit_index, "forced": unit.forced}))
+                                            "unit": ev.unit_index, "forced": ev.forced}))
             elif ev.text:
                 unit.sink.emit(StageOutput({"type": "text", "token_id": ev.token_id, "text": ev.text,
                                             "unit": ev.unit_index}))
@@ -169,11 +218,11 @@ class Stage0Bridge(EngineBridge):
 
     def _unit_done(self, state: _Session, unit: _Unit, ev: UnitDone) -> None:
         if ev.error is not None:
-            unit.sink.emit(StageOutput({"type": "error", "code": "bad_audio", "message": ev.error,
+            unit.sink.emit(StageOutput({"type": "error", "code": ev.error_code, "message": ev.error,
                                         "unit": ev.unit_index}))
             unit.sink.close()
             return
-        if ev.rows and not ev.aborted:
+        if ev.rows and not ev.aborted and not state.text_only:
             turn_start = not state.in_turn
             state.in_turn = not ev.end_of_turn
             hidden = torch.stack([r.hidden for r in ev.rows]).to(torch.float32).cpu().numpy()  # [n, H]
@@ -186,7 +235,7 @@ class Stage0Bridge(EngineBridge):
         m = ev.metrics
         unit.sink.emit(StageOutput({
             "type": "unit_done", "unit": ev.unit_index, "is_listen": ev.is_listen, "end_of_turn": ev.end_of_turn,
-            "forced": unit.forced, "aborted": ev.aborted, "text": ev.text,
+            "forced": ev.forced, "aborted": ev.aborted, "text": ev.text,
             "metrics": {"thinker": {"tokens": m.tokens, "ttft_ms": m.ttft_s * MS_PER_S,
                                     "token_times_ms": _token_times_ms(m.ttft_s, m.itl_s),
                                     "queue_ms": m.queue_s * MS_PER_S}}}))
