@@ -165,6 +165,7 @@ class _Unit:
     done_event: UnitDone | None = None  # stage0's unit_done, sent after the unit's audio
     stage0_open: bool = True  # stage0's request has not ended yet
     speech_calls: int = 0  # tts / token2wav requests of this unit not ended yet
+    cancelled: bool = False  # a cancel moved the session past this unit's epoch: start no more stage calls
     firsts: dict[str, float] = field(default_factory=dict)  # stage -> ms from the append to its first output
 
     @property
@@ -202,6 +203,8 @@ class UnitOrder:
 
     def drop_before(self, epoch: int) -> None:
         """A cancel: units of older epochs emit nothing more (the session rejects their epoch anyway)."""
+        for unit in self._units:
+            unit.cancelled = unit.cancelled or unit.epoch < epoch
         self._units = collections.deque(u for u in self._units if u.epoch >= epoch)
         if self._units:
             head = self._units[0]
@@ -306,12 +309,14 @@ class StagedTritonRuntime:
 
     def _speak(self, s: _Session, fence: Fence, flow: _Unit, ev: dict[str, Any], result: Any) -> None:
         """stage0's `tts_input` -> tts; each of its `audio_tokens` -> token2wav; each `audio` -> the session."""
+        if flow.cancelled:
+            return
         turn = {k: ev[k] for k in TURN_KEYS if k in ev}
         hidden = _array(result, "HIDDEN", np.float32)
 
         def on_codes(out: dict[str, Any], res: Any) -> None:
-            if out.get("type") != "audio_tokens" or out.get("dropped"):
-                return
+            if out.get("type") != "audio_tokens" or out.get("dropped") or flow.cancelled:
+                return  # nothing to render, or a cancel overtook the unit: its audio would be dropped anyway
             flow.firsts.setdefault("talker", _ms_since(flow.started))
             flow.speech_calls += 1
             s.stream.send(TOKEN2WAV, "append", s.stage_fence(fence, TOKEN2WAV), on_audio, ended,
