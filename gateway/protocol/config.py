@@ -8,6 +8,7 @@ update leaves the session unchanged (§2.7 U2).
 from __future__ import annotations
 
 import dataclasses
+import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,6 +66,9 @@ class SessionConfig:
     force_listen_count: int = 0
     duplex_initial_user_text: str | None = None
     return_stage_metrics: bool = True
+    # the session's sampling seed (§2.4): a fresh random one unless the client gives one; echoed so that a
+    # run can be reproduced. Fixed at the prefix commit.
+    seed: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -84,7 +88,11 @@ class SessionConfig:
 def default_config(ctx: ConfigContext) -> SessionConfig:
     return SessionConfig(model=ctx.served_model, input_audio_sample_rate_hz=ctx.default_input_rate_hz,
                          output_audio_format=ctx.default_output_format, idle_timeout_s=ctx.idle_ttl_s,
-                         force_listen_count=ctx.force_listen_count)
+                         force_listen_count=ctx.force_listen_count, seed=random_seed())
+
+
+def random_seed() -> int:
+    return secrets.randbelow(v.MAX_SEED + 1)
 
 
 # Fields locked at the prefix commit (§2.6) and the error each raises when changed afterwards.
@@ -93,6 +101,7 @@ _LOCKED = {
     "voice": "voice_update_after_audio_unsupported",
     "ref_audio": "ref_audio_update_unsupported",
     "duplex_initial_user_text": "bad_event",
+    "seed": "bad_event",
 }
 
 
@@ -108,6 +117,8 @@ def apply_patch(current: SessionConfig, session: dict[str, Any], ctx: ConfigCont
         values[name] = checker(value, ctx) if checker is not None else value
     if "id" in values and not opening:
         values.pop("id")
+    if "seed" in values and values["seed"] is None:
+        values["seed"] = current.seed if prefix_committed else random_seed()  # null: a fresh random seed
     values.pop("type", None)
     for flag in ("native_duplex", "minicpmo45_native_duplex"):
         if values.pop(flag, True) is False:

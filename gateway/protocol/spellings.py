@@ -15,7 +15,7 @@ SERVER_OWNED_KEYS: frozenset[str] = frozenset({
     "duplex_stage_sampling_params", "duplex_stage_max_tokens", "duplex_stage0_max_tokens",
     "duplex_scheduler_token_id", "duplex_first_append_context_tokens", "ref_audio_data", "ref_audio_format",
     "ref_audio_sample_rate_hz", "initial_user_text", "runtime_config",
-    "top_p", "top_k", "repetition_penalty", "seed", "stop", "stop_token_ids", "min_tokens",
+    "top_p", "top_k", "repetition_penalty", "stop", "stop_token_ids", "min_tokens",
     "listen_prob_scale", "listen_top_k", "max_new_speak_tokens_per_chunk", "tts_temperature", "tts_top_p",
     "tts_top_k", "tts_repetition_penalty",
     "idle_ttl_s", "disconnect_grace_s", "reaper_interval_s", "resume_replay_ttl_s",
@@ -43,7 +43,7 @@ _TOP: dict[str, str] = {
 EXTRA_KEYS: tuple[str, ...] = (
     "auto_response", "force_listen_count", "duplex_initial_user_text", "return_stage_metrics",
     "overlap_policy", "overlap_short_ack_ms", "overlap_barge_in_ms", "overlap_silence_rms",
-    "playback_commit_policy", "native_duplex", "minicpmo45_native_duplex",
+    "playback_commit_policy", "native_duplex", "minicpmo45_native_duplex", "seed",
 )
 _EXTRA_ALIASES = {"tts_ref_audio": "ref_audio"}
 GA_INPUT_TYPES = {"audio/pcm": "pcm16", "audio/pcmu": "g711_ulaw", "audio/pcma": "g711_alaw"}

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import soundfile
 
 from gateway.protocol.errors import ProtocolError
@@ -30,6 +31,8 @@ MAX_INITIAL_TEXT_CHARS = 8192
 MAX_REF_AUDIO_BYTES = 10 * 1024 * 1024
 MAX_REF_AUDIO_MS = 30_000
 MAX_TOKENS_PER_UNIT = 20
+MAX_SEED = 2**63 - 1
+REF_AUDIO_RATE_HZ = 16000  # the clip reaches the model as 16 kHz mono (model.md §2.6)
 OVERLAP_MS_MAX = 10_000
 PCM16_ALIASES = {"pcm16": "pcm16", "pcm_s16le": "pcm16", "s16le": "pcm16", "pcm": "pcm16"}
 INPUT_FORMATS = {**PCM16_ALIASES, "pcm_f32le": "pcm_f32le", "g711_ulaw": "g711_ulaw", "g711_alaw": "g711_alaw",
@@ -48,6 +51,7 @@ class RefAudio:
     data: bytes
     sha256: str
     duration_ms: int | None
+    pcm16k: bytes = b""  # the clip decoded to 16 kHz mono PCM16 (little-endian): what the runtime gets
 
     def descriptor(self) -> dict[str, Any]:
         return {"source": "client", "sha256": self.sha256, "duration_ms": self.duration_ms}
@@ -121,16 +125,34 @@ def check_ref_audio(value: Any, ctx: Any = None) -> RefAudio | None:
         data = base64.b64decode(m.group(2), validate=True)
     except (binascii.Error, ValueError):
         raise _bad("ref_audio", "ref_audio is not valid base64", "bad_audio") from None
-    duration_ms: int | None = None
     try:
         info = soundfile.info(io.BytesIO(data))
-        duration_ms = int(info.frames * 1000 // info.samplerate)
-    except (RuntimeError, soundfile.LibsndfileError):
-        if m.group(1) in ("wav", "x-wav", "flac", "ogg"):
-            raise _bad("ref_audio", "ref_audio could not be decoded", "bad_audio") from None
-    if duration_ms is not None and duration_ms > MAX_REF_AUDIO_MS:
-        raise _bad("ref_audio", "ref_audio is longer than 30 s", "bad_audio")
-    return RefAudio(data=data, sha256=hashlib.sha256(data).hexdigest(), duration_ms=duration_ms)
+        if info.frames * 1000 // info.samplerate > MAX_REF_AUDIO_MS:
+            raise _bad("ref_audio", "ref_audio is longer than 30 s", "bad_audio")
+        samples, rate = soundfile.read(io.BytesIO(data), dtype="float32", always_2d=True)
+    except (RuntimeError, soundfile.LibsndfileError):  # the runtime needs the samples: any undecodable clip
+        raise _bad("ref_audio", "ref_audio could not be decoded", "bad_audio") from None
+    pcm16k = _to_pcm16k(samples.mean(axis=1), rate)
+    return RefAudio(data=data, sha256=hashlib.sha256(data).hexdigest(),
+                    duration_ms=int(samples.shape[0] * 1000 // rate), pcm16k=pcm16k)
+
+
+def _to_pcm16k(mono: np.ndarray, rate: int) -> bytes:
+    """Mono float samples at `rate` -> 16 kHz PCM16 little-endian bytes (soxr, as the input path)."""
+    import soxr  # local: only a client voice clip needs the one-shot resample
+
+    if rate != REF_AUDIO_RATE_HZ and len(mono):
+        mono = soxr.resample(mono, rate, REF_AUDIO_RATE_HZ)
+    return (np.clip(mono, -1.0, 1.0) * 32767.0).round().astype("<i2").tobytes()
+
+
+def check_seed(value: Any, ctx: Any = None) -> int | None:
+    """`seed`: an integer in [0, 2^63) for a reproducible session, or null for a fresh random one."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_SEED:
+        raise _bad("seed", "seed must be an integer in [0, 2^63) or null")
+    return value
 
 
 def check_turn_detection(value: Any, ctx: Any = None) -> dict[str, Any] | None:
@@ -243,6 +265,7 @@ CHECKERS: dict[str, Callable[[Any, Any], Any]] = {
     "force_listen_count": _number("force_listen_count", 0, 2**31, integer=True),
     "duplex_initial_user_text": _text("duplex_initial_user_text", MAX_INITIAL_TEXT_CHARS, nullable=True),
     "return_stage_metrics": _boolean("return_stage_metrics"),
+    "seed": check_seed,
     "native_duplex": _boolean("native_duplex"),
     "minicpmo45_native_duplex": _boolean("minicpmo45_native_duplex"),
 }

@@ -59,7 +59,7 @@ def config_object(c: SessionConfig) -> dict[str, Any]:
         },
         "extra_body": {"auto_response": c.auto_response, "force_listen_count": c.force_listen_count,
                        "duplex_initial_user_text": c.duplex_initial_user_text,
-                       "return_stage_metrics": c.return_stage_metrics},
+                       "return_stage_metrics": c.return_stage_metrics, "seed": c.seed},
         # a deployment voice has no client clip to describe: null until a client clip is set (§2.9)
         "ref_audio": c.ref_audio.descriptor() if c.ref_audio else None,
     }

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from gateway.protocol.config import ConfigContext, apply_patch, default_config
@@ -26,7 +28,8 @@ def test_beta_ga_and_native_spellings_agree() -> None:
                  "max_output_tokens": 50})
     native = _apply({"modalities": ["text"], "sample_rate_hz": 16000, "voice": "v2",
                      "max_output_tokens": 50})
-    assert beta == ga == native
+    same_seed = {"seed": beta.seed}  # each default config draws its own random seed
+    assert beta == dataclasses.replace(ga, **same_seed) == dataclasses.replace(native, **same_seed)
     assert ga.text_only and ga.input_audio_sample_rate_hz == 16000 and ga.voice == "v2"
 
 
@@ -48,7 +51,10 @@ def test_defaults_and_coercions() -> None:
     ({"tool_choice": "required"}, "bad_event"),
     ({"input_audio_sample_rate_hz": 96000}, "bad_event"),
     ({"turn_detection": {"type": "server_vad", "idle_timeout_ms": 5}}, "unsupported_turn_detection"),
-    ({"seed": 1}, "server_owned_config_key"),
+    ({"seed": -1}, "bad_event"),
+    ({"extra_body": {"seed": 2**63}}, "bad_event"),
+    ({"seed": True}, "bad_event"),
+    ({"top_k": 5}, "server_owned_config_key"),
 ])
 def test_invalid_sessions(session: dict, code: str) -> None:
     with pytest.raises(ProtocolError) as exc:
@@ -63,3 +69,15 @@ def test_model_alias_and_locks() -> None:
     assert exc.value.code == "model_not_found"
     cfg = _apply({"instructions": "Streaming Omni Conversation."}, prefix=True)  # unchanged locked value
     assert cfg.instructions == "Streaming Omni Conversation."
+
+
+def test_seed_is_random_per_session_unless_given_and_locked_at_the_prefix_commit() -> None:
+    assert len({default_config(CTX).seed for _ in range(8)}) == 8  # a fresh random seed per session
+    given = _apply({"extra_body": {"seed": 42}})
+    assert given.seed == 42 and _apply({"seed": 42}).seed == 42
+    assert _apply({"seed": None}).seed != _apply({"seed": None}).seed  # null asks for a fresh random one
+    again, touched = apply_patch(given, {"seed": 42}, CTX, opening=False, prefix_committed=True)
+    assert again.seed == 42 and "seed" in touched  # the same value after the commit is no change
+    with pytest.raises(ProtocolError) as exc:
+        apply_patch(given, {"seed": 7}, CTX, opening=False, prefix_committed=True)
+    assert exc.value.code == "bad_event" and exc.value.param == "session.seed"

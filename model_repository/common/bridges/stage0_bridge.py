@@ -136,8 +136,13 @@ class Stage0Bridge(EngineBridge):
         state = self.sessions.get(sid)
         live = self.engine.session(sid)  # raises for an unknown session
         assert state is not None
-        if cfg.get("seed") is not None and seed_of(cfg) != state.seed:
-            raise RequestError("invalid_runtime_config", "CONFIG seed cannot change after open")
+        if cfg.get("seed") is not None and seed_of(cfg) != state.seed:  # a new seed: only before any unit
+            if live.appended:
+                raise RequestError("invalid_runtime_config", "CONFIG seed cannot change after the first unit")
+            self.engine.update(sid, fence)  # checks the fence; the session is then opened again, seeded anew
+            self.engine.close(sid, live.fence)
+            self._open(sid, live.fence, state.corrid, cfg)
+            return
         flc = force_listen_count(cfg)  # every update carries it: only a new value restarts the count
         prompt = instructions(cfg)  # every update carries it too: only a new prompt rebuilds the prefix
         prompt = None if prompt == (live.pending_prompt or live.prompt) else prompt

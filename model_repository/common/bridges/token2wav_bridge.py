@@ -5,6 +5,7 @@ ends (FINAL) after the unit's last chunk. Voices are the checkpoint's voice pack
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from engine.loader import load_checkpoint
@@ -12,7 +13,7 @@ from engine.stage1.token2wav_engine import Token2WavEngine, Token2WavEngineConfi
 from engine.stage1.types import Fence
 from engine.token2wav.pool import PoolConfig
 
-from ..codec import StageOutput, StageRequest
+from ..codec import RequestError, StageOutput, StageRequest
 from ..settings import ConfigError, StageSettings
 from .base import (
     DTYPES,
@@ -26,6 +27,9 @@ from .base import (
 from .options import check_config, seed_of, voice_of
 
 DEFAULT_VOICE = "default"
+# Ragged rows are not bucketed: each batch size has its own graphs (a warm-up turn builds ~5 shapes per
+# size and kind); room for twice that before a shape runs eager (counted as a miss either way).
+GRAPHS_PER_BATCH_SIZE = 10
 
 OPTIONS = ("flow_dtype", "cuda_graphs")  # deploy profile `engine_options.token2wav` keys
 
@@ -44,7 +48,8 @@ class Token2WavBridge(EngineBridge):
             raise ConfigError(f"{settings.checkpoint_dir}: no Token2Wav assets")
         cuda = settings.device.startswith("cuda")
         cfg = Token2WavEngineConfig(max_batch=settings.max_sessions, use_cuda_graphs=cuda and opts.get("cuda_graphs", True),
-                                    pool=PoolConfig(slots=settings.max_sessions))
+                                    pool=PoolConfig(slots=settings.max_sessions),
+                                    max_graphs=GRAPHS_PER_BATCH_SIZE * settings.max_sessions)
         self.engine = Token2WavEngine(ck.token2wav, cfg)
         self.voices = ck.voices()
         if not self.voices:
@@ -53,6 +58,14 @@ class Token2WavBridge(EngineBridge):
             self.engine.add_voice(voice_id, ck.voice(voice_id))
         self.default_voice = DEFAULT_VOICE if DEFAULT_VOICE in self.voices else sorted(self.voices)[0]
         self.pending: dict[str, list[tuple[int, Fence, Any, list[int]]]] = {}  # sid -> (unit, fence, sink, [seq])
+        self.opened: dict[str, tuple[str, int, bool]] = {}  # sid -> (voice, seed, a unit was submitted)
+
+    def warm_up(self, emit: Callable[[str], None]) -> None:
+        """Every batch size's graphs, by synthetic turns in the default voice, before the stage is ready."""
+        self.engine.warm_up(self.default_voice, emit)
+
+    def graph_misses(self) -> dict[str, int]:
+        return self.engine.misses.counts()
 
     def handle(self, req: StageRequest, sink: Any) -> None:
         sid, fence = session_key(req.corrid), Fence(req.fence[0], req.fence[1])
@@ -60,12 +73,17 @@ class Token2WavBridge(EngineBridge):
         if req.op in ("open", "update"):
             check_config(cfg)
         if req.op == "open":
-            self.engine.open(sid, fence, voice_of(cfg, self.voices, self.default_voice), seed_of(cfg))
+            self.opened[sid] = (voice_of(cfg, self.voices, self.default_voice), seed_of(cfg), False)
+            self.engine.open(sid, fence, *self.opened[sid][:2])
             self.pending[sid] = []
+        elif req.op == "update":
+            self._reseed(sid, cfg)
         elif req.op == "append":
             unit = int(cfg.get("unit", 0))
             codes = [] if req.tokens is None else [int(c) for c in req.tokens]
             self.engine.submit(sid, fence, unit, codes, bool(cfg.get("end_of_turn", False)))
+            if sid in self.opened:
+                self.opened[sid] = (*self.opened[sid][:2], True)  # the seed is in use from now on
             self.pending.setdefault(sid, []).append((unit, fence, sink, [0]))
             return  # the sink closes with the unit's last chunk
         elif req.op == "cancel":
@@ -76,8 +94,21 @@ class Token2WavBridge(EngineBridge):
             self.engine.close(sid, fence)
             self._end(sid, lambda u, f: True)
             self.pending.pop(sid, None)
+            self.opened.pop(sid, None)
         sink.emit(control_event(req, "token2wav"))
         sink.close()
+
+    def _reseed(self, sid: str, cfg: dict[str, Any]) -> None:
+        """A new CONFIG seed before the session's first unit opens it again with that seed; later it is refused."""
+        voice, seed, used = self.opened.get(sid, ("", None, True))
+        if cfg.get("seed") is None or seed_of(cfg) == seed:
+            return
+        session = self.engine.sessions.get(sid)
+        if used or session is None:
+            raise RequestError("invalid_runtime_config", "CONFIG seed cannot change after the first unit")
+        self.engine.close(sid, session.fence)
+        self.opened[sid] = (voice, seed_of(cfg), False)
+        self.engine.open(sid, session.fence, voice, self.opened[sid][1])
 
     def step(self) -> bool:
         # a row is one session's flow + vocoder call (queued silence is no row)
@@ -115,6 +146,7 @@ class Token2WavBridge(EngineBridge):
             self.engine.close(sid, s.fence)
         self._end(sid, lambda u, f: True)
         self.pending.pop(sid, None)
+        self.opened.pop(sid, None)
 
     def fail_all(self, out: StageOutput) -> None:
         for waiting in self.pending.values():

@@ -5,6 +5,7 @@ CONFIG = {"unit", "is_turn_eos", "end_of_turn", "turn_start"}) -> engine.stage1.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -37,15 +38,25 @@ class TTSBridge(EngineBridge):
         self.llm_dim = ck.config.tts.llm_dim
         self.engine = TTSEngine(ck.model.tts, cfg)  # the process holds only the TTS weights
         self.pending: dict[str, list[tuple[TTSUnitRequest, Any]]] = {}
+        self.seeds: dict[str, int] = {}
+
+    def warm_up(self, emit: Callable[[str], None]) -> None:
+        """Every step / prefill graph (compiled first with `compile_step`) before the stage is ready."""
+        self.engine.runner.warm_up(emit)
+
+    def graph_misses(self) -> dict[str, int]:
+        return self.engine.runner.misses.counts()
 
     def handle(self, req: StageRequest, sink: Any) -> None:
         sid, fence = session_key(req.corrid), Fence(req.fence[0], req.fence[1])
         if req.op == "open":
             self._check(req.config or {})
-            self.engine.open(sid, fence, seed_of(req.config or {}))
+            self.seeds[sid] = seed_of(req.config or {})
+            self.engine.open(sid, fence, self.seeds[sid])
             self.pending[sid] = []
         elif req.op == "update":
             self._check(req.config or {})
+            self._reseed(sid, fence, req.config or {})
         elif req.op == "append":
             unit = self._unit(sid, fence, req)
             self.engine.submit(unit)
@@ -58,8 +69,20 @@ class TTSBridge(EngineBridge):
         elif req.op == "close":
             self.engine.close(sid, fence)
             self._sweep(sid, everything=True)
+            self.seeds.pop(sid, None)
         sink.emit(control_event(req, "tts"))
         sink.close()
+
+    def _reseed(self, sid: str, fence: Fence, cfg: dict[str, Any]) -> None:
+        """A new CONFIG seed before the session's first unit opens it again with that seed; later it is refused."""
+        if cfg.get("seed") is None or seed_of(cfg) == self.seeds.get(sid):
+            return
+        session = self.engine.sessions.get(sid)
+        if session is None or session.units_done or session.queue or self.pending.get(sid):
+            raise RequestError("invalid_runtime_config", "CONFIG seed cannot change after the first unit")
+        self.engine.close(sid, fence)
+        self.seeds[sid] = seed_of(cfg)
+        self.engine.open(sid, session.fence, self.seeds[sid])
 
     def _check(self, cfg: dict[str, Any]) -> None:
         """The session's runtime options: the talker's must be this engine's (`options.check_talker`)."""
@@ -121,6 +144,7 @@ class TTSBridge(EngineBridge):
         if session is not None:
             self.engine.close(sid, Fence(session.fence.incarnation, session.fence.epoch))
         self._sweep(sid, everything=True)
+        self.seeds.pop(sid, None)
 
     def fail_all(self, out: StageOutput) -> None:
         for waiting in self.pending.values():
