@@ -1,0 +1,68 @@
+"""bench/load_realtime.py against the real stack: tritonserver + gateway (tiny checkpoint, CPU) with stage0 on the
+scripted plan of tests/e2e/profiles/scripted.yaml, two sessions for a few seconds, real WebSockets."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from bench.loadgen import stages
+from tests.e2e.stack import Stack
+
+REPO = Path(__file__).resolve().parents[2]
+PROFILE = REPO / "tests" / "e2e" / "profiles" / "scripted.yaml"
+# 3 forced listen units, then the plan speaks units 4-5, 7-8, 10-11: a 12 s run sees two turns per session
+DURATION_S = 12
+CANCEL_EVERY_S = 4
+# errors that would mean the load generator speaks the protocol wrongly
+CLIENT_FAULTS = {"bad_event", "unknown_event", "invalid_json", "bad_audio", "unsupported_audio_format",
+                 "input_audio_buffer_empty", "response_not_active"}
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    s = Stack(tmp_path_factory.mktemp("loadgen-stack"), profile=PROFILE, max_sessions=2)
+    s.start()
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+def test_two_sessions_fill_every_field_and_the_stage_metrics(stack: Stack, tmp_path: Path) -> None:
+    metrics_url = f"http://127.0.0.1:{stack.triton_ports[2]}/metrics"
+    out = tmp_path / "load.json"
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "load_realtime.py"), "--url", f"ws://{stack.addr}",
+                           "--sessions", "2", "--duration", str(DURATION_S), "--cancel-every", str(CANCEL_EVERY_S),
+                           "--profile", str(PROFILE), "--triton-metrics", metrics_url, "--out", str(out)],
+                          capture_output=True, text=True, timeout=200, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "[N=2]" in proc.stderr  # progress lines
+    assert proc.stdout.splitlines()[-2].startswith("N | held")  # the table comes last
+
+    doc = json.loads(out.read_text())
+    assert doc["commit"] != "unknown" and doc["device"] == "cpu" and doc["profile"] == str(PROFILE)
+    (run,) = doc["runs"]
+    assert run["sessions"] == 2 and run["scripted"] is True and isinstance(run["held_realtime"], bool)
+    for key in ("commit_to_first_audio_ms", "cancel_to_last_audio_ms"):
+        assert run[key]["p50"] is not None and run[key]["p99"] is not None, (key, run)
+    assert run["transcript_delay_ms"]["p50"] is not None
+    assert run["max_chunk_gap_ms"] > 0 and isinstance(run["underruns"], int)
+    assert not set(run["errors"]) & CLIENT_FAULTS, run["errors"]
+    assert all(p["audio_s"] > 0 for p in run["per_session"]), run["per_session"]
+    # every stage batched rows during the run, and says so on Triton's endpoint
+    assert all(run["stage_rows_per_step"][s] >= 1 for s in stages.STAGES), run["stage_rows_per_step"]
+    with urllib.request.urlopen(metrics_url, timeout=5) as resp:
+        sample = stages.parse(resp.read().decode())
+    for stage in stages.STAGES:
+        for family in stages.FAMILIES.values():
+            assert sample[(f"{family}_count", stage)] > 0, (family, stage)
+        assert sample[("duplex_stage_rows_per_step_sum", stage)] >= sample[("duplex_stage_rows_per_step_count", stage)]

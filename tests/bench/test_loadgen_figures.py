@@ -1,0 +1,102 @@
+"""bench/loadgen: the figures of a run from fabricated receipt stamps, the stage-metric scrape, the CLI's failure."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.loadgen import stages
+from bench.loadgen.report import commit_latencies, play, run_figures
+from bench.loadgen.user import ResponseLog, UserLog, audio_delta_ms
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _response(rid: str, created: float, recv: list[float], dur_ms: float = 1000.0) -> ResponseLog:
+    r = ResponseLog(rid, created)
+    r.audio_t, r.audio_ms = list(recv), [dur_ms] * len(recv)
+    r.unit_audio_t = {i: t for i, t in enumerate(recv)}
+    return r
+
+
+def test_player_counts_underruns_and_the_largest_gap() -> None:
+    # 1 s chunks at 0, 1.0, 2.5 (a 500 ms underrun), 3.5: 4 s of audio over 4.5 s on the player
+    p = play(_response("r", 0.0, [0.0, 1.0, 2.5, 3.5]))
+    assert p.underruns == 1 and p.underrun_ms == pytest.approx(500.0)
+    assert p.max_gap_ms == pytest.approx(1500.0)
+    assert p.audio_ms == 4000.0 and p.span_ms == pytest.approx(4500.0)
+
+
+def test_commit_latency_pairs_each_commit_with_the_next_response() -> None:
+    log = UserLog(0, commits=[1.0, 5.0, 9.0])
+    log.responses = {"a": _response("a", 1.5, [1.8, 2.8]), "b": _response("b", 9.2, [9.6])}
+    # the commit at 5.0 got no response before the next commit: absent, not 0
+    assert commit_latencies(log) == pytest.approx([800.0, 600.0])
+
+
+def test_run_holds_only_when_every_session_keeps_pace() -> None:
+    good = UserLog(0, commits=[0.0])
+    good.responses = {"a": _response("a", 0.1, [0.2, 1.2, 2.2])}
+    good.responses["a"].unit_text_t = {0: 0.25, 1: 1.21}
+    good.responses["a"].cancel_t = 1.5  # one more chunk after the cancel, 700 ms later
+    late = UserLog(1)
+    late.responses = {"b": _response("b", 0.0, [0.1, 1.6])}  # a 1.5 s chunk gap
+    run = run_figures(2, [good, late], scripted=True)
+    assert not run["held_realtime"] and run["not_held"] == ["chunk gap 1500 ms > 1200 ms"]
+    assert run_figures(1, [good], scripted=True)["held_realtime"]
+    assert run["commit_to_first_audio_ms"]["p50"] == pytest.approx(200.0)
+    assert run["cancel_to_last_audio_ms"]["p50"] == pytest.approx(700.0)
+    assert run["transcript_delay_ms"]["count"] == 2 and run["transcript_delay_ms"]["p50"] == pytest.approx(30.0)
+    assert run["underruns"] == 1 and run["max_chunk_gap_ms"] == pytest.approx(1500.0)
+
+
+def test_a_session_without_audio_or_with_a_failure_does_not_hold() -> None:
+    failed = UserLog(0, failure="open refused: resource_exhausted")
+    failed.errors["resource_exhausted"] += 1
+    run = run_figures(1, [failed], scripted=False)
+    assert not run["held_realtime"] and run["errors"] == {"resource_exhausted": 1}
+    assert not run_figures(1, [UserLog(0)], scripted=False)["held_realtime"]
+
+
+def test_audio_delta_duration_from_base64_length() -> None:
+    import base64
+
+    pcm = bytes(2 * 2401)  # 2401 samples at 24 kHz (odd byte count for base64 padding)
+    ev = {"delta": base64.b64encode(pcm).decode(), "sample_rate_hz": 24000}
+    assert audio_delta_ms(ev) == pytest.approx(2401 / 24.0)
+
+
+EXPOSITION = """# TYPE duplex_stage_rows_per_step histogram
+duplex_stage_rows_per_step_count{stage="stage0"} 10
+duplex_stage_rows_per_step_sum{stage="stage0"} 25
+duplex_stage_rows_per_step_bucket{stage="stage0",le="1"} 2
+duplex_stage_step_seconds_count{stage="tts"} 4
+duplex_stage_step_seconds_sum{stage="tts"} 0.2
+nv_inference_count{model="stage0",version="1"} 7
+"""
+
+
+def test_stage_means_are_deltas_over_the_run() -> None:
+    before = stages.parse(EXPOSITION)
+    after = stages.parse(EXPOSITION.replace("} 10", "} 14").replace("} 25", "} 37").replace("} 4\n", "} 6\n")
+                         .replace("} 0.2", "} 0.3"))
+    m = stages.means(before, after)
+    assert m["rows_per_step"] == {"stage0": 3.0, "tts": None, "token2wav": None}
+    assert m["step_ms"]["tts"] == pytest.approx(50.0)
+
+
+def test_unreachable_gateway_fails_loudly(tmp_path: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+    out = tmp_path / "r.json"
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "load_realtime.py"), "--url", f"ws://127.0.0.1:{port}",
+                           "--sessions", "2", "--duration", "3", "--out", str(out)],
+                          capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert proc.returncode == 2
+    assert f"cannot reach the gateway at ws://127.0.0.1:{port}" in proc.stderr
+    assert not out.exists()
