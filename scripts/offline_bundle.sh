@@ -103,6 +103,6 @@ cp scripts/install_offline.sh "$STAGE/$NAME/"
 
 ARCHIVE="$OUT/$NAME.tar.xz"
 echo "[bundle] packing $(du -sm "$STAGE/$NAME" | cut -f1) MB of files with xz"
-tar -C "$STAGE" -cf - "$NAME" | xz -9 -T0 > "$ARCHIVE.part"
+tar -C "$STAGE" -cf - "$NAME" | xz "${XZ_LEVEL:--9}" -T0 > "$ARCHIVE.part"  # XZ_LEVEL=-1: quick test builds
 mv "$ARCHIVE.part" "$ARCHIVE"
 echo "[bundle] $ARCHIVE: $(( $(stat -c %s "$ARCHIVE") / 1000000 )) MB in $(( SECONDS - t0 )) s"
