@@ -24,6 +24,7 @@ class UnitFrontEnd(Protocol):
         """One camera frame → `frame_embeddings` embeddings [64, H]. Optional, like the two below: a front
         end without any frame method refuses frames."""
 
+    # Optional: `encode_units(states, pcms) -> [10, H] each` encodes many sessions' units in one batch.
     # Optional: `prepare_frame(data) -> frame` turns the wire bytes into what the encoder takes (at append,
     # ValueError for a bad image); `encode_frames(frames) -> [64, H] each` encodes many frames in one batch.
 
@@ -61,6 +62,10 @@ class AudioFrontEndAdapter:
 
     def new_state(self) -> Any:
         return self.audio.new_session()
+
+    def encode_units(self, states: list[Any], pcms: list[torch.Tensor]) -> list[torch.Tensor]:
+        """`encode_unit` of many sessions in one batch (one log-mel STFT, one encoder pass)."""
+        return self.audio.encode_units(states, [p.to(torch.float32) for p in pcms])
 
     def encode_unit(self, state: Any, pcm: torch.Tensor, unit_index: int) -> torch.Tensor:
         # NOTE: units dropped by a cancel never reach the mel stream, so its unit count may trail

@@ -54,6 +54,11 @@ class StepLoop:
             sessions = sorted(self.sessions.values(), key=lambda s: s.slot)
             for s in sessions:
                 self._prepare(s)
+        # Outside the lock: requests are accepted while the front end runs. Only this thread touches a
+        # session's front-end state and its unit in PREFILL (a cancel only marks that unit aborted).
+        self._encode_audio(sessions)
+        with self.lock:
+            sessions = [s for s in sessions if self.sessions.get(s.session_id) is s]  # closed meanwhile: gone
             self._encode_frames(sessions)
             work = [(s, row) for s in sessions if (row := self._schedule(s)) is not None]
             if not work:
@@ -152,6 +157,21 @@ class StepLoop:
         if s.phase is Phase.IDLE and s.queue:
             self._start_unit(s)
 
+    def _encode_audio(self: Stage0Engine, sessions: list[Session]) -> None:
+        """The audio of every unit prefilled this step through the front end in one batch."""
+        batch = getattr(self.frontend, "encode_units", None)
+        runs = [(s.frontend_state, s.unit) for s in sessions if s.phase is Phase.PREFILL and s.unit is not None
+                and s.unit.audio_embeds is None]
+        if batch is None or not runs:
+            return
+        try:
+            encoded = batch([state for state, _ in runs], [unit.job.pcm for _, unit in runs])
+        except Exception as exc:  # noqa: BLE001 - the states may have advanced: these units fail, not the engine
+            traceback.print_exc()
+            encoded = [exc] * len(runs)
+        for (_, unit), audio in zip(runs, encoded, strict=True):
+            unit.audio_embeds = audio
+
     def _encode_frames(self: Stage0Engine, sessions: list[Session]) -> None:
         """Every camera frame of the units prefilled this step, through the vision encoder in one batch."""
         batch = self.frontend.encode_frames if hasattr(self.frontend, "encode_frames") else None
@@ -206,7 +226,11 @@ class StepLoop:
                 raise FrontEndError(f"frame embeddings have shape {tuple(f.shape)}")
             parts += [self.runner.embed([self.ids.image_open]), f.to(self.runner.device, self.runner.dtype),
                       self.runner.embed([self.ids.image_close])]
-        audio = self.frontend.encode_unit(s.frontend_state, job.pcm, job.index)
+        audio = s.unit.audio_embeds
+        if isinstance(audio, Exception):
+            raise FrontEndError(f"unit {job.index}: the batched audio front end failed: {audio}")
+        if audio is None:  # a front end without `encode_units`
+            audio = self.frontend.encode_unit(s.frontend_state, job.pcm, job.index)
         if tuple(audio.shape) != (cfg.audio_embeddings_per_unit, h):  # I3
             raise FrontEndError(f"unit {job.index}: audio embeddings have shape {tuple(audio.shape)}")
         parts.append(audio.to(self.runner.device, self.runner.dtype))

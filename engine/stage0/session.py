@@ -67,6 +67,8 @@ class UnitRun:
     turn_before: TurnState = field(default_factory=TurnState)
     history_len: int = 0
     frame_embeds: list[torch.Tensor] | None = None  # [64, H] per frame, encoded with the step's other frames
+    # [10, H] from the step's batched audio front end; the exception if that batch failed (the unit fails)
+    audio_embeds: torch.Tensor | Exception | None = None
 
     def metrics(self) -> UnitMetrics:
         t = self.token_times

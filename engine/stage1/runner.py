@@ -8,7 +8,9 @@ engine trims after the single copy-out.
 
 On CUDA the step replays a graph per (batch bucket, kv bucket) and the prefill one per (batch bucket,
 row bucket, kv bucket), padded with scratch-slot rows; with `compile_step` the step is torch.compile'd
-before capture (fewer, fused kernels). On CPU both run eagerly through the same functions.
+before capture (fewer, fused kernels). `warm_up` builds all of them at load (the stage is ready only
+after); later, a shape that finds no graph is a `misses` entry (counted, logged once). On CPU both run
+eagerly through the same functions.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from engine.model.tts import TTSKVCache, TTSModel
 from engine.stage1.config import TTSEngineConfig
 from engine.stage1.sampling import tts_sample
 from engine.stage1.state import UnitState
+from engine.warmup import GraphMisses, Progress
 
 
 def _allow_recompiles(limit: int) -> None:
@@ -54,6 +57,7 @@ class TTSRunner:
         self._states: dict[int, UnitState] = {}  # per batch bucket, shared by its graphs
         self._graphs: dict[tuple[int, ...], _Graph] = {}
         self._pool: object | None = None
+        self.misses = GraphMisses("tts")
         self._step_fn = self._step
         if cfg.compile_step and on_cuda:  # fuse the ~45 small kernels per layer; graphs replay the result
             _allow_recompiles(len(cfg.batch_buckets) * 8)
@@ -123,6 +127,7 @@ class TTSRunner:
     def _step_graph(self, bucket: int, kv_limit: int) -> _Graph:
         key = ("step", bucket, kv_limit)
         if key not in self._graphs:
+            self.misses.record("step", key, "captured now")
             st = self._bucket_state(bucket)
             st.make_padding(self.kv.scratch)
             self._capture(key, lambda: self._step_fn(st, kv_limit), lambda: st.t.fill_(1))
@@ -131,6 +136,7 @@ class TTSRunner:
     def _prefill_graph(self, bucket: int, rows: int, kv_limit: int) -> _Graph:
         key = ("prefill", bucket, rows, kv_limit)
         if key not in self._graphs:
+            self.misses.record("prefill", key, "captured now")
             st = self._bucket_state(bucket)
             st.make_padding(self.kv.scratch)
             cond = torch.zeros(bucket, rows, self.model.cfg.hidden_size,
@@ -138,6 +144,31 @@ class TTSRunner:
             self._capture(key, lambda: self._prefill(cond, st, kv_limit), lambda: None)
             self._graphs[key].cond = cond
         return self._graphs[key]
+
+    def kv_buckets(self) -> tuple[int, ...]:
+        """Every value `cfg.kv_bucket` can return: min_kv_bucket doubling up to max_turn_positions."""
+        out = [self.cfg.kv_bucket(1)]
+        while out[-1] < self.cfg.max_turn_positions:
+            out.append(self.cfg.kv_bucket(out[-1] + 1))
+        return tuple(out)
+
+    @torch.inference_mode()
+    def warm_up(self, emit: Callable[[str], None] | None = None) -> None:
+        """Build (compile, then capture) every step and prefill graph that a batch of at most `max_batch`
+        sessions can use: batch buckets x kv buckets, x row buckets for the prefill. No-op off CUDA."""
+        if self.use_graphs:
+            batches = [b for b in self.cfg.batch_buckets if b <= self.cfg.batch_bucket(self.cfg.max_batch)]
+            kv_limits = self.kv_buckets()
+            progress = Progress("tts", len(batches) * len(kv_limits) * (1 + len(self.cfg.row_buckets)), emit)
+            for b in sorted(batches, reverse=True):  # largest first: the shared pool is sized once
+                for kv_limit in kv_limits:
+                    self._step_graph(b, kv_limit)
+                    progress.step(f"step graph batch {b} kv {kv_limit}")
+                    for rows in self.cfg.row_buckets:
+                        self._prefill_graph(b, rows, kv_limit)
+                        progress.step(f"prefill graph batch {b} rows {rows} kv {kv_limit}")
+            progress.done()
+        self.misses.warm = True
 
     @torch.inference_mode()
     def capture(self, batches: tuple[int, ...], kv_limits: tuple[int, ...]) -> None:
@@ -167,6 +198,8 @@ class TTSRunner:
         st = self._bucket_state(bucket) if graphs else self._state(b)
         step = self._step_graph(bucket, step_limit) if graphs else None
         rows = next((r for r in self.cfg.row_buckets if r >= t_max), None) if graphs else None
+        if graphs and rows is None:
+            self.misses.record("prefill_rows", t_max, "eager")
         prefill = self._prefill_graph(bucket, rows, prefill_limit) if rows is not None else None
         st.load(start=start_pos, n_rows=n_rows, slots=slots, eos_allowed=eos_allowed, u=u,
                 scratch=self.kv.scratch)

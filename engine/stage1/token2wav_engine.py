@@ -7,12 +7,15 @@ call per session: collect → one ragged flow batch (any mix of code counts, `la
 → emit. Chunks are emitted as soon as their call finishes; the §6.6 left pad of a short unit goes out
 first. Per-voice base caches are built once and copied into the session's slot per turn (§6.8).
 `ragged=False` keeps the exact-shape buckets with per-session cache tensors (and the DiT graphs).
+`warm_up` builds the graphs at load by running synthetic turns through the engine itself (ragged rows
+are not bucketed, so it runs every batch size up to `warm_batch`); a later shape without a graph is a
+`misses` entry (counted, logged once).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +41,10 @@ from engine.token2wav.pooled import run_flow_pooled
 from engine.token2wav.ragged_graphs import RaggedSolver
 from engine.token2wav.stream import PendingCall, SessionStream, StreamInputError, new_session, run_flow_batch
 from engine.token2wav.voice import VoiceCache, build_voice_cache
+from engine.warmup import GraphMisses, Progress
+
+WARMUP_SESSION = "__warmup_{}"
+WARMUP_UNITS = 4  # a turn of 4 units: first call, calls while the kept cache grows, steady call, last call
 
 
 @dataclass(frozen=True)
@@ -102,6 +109,43 @@ class Token2WavEngine:
                                    self.cfg.max_graphs)
         self.voices: dict[str, VoiceCache] = {}
         self.sessions: dict[str, _Session] = {}
+        self.misses = GraphMisses("token2wav")
+        self.graphs.misses = self.solver.misses = self.misses
+
+    # -- warm-up ------------------------------------------------------------------------------------
+    def warm_up(self, voice_id: str, emit: Callable[[str], None] | None = None, warm_batch: int | None = None,
+                seed: int = 0) -> None:
+        """Build the graphs of every batch size 1..`warm_batch` (default max_batch): per size, that many
+        sessions speak one `WARMUP_UNITS`-unit turn of random codes in lock step. No-op without graphs."""
+        if self.graphs.enabled or self.solver.enabled:
+            sizes = range(min(warm_batch or self.cfg.max_batch, self.cfg.max_batch), 0, -1)
+            progress = Progress("token2wav", len(sizes), emit)
+            rng = np.random.default_rng(seed)
+            for b in sizes:  # largest first: the shared pool and the K/V buffer are sized once
+                self._warm_turn(voice_id, b, rng)
+                progress.step(f"batch {b}: {self.graph_count()} graphs")
+            progress.done()
+        self.misses.warm = True
+
+    def _warm_turn(self, voice_id: str, b: int, rng: np.random.Generator) -> None:
+        fence, vocab = Fence(0, 0), self.models.flow_cfg.vocab_size
+        sids = [WARMUP_SESSION.format(i) for i in range(b)]
+        for i, sid in enumerate(sids):
+            self.open(sid, fence, voice_id, seed=i)
+        try:
+            for unit in range(WARMUP_UNITS):
+                for sid in sids:
+                    codes = rng.integers(0, vocab, self.cfg.stream.chunk_new).tolist()
+                    self.submit(sid, fence, unit, codes, end_of_turn=unit == WARMUP_UNITS - 1)
+            while self.pending():
+                self.step()
+        finally:
+            for sid in sids:
+                self.close(sid, fence)
+
+    def graph_count(self) -> int:
+        g, r = self.graphs, self.solver
+        return len(g.dit_graphs) + len(g.hift_graphs) + len(g.enc_graphs) + len(r.graphs) + len(r.enc_graphs)
 
     # -- voices and sessions ------------------------------------------------------------------------
     def add_voice(self, voice_id: str, pack: Any) -> VoiceCache:

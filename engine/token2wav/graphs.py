@@ -14,6 +14,7 @@ import torch
 from engine.token2wav.dit import DiT
 from engine.token2wav.encoder import UpsampleConformerEncoder
 from engine.token2wav.hift import HiFT
+from engine.warmup import GraphMisses
 
 
 class _Graph:
@@ -50,13 +51,18 @@ class GraphCache:
         self.dit_graphs: dict[tuple, _Graph] = {}
         self.hift_graphs: dict[tuple, _Graph] = {}
         self.enc_graphs: dict[tuple, _Graph] = {}
+        self.misses = GraphMisses("token2wav")  # the engine shares one across its graph caches
 
     def _get(self, table: dict[tuple, _Graph], fn: Callable, inputs: tuple[torch.Tensor, ...],
              extra: tuple = ()) -> _Graph | None:
         key = (*extra, *(tuple(t.shape) for t in inputs))
         graph = table.get(key)
-        if graph is None and len(table) < self.max_graphs:
-            graph = table[key] = _Graph(fn, inputs, self.pool)
+        if graph is None:
+            full = len(table) >= self.max_graphs
+            kind = "dit" if table is self.dit_graphs else "hift" if table is self.hift_graphs else "encoder"
+            self.misses.record(kind, key, "eager" if full else "captured now")
+            if not full:
+                graph = table[key] = _Graph(fn, inputs, self.pool)
         return graph
 
     def estimator(self, x: torch.Tensor, mu: torch.Tensor, t: torch.Tensor, spks: torch.Tensor,

@@ -23,6 +23,7 @@ from engine.token2wav.cfm import solve_ragged
 from engine.token2wav.dit import DiT
 from engine.token2wav.flow import Flow
 from engine.token2wav.ragged import encode_ragged
+from engine.warmup import GraphMisses
 
 KV_INPUT = 4     # position of the K/V window in the solver's input tuple
 
@@ -64,6 +65,7 @@ class RaggedSolver:
         self.graphs: dict[tuple, _Graph] = {}
         self.enc_graphs: dict[tuple, _Graph] = {}
         self._kv: torch.Tensor | None = None
+        self.misses = GraphMisses("token2wav")  # the engine shares one across its graph caches
 
     def kv_buffer(self, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
         """Where the caller gathers the batch's estimator K/V window [n_ts, depth, 2, B, H, Tg, 2hd]."""
@@ -103,7 +105,9 @@ class RaggedSolver:
                 inputs: tuple[torch.Tensor, ...], shared: int | None) -> tuple[torch.Tensor, ...]:
         graph = graphs.get(key)
         if graph is None:
-            if len(graphs) >= self.max_graphs:
+            full = len(graphs) >= self.max_graphs
+            self.misses.record("solve" if shared is not None else "encode", key, "eager" if full else "captured now")
+            if full:
                 return fn(*inputs)
             graph = graphs[key] = _Graph(fn, inputs, self.pool, shared)
         return graph.run(inputs)

@@ -1,6 +1,8 @@
 """The decoupled, sequence-keyed Python-backend adapter every stage model subclasses.
 
-`initialize` validates the config and starts the engine; `execute` parses, checks the fence and hands
+`initialize` validates the config, builds the engine and warms it up (every graph and compiled step its
+profile allows, progress in the log: Triton reports the model, and so the gateway's /ready, ready only
+once `initialize` returns), then starts it; `execute` parses, checks the fence and hands
 each request to the engine with a ResponseSink, then returns None (decoupled); one response thread
 owns every `response_sender.send`; every request ends with exactly one FINAL flag, also after an
 error, a client cancel or an unload; `finalize` stops the engine and drains with a sentinel.
@@ -12,6 +14,7 @@ import dataclasses
 import json
 import queue
 import threading
+import time
 import traceback
 from typing import Any, Protocol
 
@@ -99,6 +102,7 @@ class DecoupledStageModel:
     def initialize(self, args: dict[str, Any]) -> None:
         self.settings, self.sessions = decoupled_setup(args)
         self.engine: StageEngine = load_factory(self.settings.engine_factory)(self.settings)
+        warm_up(self.engine, self.settings.stage)
         self._outbox: queue.Queue[Any] = queue.Queue()
         self._live: set[ResponseSink] = set()
         self._lock = threading.Lock()
@@ -159,6 +163,17 @@ class DecoupledStageModel:
                 sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=flags)
             except Exception:  # noqa: BLE001 - a dead stream must not stop other sessions' responses
                 pb_utils.Logger.log_error(traceback.format_exc())
+
+
+def warm_up(engine: Any, stage: str) -> None:
+    """The engine's `warm_up(emit)`, if it has one, with its progress lines in Triton's log."""
+    warm = getattr(engine, "warm_up", None)
+    if warm is None:
+        return
+    t0 = time.perf_counter()
+    pb_utils.Logger.log_info(f"{stage}: warm-up starts (the model turns ready after it)")
+    warm(lambda line: pb_utils.Logger.log_info(f"{stage}: {line}"))
+    pb_utils.Logger.log_info(f"{stage}: warm-up finished in {time.perf_counter() - t0:.1f} s")
 
 
 def _input(request: Any, name: str) -> Any:

@@ -8,6 +8,9 @@ metrics API (`pb_utils.MetricFamily`, histograms present in Triton 2.51):
   duplex_stage_queue_wait_seconds   a request's wait from `submit` (adapter thread) until the engine
                                     thread took it (it waits while a step runs)
 `_sum / _count` of a histogram is its mean; the load generator diffs them around a run.
+One counter, labelled by `stage` and `kind` (issue 15):
+  duplex_stage_graph_misses_total   engine calls whose shape had no CUDA graph / compiled step built at
+                                    warm-up (engine/warmup.py GraphMisses; each shape is also logged once)
 
 Every `observe` is an IPC round trip to the Triton process, so the engine thread never makes one: it
 appends to a buffer, and a flusher thread hands the buffer to Triton every `FLUSH_S`. Outside Triton
@@ -29,6 +32,7 @@ FAMILIES = {  # key -> (name, description, buckets)
     "step": ("duplex_stage_step_seconds", "Wall time of one engine step that had work", SECONDS_BUCKETS),
     "wait": ("duplex_stage_queue_wait_seconds", "Request submit -> taken by the engine thread", SECONDS_BUCKETS),
 }
+MISSES = ("duplex_stage_graph_misses_total", "Engine calls whose shape had no graph built at warm-up")
 
 
 @dataclass
@@ -52,9 +56,17 @@ class _TritonHistograms:
             self.families[key] = pb_utils.MetricFamily(name=name, description=description,
                                                        kind=pb_utils.MetricFamily.HISTOGRAM)
             self.metrics[key] = self.families[key].Metric(labels={"stage": stage}, buckets=buckets)
+        self.stage = stage
+        self.misses = pb_utils.MetricFamily(name=MISSES[0], description=MISSES[1], kind=pb_utils.MetricFamily.COUNTER)
+        self.miss_counters: dict[str, Any] = {}
 
     def __getitem__(self, key: str) -> Any:
         return self.metrics[key]
+
+    def miss_counter(self, kind: str) -> Any:
+        if kind not in self.miss_counters:
+            self.miss_counters[kind] = self.misses.Metric(labels={"stage": self.stage, "kind": kind})
+        return self.miss_counters[kind]
 
 
 def _triton_histograms(stage: str) -> _TritonHistograms | None:
@@ -78,6 +90,15 @@ class StageMetrics:
         self._flush_s = flush_s
         self._thread = threading.Thread(target=self._run, name=f"{stage}-metrics", daemon=True) \
             if self._sink is not None else None
+        self._misses: Callable[[], dict[str, int]] = dict
+        self._misses_sent: dict[str, int] = {}
+
+    def watch_misses(self, source: Callable[[], dict[str, int]]) -> None:
+        """`source()` -> the engine's graph-miss counts per kind (running totals); flushed as counters."""
+        self._misses = source
+
+    def misses(self) -> dict[str, int]:
+        return dict(self._misses())
 
     # ---- engine thread ------------------------------------------------------------------------------
     def step(self, rows: int, seconds: float) -> None:
@@ -113,6 +134,11 @@ class StageMetrics:
             return
         for key, value in pending:
             self._sink[key].observe(value)
+        for kind, total in self.misses().items():
+            delta = total - self._misses_sent.get(kind, 0)
+            if delta > 0:
+                self._sink.miss_counter(kind).increment(delta)
+                self._misses_sent[kind] = total
 
     def _run(self) -> None:
         while not self._stop.wait(self._flush_s):

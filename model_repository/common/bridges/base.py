@@ -93,6 +93,7 @@ class EngineBridge:
         self._queue: queue.Queue[Any] = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name=f"{settings.stage}-engine", daemon=True)
         self.metrics = StageMetrics(settings.stage)
+        self.metrics.watch_misses(self.graph_misses)
         self.step_rows = 0  # rows the running step serves; each bridge's `step` sets it (batch occupancy)
 
     # ---- StageEngine protocol (adapter thread) ------------------------------------------------------
@@ -127,6 +128,14 @@ class EngineBridge:
     def fail_all(self, out: StageOutput) -> None:
         """Close every pending sink with `out` (an engine step raised)."""
         raise NotImplementedError
+
+    def warm_up(self, emit: Callable[[str], None]) -> None:
+        """Build every graph / compiled step the engine may use, before the stage reports ready (the
+        adapter calls this in `initialize`); `emit` takes the progress lines. Nothing to build by default."""
+
+    def graph_misses(self) -> dict[str, int]:
+        """Calls since warm-up whose shape found no prebuilt graph, per kind (engine/warmup.py)."""
+        return {}
 
     def _loop(self) -> None:
         busy = False

@@ -14,6 +14,7 @@ from the engine's `on_event` callback, which runs on the engine thread inside `s
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,7 +80,9 @@ class Stage0Bridge(EngineBridge):
                              with_vision=True, with_token2wav=False, components=THINKER_COMPONENTS)
         model = ck.model
         vision = VisionFrames(model.vpm, model.resampler) if model.vpm is not None else None
-        frontend = AudioFrontEndAdapter(AudioFrontEnd(model.apm, model.audio_projection_layer, ck.config.audio), vision)
+        # log-mel on the stage's device: one batched STFT per step over every unit's window (engine/audio)
+        audio = AudioFrontEnd(model.apm, model.audio_projection_layer, ck.config.audio, mel_device=settings.device)
+        frontend = AudioFrontEndAdapter(audio, vision)
         # the voices' reference clips (model.md §3.2: the prefix and the Token2Wav prompt use the same clip)
         self.voice_clips = {v: ck.voice(v).ref_audio_16k for v in ck.voices()}
         self.default_voice = DEFAULT_VOICE if DEFAULT_VOICE in self.voice_clips else min(self.voice_clips, default="")
@@ -91,6 +94,16 @@ class Stage0Bridge(EngineBridge):
         self.engine = Stage0Engine(model.llm, ck.tokenizer, frontend, self._on_event, cfg)
         self.terminators = self.engine.ids.terminators
         self.sessions: dict[str, _Session] = {}
+
+    def warm_up(self, emit: Callable[[str], None]) -> None:
+        """The decode / prefill graphs were captured when the engine was built; here the batched audio front
+        end runs once at batch 1 and at max_sessions (cuFFT / cuBLAS plans, its allocator blocks)."""
+        audio = self.engine.frontend.audio
+        for b in sorted({1, self.settings.max_sessions}):
+            states = [audio.new_session() for _ in range(b)]
+            pcm = torch.zeros(self.engine.config.first_unit_samples)
+            audio.encode_units(states, [pcm] * b)
+            emit(f"audio front end: batch {b}")
 
     # ---- requests ---------------------------------------------------------------------------------
     def handle(self, req: StageRequest, sink: Any) -> None:

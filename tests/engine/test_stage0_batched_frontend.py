@@ -1,0 +1,107 @@
+"""Stage0 with the real audio front end: the step's batched front end (every unit prefilled in a step
+through one log-mel and one encoder pass, outside the engine lock) gives the same events as the
+per-session front end, for staggered sessions whose units land in the same steps (issue 15)."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+
+from engine.audio import AudioFrontEnd
+from engine.stage0 import DecodeRules, Fence, Stage0Config, Stage0Engine, TokenEvent, UnitDone
+from engine.stage0.frontend import AudioFrontEndAdapter
+from tests.engine.test_audio_encoder import build, tiny_audio
+from tests.engine.test_stage0_engine import by_session, params, run_schedule
+from tests.engine.test_stage0_helpers import tiny_llm, tiny_tokenizer, unit_pcm
+
+ATOL = 1e-5
+
+
+class PerSessionFrontEnd(AudioFrontEndAdapter):
+    """The same front end without `encode_units`: the engine encodes each unit alone."""
+
+    def __getattribute__(self, name: str) -> Any:
+        if name == "encode_units":
+            raise AttributeError(name)
+        return super().__getattribute__(name)
+
+
+class CountingFrontEnd(AudioFrontEndAdapter):
+    def __init__(self, audio: AudioFrontEnd) -> None:
+        super().__init__(audio)
+        self.batches: list[int] = []
+        self.lock_held: list[bool] = []
+        self.engine: Stage0Engine | None = None
+
+    def encode_units(self, states: list[Any], pcms: list[torch.Tensor]) -> list[torch.Tensor]:
+        self.batches.append(len(states))
+        if self.engine is not None:  # the engine lock is free while the front end runs
+            self.lock_held.append(not _free_for_others(self.engine.lock))
+        return super().encode_units(states, pcms)
+
+
+def _free_for_others(lock: Any) -> bool:
+    """Can another thread take `lock` now? (An RLock is always free for the thread that holds it.)"""
+    result: list[bool] = []
+
+    def probe() -> None:
+        ok = lock.acquire(blocking=False)
+        if ok:
+            lock.release()
+        result.append(ok)
+
+    thread = threading.Thread(target=probe)
+    thread.start()
+    thread.join()
+    return result[0]
+
+
+def _engine(front: AudioFrontEndAdapter, model: torch.nn.Module) -> tuple[Stage0Engine, list]:
+    events: list = []
+    config = Stage0Config(max_sessions=4, use_cuda_graphs=False)
+    return Stage0Engine(model, tiny_tokenizer(), front, events.append, config,
+                        DecodeRules(force_listen_count=1)), events
+
+
+def _audio() -> AudioFrontEnd:
+    enc, proj = build(1500, seed=3)
+    return AudioFrontEnd(enc, proj, tiny_audio(1500))
+
+
+def test_batched_front_end_equals_per_session_front_end() -> None:
+    model = tiny_llm()
+    arrivals = {f"s{i}": 0 if i < 2 else 7 * (i - 1) for i in range(4)}  # units of several sessions share steps
+    batched_front = CountingFrontEnd(_audio())
+    batched, got = _engine(batched_front, model)
+    batched_front.engine = batched
+    run_schedule(batched, arrivals, units=5)
+    solo, want = _engine(PerSessionFrontEnd(_audio()), model)
+    run_schedule(solo, arrivals, units=5)
+    assert max(batched_front.batches) > 1  # some steps encoded several sessions' units together
+    assert not any(batched_front.lock_held)
+    for sid in arrivals:
+        a, b = by_session(got, sid), by_session(want, sid)
+        assert [(type(e), e.unit_index, e.token_id if isinstance(e, TokenEvent) else e.terminator) for e in a] == \
+            [(type(e), e.unit_index, e.token_id if isinstance(e, TokenEvent) else e.terminator) for e in b]
+        for x, y in zip(a, b, strict=True):
+            if isinstance(x, TokenEvent) and x.hidden is not None:
+                torch.testing.assert_close(x.hidden, y.hidden, atol=ATOL, rtol=ATOL)
+        assert sum(isinstance(e, UnitDone) for e in a) == 5
+
+
+def test_failed_front_end_batch_fails_its_units_only() -> None:
+    class Broken(AudioFrontEndAdapter):
+        def encode_units(self, states: list[Any], pcms: list[torch.Tensor]) -> list[torch.Tensor]:
+            raise RuntimeError("front end down")
+
+    engine, events = _engine(Broken(_audio()), tiny_llm())
+    engine.open("a", Fence(1, 0), params=params(1))
+    engine.append("a", Fence(1, 0, seq=0), unit_pcm(1, 0))
+    engine.run_until_idle()
+    done = [e for e in events if isinstance(e, UnitDone)]
+    assert len(done) == 1 and done[0].aborted and "front end down" in (done[0].error or "")
+    engine.append("a", Fence(1, 0, seq=1), unit_pcm(1, 1))  # the engine goes on
+    engine.run_until_idle()
+    assert len([e for e in events if isinstance(e, UnitDone)]) == 2
