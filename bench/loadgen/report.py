@@ -5,7 +5,7 @@
   after it; absent when no response with audio followed before the next commit.
 - `response_created_to_first_audio_ms`: per response.
 - `cancel_to_last_audio_ms`: send time of our `response.cancel` -> receipt of the cancelled response's last
-  audio delta (0 if none arrived after the cancel).
+  audio delta (0 if none arrived after the cancel); `cancel_to_done_ms`: the same origin -> its `response.done`.
 - `transcript_delay_ms`: per model unit, first transcript delta receipt - first audio delta receipt (negative
   = the text arrived ahead of the audio).
 - chunk gaps: receive-time intervals between consecutive audio deltas of a response; player: the §10.2
@@ -24,12 +24,20 @@ from dataclasses import dataclass
 from typing import Any
 
 from bench.loadgen.user import ResponseLog, UserLog
-from clients.stats import percentile
 
 MAX_CHUNK_GAP_MS = 1200.0  # targets.md P8
 MIN_RTF = 0.95  # audio keeps pace: at most 5 % of the playing time spent waiting for the next chunk
 UNDERRUN_EPS_MS = 10.0  # a player gap shorter than this is scheduling noise, not an audible underrun
 MS = 1000.0
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear interpolation between closest ranks (protocol.md §10.1 SM-4), q in [0, 100]."""
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100.0
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
 def pcts(values: Sequence[float], *qs: int) -> dict[str, float | int | None]:
@@ -82,6 +90,12 @@ def cancel_latency(resp: ResponseLog) -> float | None:
     return (after[-1] - resp.cancel_t) * MS if after else 0.0
 
 
+def cancel_to_done(resp: ResponseLog) -> float | None:
+    if resp.cancel_t is None or resp.done_t is None or resp.done_t < resp.cancel_t:
+        return None
+    return (resp.done_t - resp.cancel_t) * MS
+
+
 def session_figures(log: UserLog) -> dict[str, Any]:
     players = [play(r) for r in log.responses.values()]
     audio_ms = sum(p.audio_ms for p in players)
@@ -123,11 +137,13 @@ def run_figures(sessions: int, logs: list[UserLog], scripted: bool | None) -> di
         "commit_to_first_audio_ms": pcts(commit_ms, 50, 99),
         "response_created_to_first_audio_ms": pcts(created_ms, 50, 99),
         "cancel_to_last_audio_ms": pcts(cancel_ms, 50, 99),
+        "cancel_to_done_ms": pcts([x for r in responses if (x := cancel_to_done(r)) is not None], 50, 99),
         "transcript_delay_ms": pcts(text_ms, 50, 99),
         "max_chunk_gap_ms": round(max((p["max_chunk_gap_ms"] for p in per), default=0.0), 1),
         "underruns": sum(p["underruns"] for p in per),
         "underrun_ms": round(sum(p["underrun_ms"] for p in per), 1),
-        "realtime_factor": {"min": min(rtfs, default=None), "p50": pcts(rtfs, 50)["p50"]},
+        "realtime_factor": {"min": min(rtfs, default=None),
+                            "p50": round(percentile(rtfs, 50), 4) if rtfs else None},
         "responses": len(responses), "audio_s": round(sum(p["audio_s"] for p in per), 3),
         "cancels_sent": sum(log.cancels_sent for log in logs),
         "max_send_lag_ms": round(max((log.max_send_lag_ms for log in logs), default=0.0), 1),

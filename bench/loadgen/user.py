@@ -6,7 +6,9 @@ sends silence; it speaks again once it has been silent for `MIN_SILENCE_S` and t
 active response, the simulated player drained), or after `MAX_SILENCE_S` at the latest. Server VAD
 (`turn_detection: server_vad`) decides the commits. With `cancel_every_s` it sends `response.cancel` at that
 period, each time while a response's audio is streaming (barge-in). Every receipt is stamped on the client's
-monotonic clock; `UserLog` keeps the raw stamps and `report.py` derives the figures.
+monotonic clock; `UserLog` keeps the raw stamps and `report.py` derives the figures. The load generator
+needs only the standard library, numpy, websockets and PyYAML (the GPU host has no package index), hence its
+own small URL and percentile helpers instead of the `clients` package (which pulls in soundfile and soxr).
 """
 
 from __future__ import annotations
@@ -20,12 +22,11 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlencode, urlsplit, urlunsplit
 
 import numpy as np
 import websockets
 from websockets.exceptions import ConnectionClosed, InvalidHandshake
-
-from clients.connection import ws_url
 
 INPUT_RATE = 16_000
 OUTPUT_RATE = 24_000
@@ -80,6 +81,13 @@ def audio_delta_ms(ev: dict[str, Any]) -> float:
     return n_bytes / 2 / int(ev.get("sample_rate_hz") or OUTPUT_RATE) * 1000.0
 
 
+def realtime_url(base: str, **query: str) -> str:
+    """`ws(s)://` or `http(s)://host:port[/prefix]` -> the `/v1/realtime` WebSocket URL with `query`."""
+    parts = urlsplit(base if "://" in base else f"ws://{base}")
+    scheme = {"http": "ws", "https": "wss"}.get(parts.scheme, parts.scheme)
+    return urlunsplit((scheme, parts.netloc, parts.path.rstrip("/") + "/v1/realtime", urlencode(query), ""))
+
+
 def _error_code(ev: dict[str, Any]) -> tuple[str, str | None]:
     err = ev.get("error")
     if isinstance(err, dict):
@@ -124,7 +132,7 @@ class User:
 
     async def _open(self) -> None:
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
-        self._ws = await websockets.connect(ws_url(self.url, "/v1/realtime", autostart="0"),
+        self._ws = await websockets.connect(realtime_url(self.url, autostart="0"),
                                             max_size=MAX_MESSAGE_BYTES, open_timeout=OPEN_TIMEOUT_S,
                                             additional_headers=headers)
         await self._ws.send(json.dumps({"type": "session.update", "session": SESSION_CONFIG}))
