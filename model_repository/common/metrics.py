@@ -63,6 +63,13 @@ class _TritonHistograms:
     def __getitem__(self, key: str) -> Any:
         return self.metrics[key]
 
+    def release(self) -> None:
+        """Drop every Metric before its MetricFamily (a Metric needs its family)."""
+        self.metrics.clear()
+        self.miss_counters.clear()
+        self.families.clear()
+        self.misses = None
+
     def miss_counter(self, kind: str) -> Any:
         if kind not in self.miss_counters:
             self.miss_counters[kind] = self.misses.Metric(labels={"stage": self.stage, "kind": kind})
@@ -126,6 +133,11 @@ class StageMetrics:
         if self._thread is not None and self._thread.is_alive():
             self._thread.join()
         self.flush()
+        # NOTE: release the Triton metric objects now, in finalize, while the stub can still unregister them;
+        # left to the interpreter's exit-time garbage collection they segfaulted every stage stub at unload.
+        sink, self._sink = self._sink, None
+        if sink is not None:
+            sink.release()
 
     def flush(self) -> None:
         with self._lock:
