@@ -67,7 +67,7 @@ def loopback_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The seeded tiny checkpoint (random weights), built once per test session; read-only."""
-    return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny-ckpt"), TINY_SEED, vision=False)
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny-ckpt"), TINY_SEED, vision=True)  # camera frames
 
 
 @pytest.fixture(scope="session")

@@ -36,7 +36,7 @@ ERROR_CODES = {
     "session_exists": "invalid_request", "SessionExistsError": "invalid_request",
     "bad_audio": "bad_audio",
     "bad_sampling": "invalid_runtime_config", "BadSamplingError": "invalid_runtime_config",
-    "too_many_frames": "invalid_request", "front_end": "invalid_request",
+    "too_many_frames": "invalid_request", "front_end": "invalid_request", "bad_frame": "invalid_request",
     "capacity": "runtime_backpressure", "CapacityError": "runtime_backpressure",
     "NoFreeSlotError": "runtime_backpressure", "TurnCapacityError": "runtime_backpressure",
     "HiddenDimError": "invalid_request", "RowCountError": "invalid_request", "TokenIdError": "invalid_request",
