@@ -81,6 +81,7 @@ class Stage0Config:
     unit_samples: int = 16000
     audio_embeddings_per_unit: int = 10
     frame_embeddings: int = 64  # resampler queries per camera frame
+    # the current frame + the optional stacked previous one (protocol.md §9.4 V-2; model.md §1.4 says why 2)
     max_frames_per_unit: int = 2
     default_prompt: str = "Streaming Omni Conversation."
     empty_ref_audio_markers: bool = True  # Q25
