@@ -161,7 +161,7 @@ async def run_step(n: int, args: argparse.Namespace, speech: list[Any]) -> list[
         progress.cancel()
 
 
-def step_record(n: int, logs: list[UserLog], scripted: bool, before: stages.Sample | None,
+def step_record(n: int, logs: list[UserLog], scripted: bool | None, before: stages.Sample | None,
                 after: stages.Sample | None) -> dict[str, Any]:
     run = run_figures(n, logs, scripted)
     empty = {s: None for s in stages.STAGES}
@@ -204,16 +204,18 @@ async def sweep(args: argparse.Namespace) -> dict[str, Any]:
     check_ready(args.url)
     profile = read_profile(args.profile)
     plan = scripted_plan(profile)
+    scripted = None if args.profile is None else plan is not None  # without a profile nobody says
     speech = speech_fixtures()
     doc: dict[str, Any] = {"commit": git_commit(), "device": device_name(profile),
-                           "profile": str(args.profile) if args.profile else None, "scripted_plan": plan,
+                           "profile": str(args.profile) if args.profile else None, "scripted": scripted,
+                           "scripted_plan": plan,
                            "url": args.url, "duration_s": args.duration, "cancel_every_s": args.cancel_every,
                            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "runs": []}
     for n in args.sessions:
         print(f"[N={n}] {n} sessions for {args.duration:.0f}s", file=sys.stderr, flush=True)
         before = scrape(args.triton_metrics)
         logs = await run_step(n, args, speech)
-        run = step_record(n, logs, plan is not None, before, scrape(args.triton_metrics))
+        run = step_record(n, logs, scripted, before, scrape(args.triton_metrics))
         doc["runs"].append(run)
         write(args.out, doc)
         print(f"[N={n}] held real time: {run['held_realtime']}"
@@ -233,8 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     except FixtureError as exc:
         print(f"load_realtime: {exc}", file=sys.stderr)
         return 1
-    print(f"results: {args.out} (commit {doc['commit']}, {doc['device']}, "
-          f"{'scripted' if doc['scripted_plan'] else 'sampled'} decisions)")
+    label = {True: "scripted", False: "sampled", None: "unknown (no --profile)"}[doc["scripted"]]
+    print(f"results: {args.out} (commit {doc['commit']}, {doc['device']}, decisions: {label})")
     print(table(doc["runs"]))
     return 0
 
