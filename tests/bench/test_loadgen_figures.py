@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import sys
@@ -100,3 +101,29 @@ def test_unreachable_gateway_fails_loudly(tmp_path: Path) -> None:
     assert proc.returncode == 2
     assert f"cannot reach the gateway at ws://127.0.0.1:{port}" in proc.stderr
     assert not out.exists()
+
+
+def test_sweep_runs_n_in_order_and_stops_at_the_first_n_not_held(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    sys.path.insert(0, str(REPO / "bench"))
+    import load_realtime
+
+    async def fake_run_step(n: int, args: object, speech: object) -> list[UserLog]:
+        logs = [UserLog(i) for i in range(n)]
+        for log in logs:  # 1 s chunks every second up to N=8, every 1.5 s beyond: not real time
+            period = 1.0 if n <= 8 else 1.5
+            log.responses = {"r": _response("r", 0.0, [k * period for k in range(4)])}
+        return logs
+
+    monkeypatch.setattr(load_realtime, "check_ready", lambda url: None)
+    monkeypatch.setattr(load_realtime, "speech_fixtures", lambda: [])
+    monkeypatch.setattr(load_realtime, "run_step", fake_run_step)
+    out = tmp_path / "r.json"
+    assert load_realtime.main(["--url", "ws://x:1", "--sessions", "1,8,16,32", "--duration", "5",
+                               "--profile", str(REPO / "deploy/profiles/h200-scripted.yaml"), "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert [r["sessions"] for r in doc["runs"]] == [1, 8, 16]  # 16 did not hold: 32 never ran
+    assert [r["held_realtime"] for r in doc["runs"]] == [True, True, False]
+    assert doc["scripted"] is True and all(r["scripted"] for r in doc["runs"])
+    assert doc["scripted_plan"] == {"listen_units": 3, "speak_units": 3, "text_ids_per_unit": 4, "tail_listen_units": 0}
+    assert doc["runs"][0]["stage_rows_per_step"] == {"stage0": None, "tts": None, "token2wav": None}
