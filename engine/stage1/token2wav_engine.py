@@ -45,6 +45,9 @@ from engine.warmup import GraphMisses, Progress
 
 WARMUP_SESSION = "__warmup_{}"
 WARMUP_UNITS = 4  # a turn of 4 units: first call, calls while the kept cache grows, steady call, last call
+# Turns per batch size, at most: a slot's physical cache positions (hence the estimator window Tg) depend on
+# its earlier turns, so turns repeat until one builds no new graph.
+WARMUP_TURNS = 8
 
 
 @dataclass(frozen=True)
@@ -116,14 +119,19 @@ class Token2WavEngine:
     def warm_up(self, voice_id: str, emit: Callable[[str], None] | None = None, warm_batch: int | None = None,
                 seed: int = 0) -> None:
         """Build the graphs of every batch size 1..`warm_batch` (default max_batch): per size, that many
-        sessions speak one `WARMUP_UNITS`-unit turn of random codes in lock step. No-op without graphs."""
+        sessions speak `WARMUP_UNITS`-unit turns of random codes in lock step, until a turn builds no new
+        graph (at most `WARMUP_TURNS`). No-op without graphs."""
         if self.graphs.enabled or self.solver.enabled:
             sizes = range(min(warm_batch or self.cfg.max_batch, self.cfg.max_batch), 0, -1)
             progress = Progress("token2wav", len(sizes), emit)
             rng = np.random.default_rng(seed)
             for b in sizes:  # largest first: the shared pool and the K/V buffer are sized once
-                self._warm_turn(voice_id, b, rng)
-                progress.step(f"batch {b}: {self.graph_count()} graphs")
+                turns, grew = 0, True
+                while grew and turns < WARMUP_TURNS:
+                    before = self.graph_count()
+                    self._warm_turn(voice_id, b, rng)
+                    turns, grew = turns + 1, self.graph_count() > before
+                progress.step(f"batch {b}: {turns} turns, {self.graph_count()} graphs")
             progress.done()
         self.misses.warm = True
 
