@@ -1,6 +1,7 @@
 """`response.create{response:{temperature}}` reaches stage0 through the real stack (protocol.md §2.8).
 
-Three sessions, one after the other, with the same audio and the same (default) seed: auto_response off, so the
+Three sessions, one after the other, with the same audio and the same seed (given: the default is a fresh random
+seed per session, echoed in `extra_body.seed`): auto_response off, so the
 first unit listens without sampling; then a commit and a `response.create` whose units follow. Greedy
 (temperature 0) must change what the model says in those units; a `response.create` naming the session's own
 temperature carries no override and must say exactly what one naming none says (the control: the difference
@@ -21,6 +22,7 @@ from tests.gateway_ops.wire import opened
 pytestmark = pytest.mark.e2e
 STACK_ENV = {"DUPLEX_FORCE_LISTEN_COUNT": "0"}  # the response's units sample from the first one
 SESSION_T = 0.7  # the session default (protocol.md §2.2)
+SEED = 11
 OWNED = (1, 2)  # the units sent after response.create
 UNITS = 1 + len(OWNED)
 
@@ -32,8 +34,10 @@ async def _owned_output(addr: str, speech: np.ndarray, response: dict[str, Any])
     c, _ = await opened(addr)
     async with cleanup(c):
         await c.send({"type": "session.update", "session": {
-            "turn_detection": None, "output_modalities": ["text"], "extra_body": {"auto_response": False}}})
-        await c.until("session.updated", WAIT_S)
+            "turn_detection": None, "output_modalities": ["text"],
+            "extra_body": {"auto_response": False, "seed": SEED}}})
+        updated = await c.until("session.updated", WAIT_S)
+        assert updated["session"]["extra_body"]["seed"] == SEED
         await send_audio(c, audio[:first], pace=0)  # unit 0: held to listen (no response yet)
         await collect_until(c, lambda e: unit_decided(e, 0))
         await c.send({"type": "input_audio_buffer.commit"})
@@ -56,3 +60,13 @@ async def test_response_temperature_changes_what_stage0_samples(addr: str, speec
     same = await _owned_output(addr, speech, {"temperature": SESSION_T})
     assert plain == same, "no override -> the same units (deterministic per seed)"
     assert plain and greedy != plain, (greedy, plain)
+
+
+async def test_each_session_gets_its_own_random_seed_unless_given(addr: str) -> None:
+    seeds = []
+    for _ in range(2):
+        c, created = await opened(addr)
+        async with cleanup(c):
+            seeds.append(created["session"]["extra_body"]["seed"])
+            await close_session(c)
+    assert seeds[0] != seeds[1] and all(isinstance(s, int) for s in seeds)
