@@ -21,6 +21,7 @@ from gateway.protocol.profiles import Projector
 from gateway.resume.attachment import Attachments
 from gateway.resume.credentials import ResumeCredential
 from gateway.resume.journal import Journal, JournalConfig, Sequencer, resync_required_event
+from gateway.runtime.base import RuntimeFailure
 from gateway.session.lane import LaneResult
 from gateway.session.outbox import Kind, Outbox, OutboxLimits, OutItem
 from gateway.session.session import DuplexSession
@@ -164,6 +165,12 @@ class LiveSession:
                 await session.lane.drain()
                 self._drained = True
             await self.gw.runtime.close(session.key, session.fence)
+        except RuntimeFailure as exc:
+            if exc.code != "session_not_found":
+                self._cleanup_error = f"runtime close failed: {exc}"
+                raise
+            # The runtime holds nothing for this session any more (its own idle expiry, or an earlier attempt
+            # already removed the stream): the close is done, and the slot must not wait for it forever.
         except Exception as exc:
             self._cleanup_error = f"runtime close failed: {exc}"
             raise
