@@ -94,9 +94,9 @@ class MelStreamState:
     unit: int = 0  # next unit index
     received: int = 0  # stream samples received, prefix zeros included
 
-    def reset(self, cfg: StreamConfig) -> None:
-        self.buffer = torch.zeros(0)
-        self.pending = torch.zeros(cfg.prefix_zeros)  # the §2.2 zero prefix
+    def reset(self, cfg: StreamConfig, device: torch.device | str = "cpu") -> None:
+        self.buffer = torch.zeros(0, device=device)
+        self.pending = torch.zeros(cfg.prefix_zeros, device=device)  # the §2.2 zero prefix
         self.base_sample = 0
         self.unit = 0
         self.received = cfg.prefix_zeros
@@ -125,12 +125,12 @@ class MelStreamer:
 
     def new_state(self) -> MelStreamState:
         state = MelStreamState()
-        state.reset(self.cfg)
+        state.reset(self.cfg, self.logmel.device)  # the window lives where its log-mel runs: no copy per unit
         return state
 
     def push(self, state: MelStreamState, pcm: torch.Tensor) -> None:
         """Append client PCM (float32 mono 16 kHz, any length)."""
-        pcm = pcm.detach().reshape(-1).to(torch.float32).cpu()
+        pcm = pcm.detach().reshape(-1).to(state.pending.device, torch.float32)
         state.pending = torch.cat([state.pending, pcm])
         state.received += pcm.numel()
 

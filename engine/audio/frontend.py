@@ -62,7 +62,7 @@ class AudioFrontEnd:
         return AudioStreamState(mel=self.streamer.new_state(), kv=self.encoder.allocate_cache())
 
     def reset(self, state: AudioStreamState) -> None:
-        state.mel.reset(self.stream_cfg)
+        state.mel.reset(self.stream_cfg, self.streamer.logmel.device)
         state.kv.reset()
         state.kv.resets = 0
         state.last_unit = None
