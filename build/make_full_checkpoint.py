@@ -159,7 +159,7 @@ def write_safetensors(path: Path, keys: list[str], plan: Plan, make: Callable[[s
         for key in keys:
             shape, dtype = plan[key]
             t = make(key).to(dtype).reshape(shape).contiguous().cpu()
-            f.write(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+            f.write(t.view(torch.uint8).numpy().data)  # no extra host copy of a 1.2 GB embedding
     return offset
 
 

@@ -62,9 +62,10 @@ server = pathlib.Path(pytriton.__file__).parent / "tritonserver"
 py = f"{sys.version_info[0]}.{sys.version_info[1]}"
 assert (server / "bin" / "tritonserver").exists(), server
 assert (server / "python_backend_stubs" / py / "triton_python_backend_stub").exists(), f"no stub for {py}"
+MODULES = {"pillow": "PIL", "pyyaml": "yaml"}  # distribution -> module where they differ
 for name in sys.argv[1].split():
     try:
-        importlib.import_module(name)
+        importlib.import_module(MODULES.get(name.lower(), name.replace("-", "_")))
     except ImportError as exc:
         sys.exit(f"install_offline: {name} is not in the bundle and the host has none ({exc})")
 print(f"[offline] ok: numpy {numpy.__version__}, torch {torch.__version__} (cuda {torch.version.cuda}), "
