@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import json
 import sys
+import unicodedata
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -40,6 +41,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+ESCAPED_CATEGORIES = ("Cc", "Cf")  # controls (ESC, BEL, CR, newline…) and format characters (bidi overrides)
+
+
+def printable(text: str) -> str:
+    """`text` with control and format characters escaped (`\\x1b`, `\\n`): a model with random weights says
+    any bytes, and a raw escape sequence would drive the user's terminal."""
+    return "".join(ch.encode("unicode_escape").decode("ascii") if unicodedata.category(ch) in ESCAPED_CATEGORIES
+                   else ch for ch in text)
+
+
 async def _print_live(client: DuplexClient, out: TextIO) -> None:
     """Transcript as it streams: one line per response, deltas appended in place."""
     i = 0
@@ -49,9 +60,9 @@ async def _print_live(client: DuplexClient, out: TextIO) -> None:
         if isinstance(ev, ResponseCreated):
             out.write(f"\nassistant [{ev.response_id}]: ")
         elif isinstance(ev, TextDelta):
-            out.write(ev.delta)
+            out.write(printable(ev.delta))
         elif isinstance(ev, ResponseDone):
-            out.write(f"  <{ev.status}: {ev.reason}>\n")
+            out.write(f"  <{printable(str(ev.status))}: {printable(str(ev.reason))}>\n")
         out.flush()
 
 
