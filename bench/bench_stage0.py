@@ -1,14 +1,17 @@
-"""Stage0 LLM benchmark (targets.md P1-P3): decode step and unit prefill, ours vs HF transformers vs floor.
+"""Stage0 benchmark (targets.md P1-P3, issue 15): decode step, unit prefill and the audio front end, ours vs
+HF transformers vs floor, at the serving context (the h200 profile's KV window, 8192 positions).
 
 Full size (model.md §1.2, dummy weights N(0, 0.02), §9.5) on a GPU:
-    python bench/bench_stage0.py --batches 1,8,32,64 --context 2048 --prefill-context 4096 --json out.json
+    python bench/bench_stage0.py --batches 1,8,32,64 --json out.json
     python bench/bench_stage0.py --compile max-autotune-no-cudagraphs --engine-batches 1,32 --json out.json
 CPU smoke test on the tiny model (graph sets run in eager replay):
     python bench/bench_stage0.py --tiny
-Rows: the model forward eager / in our CUDA graphs (decode and unit prefill, with --compile also compiled),
-then the engine's own `step()` (graphs and compile as configured by Stage0Config, scripted decisions §9.5,
-merged unit close): decode steps and unit-prefill steps, host work and the id read-back included.
-Prints a table last: median and p99 ms per step, beside the bandwidth floor and HF in the same process.
+Rows: the model forward eager / in our CUDA graphs (decode and unit prefill, with --compile also compiled);
+the batched audio front end for N sessions' units (log-mel on the device + streaming Whisper + projector,
+bench/stage0_frontend.py); then the engine's own `step()` (graphs and compile as configured by
+Stage0Config, scripted decisions §9.5, merged unit close) with the real front end: decode steps and unit
+steps (N sessions' units = front end + prefill), host work and the id read-back included.
+Prints a table last: median and p99 ms per step, beside the bandwidth floor (LLM rows) and HF.
 """
 
 from __future__ import annotations
@@ -25,9 +28,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
+from bench.stage0_frontend import FULL_AUDIO, TINY_AUDIO, bench_frontend, build_frontend
 from engine.config import LLMConfig
 from engine.model.llm import Qwen3LLM, SlotKVCache
 from engine.stage0 import DecodeRules, Fence, SamplingParams, Stage0Config, Stage0Engine
+from engine.stage0.frontend import AudioFrontEndAdapter
 from engine.stage0.graphs import DecodeGraphs, PrefillGraphs
 from engine.stage0.runner import KV_LIMIT_QUANTUM
 from engine.stage0.script import DecisionScript, ScriptPlan
@@ -39,6 +44,7 @@ FULL = LLMConfig(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36
 TINY = LLMConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=32, vocab_size=320, max_position_embeddings=40960,
                  rope_theta=1e6, rms_norm_eps=1e-6)
+SERVING_CONTEXT = 8192  # deploy/profiles/h200.yaml kv_window: the benchmark runs where the server runs
 UNIT_PREFILL = 11  # `<unit>` + 10 audio embeddings
 MERGED_PREFILL = 13  # the previous unit's `[terminator, </unit>]` + the above (model.md §3.6)
 WEIGHT_STD = 0.02  # model.md §9.4 / §9.5
@@ -203,8 +209,11 @@ def bench_engine(model: Qwen3LLM, cfg: LLMConfig, b: int, args: argparse.Namespa
         compile_dynamic=False if args.compile_static else None,
         fuse_projections=not args.no_fuse, merge_unit_close=True, scripted_decisions=True, benchmark_mode=True)
     tok = BenchTokenizer(cfg.vocab_size)
-    engine = Stage0Engine(model, tok, BenchFrontEnd(cfg, config.audio_embeddings_per_unit, dev, dtype),
-                          lambda event: None, config, rules)
+    front: object = BenchFrontEnd(cfg, config.audio_embeddings_per_unit, dev, dtype)
+    if not args.no_engine_frontend:  # the real batched front end: a unit step is front end + prefill
+        audio_cfg = TINY_AUDIO if args.tiny else FULL_AUDIO
+        front = AudioFrontEndAdapter(build_frontend(audio_cfg, cfg.hidden_size, dev, dtype))
+    engine = Stage0Engine(model, tok, front, lambda event: None, config, rules)
     # all speak units, so every session decodes in lock step (turn-end every `speak_units`)
     engine.script = DecisionScript(engine.ids, tok.decode, cfg.vocab_size, ScriptPlan(listen_units=0, tail_listen_units=0))
     sids = [f"s{i}" for i in range(b)]
@@ -244,6 +253,11 @@ def bench_ours(model: Qwen3LLM, cfg: LLMConfig, args: argparse.Namespace, dev: t
                dtype: torch.dtype) -> list[dict]:
     out = [row for b in args.batches for row in bench_decode(model, cfg, b, args, dev, dtype)]
     out += bench_prefill(model, cfg, args, dev, dtype)
+    if args.frontend_batches:
+        front = build_frontend(TINY_AUDIO if args.tiny else FULL_AUDIO, cfg.hidden_size, dev, dtype)
+        out += [bench_frontend(front, n, args.frontend_start_unit, args.frontend_iters, dev)
+                for n in args.frontend_batches]
+        del front
     out += [row for b in args.engine_batches for row in bench_engine(model, cfg, b, args, dev, dtype)]
     return out
 
@@ -314,8 +328,13 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="tiny model on CPU (smoke test)")
     ap.add_argument("--batches", default="1,8,32,64")
     ap.add_argument("--hf-batches", default="1,8")
-    ap.add_argument("--context", type=int, default=2048)
-    ap.add_argument("--prefill-context", type=int, default=4096)
+    ap.add_argument("--context", type=int, default=SERVING_CONTEXT, help="retained KV positions per session")
+    ap.add_argument("--prefill-context", type=int, default=SERVING_CONTEXT)
+    ap.add_argument("--frontend-batches", default="1,32,64", help="sessions' units per front-end call ('' = none)")
+    ap.add_argument("--frontend-start-unit", type=int, default=24, help="units streamed before timing")
+    ap.add_argument("--frontend-iters", type=int, default=12, help="timed front-end calls (consecutive units)")
+    ap.add_argument("--no-engine-frontend", action="store_true",
+                    help="engine rows with random unit embeddings instead of the real audio front end")
     ap.add_argument("--extra", type=int, default=64, help="KV positions beyond the context")
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--hf-iters", type=int, default=10)
@@ -338,8 +357,10 @@ def main() -> None:
     if args.tiny:
         args.context, args.prefill_context, args.iters, args.hf_iters = 64, 128, 5, 3
         args.batches, args.hf_batches, args.engine_batches, args.engine_units = "1,8", "1", "1,4", 2
+        args.frontend_batches, args.frontend_start_unit, args.frontend_iters = "1,4", 2, 2
     args.batches = [int(b) for b in args.batches.split(",")]
     args.engine_batches = [int(b) for b in args.engine_batches.split(",") if b]
+    args.frontend_batches = [int(b) for b in args.frontend_batches.split(",") if b]
     args.decode_attention = args.decode_attention.split(",")
     args.hf_batches = [int(b) for b in args.hf_batches.split(",") if b]
     dev = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
@@ -359,7 +380,8 @@ def main() -> None:
         rows += bench_hf(cfg, model.state_dict(), args, dev, dtype)
     for r in rows:
         positions = r["batch"] * r["ctx"]
-        r["floor_ms"] = floor_ms(cfg, n_params, elem, positions, args.bandwidth)
+        is_llm = not r["name"].startswith("front end")  # the LLM floor says nothing about the encoder
+        r["floor_ms"] = floor_ms(cfg, n_params, elem, positions, args.bandwidth) if is_llm else None
         r["median_ms"], r["p99_ms"] = r.pop("ms")
     if args.json:
         with open(args.json, "w") as f:
@@ -367,8 +389,9 @@ def main() -> None:
                            params=n_params, rows=rows), f, indent=2)
     print(f"{'what':44s} {'batch':>5s} {'ctx':>6s} {'median ms':>10s} {'p99 ms':>8s} {'floor ms':>9s} {'x floor':>8s}")
     for r in rows:
-        print(f"{r['name']:44s} {r['batch']:5d} {r['ctx']:6d} {r['median_ms']:10.3f} {r['p99_ms']:8.3f} "
-              f"{r['floor_ms']:9.3f} {r['median_ms'] / r['floor_ms']:8.2f}")
+        floor = (f"{r['floor_ms']:9.3f} {r['median_ms'] / r['floor_ms']:8.2f}" if r["floor_ms"]
+                 else f"{'-':>9s} {'-':>8s}")
+        print(f"{r['name']:44s} {r['batch']:5d} {r['ctx']:6d} {r['median_ms']:10.3f} {r['p99_ms']:8.3f} {floor}")
 
 
 if __name__ == "__main__":
