@@ -2,17 +2,21 @@
 
     python bench/memory_table.py                 # the tables of docs/deploy.md, in markdown
     python bench/memory_table.py --prompt-s 5 --reserve-gib 12
+    python bench/memory_table.py --measured mem.json   # sessions per GPU from bench/bench_stage_memory.py
 
 Every figure is derived (model.md tag [D]) from the model dimensions of model.md §1 and the engines'
 own configuration defaults: `Stage0Config.slot_len` (LLM KV reserved per session), `TTSEngineConfig.
 max_turn_positions` (TTS KV reserved per session), `StreamConfig` (Euler steps, kept frames) and
 `FlowConfig` (Token2Wav sizes). Nothing here is measured; measured figures belong in bench/RESULTS.md.
 docs/deploy.md embeds this script's output verbatim and tests/deploy/test_memory_table.py keeps them equal.
+With `--measured` the shared part is measured instead (`render_measured`): each stage process's device
+memory after warm-up minus the session state it preallocated, plus the derived per-session bytes.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -200,12 +204,41 @@ def render(s: Sizing) -> str:
     return "\n".join(lines) + "\n"
 
 
+def render_measured(s: Sizing, measured: dict) -> str:
+    """Sessions per GPU from bench/bench_stage_memory.py's JSON: N = floor((M_gpu - F) / S_session), where
+    F = sum over the stage processes of (device memory used after warm-up - preallocated session state),
+    S_session = the preallocated session state / max_sessions (LLM slot, TTS slot, Token2Wav pool, as
+    the engines allocate them) + the audio KV each session allocates when it opens (1500 frames)."""
+    stages = measured["stages"]
+    sessions = stages[0]["settings"]["max_sessions"]
+    fixed = sum(r["fixed"] for r in stages)
+    per_session = sum(r["preallocated"] for r in stages) / sessions + s.per_session()["audio KV"]
+    lines = [f"Measured on {measured['device']} with {measured['profile']} (max_sessions {sessions}).", "",
+             "| stage process | used after load | used after warm-up | preallocated session state | fixed F |",
+             "| --- | ---: | ---: | ---: | ---: |"]
+    for r in stages:
+        lines.append(f"| {r['stage']} | {_gib(r['after_load']['device_used'])} | "
+                     f"{_gib(r['after_warm_up']['device_used'])} | {_gib(r['preallocated'])} | {_gib(r['fixed'])} |")
+    lines += [f"| **sum** | | | | **{_gib(fixed)}** |", "",
+              f"Per session: {_gib(per_session)} GiB (preallocated state / {sessions} + audio KV "
+              f"{_gib(s.per_session()['audio KV'])}).", "",
+              "| GPU | memory (GiB) | max sessions by memory (measured F) |", "| --- | ---: | ---: |"]
+    for gpu in GPUS:
+        n = max(0, int((gpu.total_mib * MiB - fixed) // per_session))
+        lines.append(f"| {gpu.name} | {gpu.total_mib * MiB / GiB:.1f} | {n} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--prompt-s", type=float, default=Assumptions.prompt_s, help="voice prompt seconds")
     ap.add_argument("--voices", type=int, default=Assumptions.voices, help="resident voices")
     ap.add_argument("--reserve-gib", type=float, default=Assumptions.reserve_gib, help="non-KV runtime reserve")
+    ap.add_argument("--measured", type=Path, default=None, help="JSON of bench/bench_stage_memory.py")
     args = ap.parse_args(argv)
+    if args.measured is not None:
+        print(render_measured(default_sizing(), json.loads(args.measured.read_text())), end="")
+        return 0
     print(render(default_sizing(Assumptions(args.prompt_s, args.voices, args.reserve_gib))), end="")
     return 0
 

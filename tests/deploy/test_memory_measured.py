@@ -1,0 +1,43 @@
+"""bench/memory_table.py --measured: sessions per GPU from measured per-process figures (issue 15)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from types import ModuleType
+
+import pytest
+
+from tests.deploy.compose import REPO
+
+GiB = 1024**3
+
+
+@pytest.fixture(scope="module")
+def mt() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("memory_table", REPO / "bench" / "memory_table.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["memory_table"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _stage(name: str, used_gib: float, prealloc_gib: float) -> dict:
+    used, prealloc = int(used_gib * GiB), int(prealloc_gib * GiB)
+    mem = {"device_used": used, "allocated": used, "reserved": used, "peak_allocated": used}
+    return {"stage": name, "settings": {"max_sessions": 32}, "after_load": mem, "after_warm_up": mem,
+            "preallocated": prealloc, "fixed": used - prealloc}
+
+
+def test_sessions_follow_from_the_measured_fixed_part(mt: ModuleType) -> None:
+    measured = {"device": "NVIDIA H200", "profile": "h200.yaml",
+                "stages": [_stage("stage0", 60.0, 36.0), _stage("tts", 16.0, 15.0), _stage("token2wav", 10.0, 7.0)]}
+    text = mt.render_measured(mt.default_sizing(), measured)
+    fixed = (60 - 36 + 16 - 15 + 10 - 7) * GiB  # 28 GiB
+    per_session = (36 + 15 + 7) * GiB / 32 + mt.default_sizing().per_session()["audio KV"]
+    want = {g.name: int((g.total_mib * 1024**2 - fixed) // per_session) for g in mt.GPUS}
+    assert "| **sum** | | | | **28.00** |" in text
+    for name, n in want.items():
+        assert f"| {name} | " in text and text.split(f"| {name} | ")[1].split("\n")[0].endswith(f"| {n} |")
+    assert want["H200"] > want["H20"] > 0
