@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 import sys
 from types import ModuleType
 
 import pytest
+import yaml
 
 from tests.deploy.compose import REPO
 
@@ -41,3 +43,17 @@ def test_sessions_follow_from_the_measured_fixed_part(mt: ModuleType) -> None:
     for name, n in want.items():
         assert f"| {name} | " in text and text.split(f"| {name} | ")[1].split("\n")[0].endswith(f"| {n} |")
     assert want["H200"] > want["H20"] > 0
+
+
+def test_doc_h20_projection_is_the_script_output() -> None:
+    spec = importlib.util.spec_from_file_location("project_h20", REPO / "bench" / "project_h20.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["project_h20"] = module
+    spec.loader.exec_module(module)
+    block = re.search(r"<!-- project_h20:begin[^>]*-->\n(?P<body>.*?)<!-- project_h20:end -->",
+                      (REPO / "docs" / "deploy.md").read_text(), re.S)
+    assert block, "docs/deploy.md lost its project_h20 markers"
+    assert block["body"] == module.render(), "regenerate: python bench/project_h20.py"
+    profile = yaml.safe_load((REPO / "deploy" / "profiles" / "h20.yaml").read_text())
+    assert profile["max_sessions"] == module.max_sessions(module.H20, profile["kv_window"])
