@@ -9,24 +9,25 @@
 #   - scripts/install_offline.sh, which installs it all into a venv (no network).
 # Wheels are re-zipped uncompressed so that xz packs the files themselves (~2x smaller than deflate).
 #
-#   scripts/offline_bundle.sh [--python 3.12] [--out dist/] [--host-provides "onnxruntime"]
+#   scripts/offline_bundle.sh [--python 3.12] [--out dist/] [--host-provides "onnxruntime pillow"]
 #
-# --host-provides names packages NOT packed because the target host already has them (the lent H200's
-# image has onnxruntime 1.30; its 28 MB wheel would push the bundle past what a device call carries);
-# the installer checks that each one imports. Pass --host-provides "" to pack everything.
+# --host-provides names packages NOT packed because the target host already has them: the lent H200's
+# image has onnxruntime 1.30 (server VAD; its 28 MB wheel would push the bundle past the 64 MiB a device
+# call carries) and Pillow (camera frames only, 7 MB). The installer checks that each one imports.
+# Pass --host-provides "" to pack everything (about 75 MB).
 # Needs network to PyPI (pip download) and `readelf`; downloads are cached in .cache/offline-wheels.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PY_VERSION=3.12
 OUT=dist
-HOST_PROVIDES="onnxruntime"
+HOST_PROVIDES="onnxruntime pillow"
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --python) PY_VERSION="$2"; shift 2 ;;
     --out) OUT="$2"; shift 2 ;;
     --host-provides) HOST_PROVIDES="$2"; shift 2 ;;
-    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
     *) echo "offline_bundle: unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -37,7 +38,7 @@ PACKAGES=(
   fastapi starlette pydantic pydantic_core annotated-types annotated-doc typing_extensions
   typing-inspection opentelemetry-api importlib_metadata zipp anyio idna uvicorn h11 click websockets
   tritonclient python-rapidjson urllib3 grpcio protobuf numpy onnxruntime flatbuffers packaging
-  silero-vad soundfile cffi pycparser soxr prometheus_client PyYAML safetensors tokenizers
+  silero-vad soundfile cffi pycparser soxr prometheus_client PyYAML safetensors tokenizers pillow
   nvidia-pytriton
 )
 PIP_PIN="pip==25.3"

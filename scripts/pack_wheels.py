@@ -21,6 +21,7 @@ import base64
 import fnmatch
 import hashlib
 import re
+import stat
 import subprocess
 import sys
 import tempfile
@@ -116,7 +117,8 @@ def repack(wheel: Path, out_dir: Path, keep: Callable[[str], bool] = lambda _n: 
     with zipfile.ZipFile(out, "w", compression=zipfile.ZIP_STORED) as dst:
         for name, data in files.items():
             zi = zipfile.ZipInfo(name, date_time=(2020, 1, 1, 0, 0, 0))
-            zi.external_attr = (0o755 if _is_executable(name, data) else 0o644) << 16
+            # the file-type bits matter: pip restores the execute bit only for entries marked S_IFREG
+            zi.external_attr = (stat.S_IFREG | (0o755 if _is_executable(name, data) else 0o644)) << 16
             dst.writestr(zi, data)
     return out
 

@@ -3,6 +3,7 @@ this venv, and a repacked wheel that pip installs. Nothing is downloaded."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import zipfile
@@ -50,7 +51,7 @@ def test_missing_stub_names_the_versions_there() -> None:
 
 
 def _wheel(path: Path) -> Path:
-    files = {"demo/__init__.py": b"X = 1\n", "demo/data/big.bin": b"\0" * 1000,
+    files = {"demo/__init__.py": b"X = 1\n", "demo/data/big.bin": b"\0" * 1000, "demo/bin/tool": b"\x7fELF..",
              "demo-1.0.dist-info/METADATA": b"Metadata-Version: 2.1\nName: demo\nVersion: 1.0\n",
              "demo-1.0.dist-info/WHEEL": b"Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
              "demo-1.0.dist-info/entry_points.txt": b"[console_scripts]\ndemo = demo.cli:main\n",
@@ -81,3 +82,4 @@ def test_trimmed_wheel_is_stored_versioned_and_installs(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     assert (target / "demo" / "__init__.py").read_text() == "X = 1\n"
     assert not (target / "demo" / "data").exists()
+    assert os.access(target / "demo" / "bin" / "tool", os.X_OK)  # tritonserver must stay executable
