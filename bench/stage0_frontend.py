@@ -1,4 +1,7 @@
-"""The Stage0 audio front end at full size for bench_stage0.py (issue 15, target: <= 15 ms for 64 units).
+"""The Stage0 audio front end at full size (issue 15, target: <= 15 ms for 64 units); bench_stage0.py runs
+it too. Alone, on a GPU (prints a table, writes JSON):
+
+    python bench/stage0_frontend.py --batches 1,32,64 --json fe.json
 
 One timed call = `AudioFrontEnd.encode_units` for N sessions: push each session's 1 s of PCM, one batched
 log-mel over every session's window (up to 30 s each, on the device), the streaming Whisper-medium encoder
@@ -11,9 +14,15 @@ Weights are dummy N(0, 0.02) (model.md §9.5); the front end's cost does not dep
 
 from __future__ import annotations
 
+import argparse
+import json
+import sys
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
 from engine.audio import AudioFrontEnd, StreamConfig
 from engine.config import AudioConfig
@@ -67,3 +76,28 @@ def bench_frontend(fe: AudioFrontEnd, n: int, start_unit: int, iters: int, dev: 
     p99 = samples[min(len(samples) - 1, int(0.99 * len(samples)))]
     return dict(name="front end: log-mel + Whisper + projector", batch=n, ctx=start_unit, ms=(median, p99),
                 units=f"{start_unit}..{start_unit + iters - 1}", slides=slides, resets=resets)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batches", default="1,32,64", help="sessions' units per call")
+    ap.add_argument("--start-unit", type=int, default=24)
+    ap.add_argument("--iters", type=int, default=12)
+    ap.add_argument("--tiny", action="store_true", help="tiny encoder on the CPU (smoke test)")
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args(argv)
+    dev = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    fe = build_frontend(TINY_AUDIO if args.tiny else FULL_AUDIO, 128 if args.tiny else 4096, dev, dtype)
+    rows = [bench_frontend(fe, int(n), args.start_unit, args.iters, dev) for n in args.batches.split(",")]
+    print(f"{'sessions':>8s} {'median ms':>10s} {'p99 ms':>8s}  units timed (slides, KV resets)")
+    for r in rows:
+        print(f"{r['batch']:8d} {r['ms'][0]:10.2f} {r['ms'][1]:8.2f}  {r['units']} ({r['slides']}, {r['resets']})")
+    if args.json:
+        device = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
+        args.json.write_text(json.dumps({"device": device, "rows": rows}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
