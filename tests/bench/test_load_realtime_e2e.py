@@ -55,7 +55,9 @@ def test_two_sessions_fill_every_field_and_the_stage_metrics(stack: Stack, tmp_p
     for key in ("commit_to_first_audio_ms", "cancel_to_last_audio_ms"):
         assert run[key]["p50"] is not None and run[key]["p99"] is not None, (key, run)
     assert run["transcript_delay_ms"]["p50"] is not None
-    assert run["max_chunk_gap_ms"] > 0 and isinstance(run["underruns"], int)
+    # a cancelled turn may have sent a single chunk: a gap of 0 is a value, not a missing one
+    assert isinstance(run["max_chunk_gap_ms"], float) and isinstance(run["underruns"], int)
+    assert run["cancels_sent"] >= 1 and run["responses"] >= 2
     assert not set(run["errors"]) & CLIENT_FAULTS, run["errors"]
     assert all(p["audio_s"] > 0 for p in run["per_session"]), run["per_session"]
     # every stage batched rows during the run, and says so on Triton's endpoint
