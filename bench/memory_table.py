@@ -3,6 +3,7 @@
     python bench/memory_table.py                 # the tables of docs/deploy.md, in markdown
     python bench/memory_table.py --prompt-s 5 --reserve-gib 12
     python bench/memory_table.py --measured mem.json   # sessions per GPU from bench/bench_stage_memory.py
+    python bench/memory_table.py --measured s0.json tts.json t2w.json   # the same, one run per stage
 
 Every figure is derived (model.md tag [D]) from the model dimensions of model.md §1 and the engines'
 own configuration defaults: `Stage0Config.slot_len` (LLM KV reserved per session), `TTSEngineConfig.
@@ -234,10 +235,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-s", type=float, default=Assumptions.prompt_s, help="voice prompt seconds")
     ap.add_argument("--voices", type=int, default=Assumptions.voices, help="resident voices")
     ap.add_argument("--reserve-gib", type=float, default=Assumptions.reserve_gib, help="non-KV runtime reserve")
-    ap.add_argument("--measured", type=Path, default=None, help="JSON of bench/bench_stage_memory.py")
+    ap.add_argument("--measured", type=Path, nargs="+", default=None,
+                    help="JSON of bench/bench_stage_memory.py (several: their stages together, e.g. one per stage)")
     args = ap.parse_args(argv)
     if args.measured is not None:
-        print(render_measured(default_sizing(), json.loads(args.measured.read_text())), end="")
+        runs = [json.loads(path.read_text()) for path in args.measured]
+        merged = {**runs[0], "stages": [stage for run in runs for stage in run["stages"]]}
+        print(render_measured(default_sizing(), merged), end="")
         return 0
     print(render(default_sizing(Assumptions(args.prompt_s, args.voices, args.reserve_gib))), end="")
     return 0
