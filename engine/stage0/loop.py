@@ -53,7 +53,12 @@ class StepLoop:
         with self.lock:
             sessions = sorted(self.sessions.values(), key=lambda s: s.slot)
             for s in sessions:
-                self._prepare(s)
+                try:
+                    self._prepare(s)
+                except Exception as exc:  # noqa: BLE001 - e.g. a new prompt whose prefix cannot be built
+                    traceback.print_exc()
+                    self._close_failed(s, f"{type(exc).__name__}: {exc}")
+            sessions = [s for s in sessions if self.sessions.get(s.session_id) is s]
         # Outside the lock: requests are accepted while the front end runs. Only this thread touches a
         # session's front-end state and its unit in PREFILL (a cancel only marks that unit aborted).
         self._encode_audio(sessions)
@@ -101,14 +106,7 @@ class StepLoop:
         `internal_error`; a system prefix that cannot be fed closes the session (its queued units end too)."""
         error = f"{type(exc).__name__}: {exc}"
         if s.phase is Phase.PREFIX:
-            for job in s.queue:
-                self._emit(UnitDone(s.session_id, job.fence, job.index, True, self.ids.listen, (), "", False, True,
-                                    UnitMetrics(0.0, 0.0, 0.0, (), 0), error=error, error_code="internal_error",
-                                    forced=job.force_listen_override))
-            s.queue.clear()
-            del self.sessions[s.session_id]
-            self.slots.give(s.slot)
-            self.closed.add(s.session_id)
+            self._close_failed(s, error)
             return
         unit = s.unit
         if unit is None:
@@ -118,6 +116,20 @@ class StepLoop:
         del s.history[unit.history_len:]
         self._fail_unit(s, error, code="internal_error")
         s.check_accounting()
+
+    def _close_failed(self: Stage0Engine, s: Session, error: str) -> None:
+        """Close a session whose own state cannot go on (its prefix): its units end with `internal_error`, its
+        slot is freed, and later requests on it get `session_closed`."""
+        if s.unit is not None:
+            self._fail_unit(s, error, code="internal_error")
+        for job in s.queue:
+            self._emit(UnitDone(s.session_id, job.fence, job.index, True, self.ids.listen, (), "", False, True,
+                                UnitMetrics(0.0, 0.0, 0.0, (), 0), error=error, error_code="internal_error",
+                                forced=job.force_listen_override))
+        s.queue.clear()
+        del self.sessions[s.session_id]
+        self.slots.give(s.slot)
+        self.closed.add(s.session_id)
 
     # ---- schedule ---------------------------------------------------------------------------------
     def _schedule(self: Stage0Engine, s: Session) -> Row | None:

@@ -124,3 +124,25 @@ def test_decision_and_forced_come_from_the_engine_also_after_a_cancel() -> None:
         assert decision.forced == done.forced
         assert decision.listen == done.is_listen  # a speak unit without TTS rows is still "speak"
     assert any(not d.is_listen for d in ran)  # both kinds were exercised
+
+
+def test_a_new_prompt_whose_prefix_cannot_be_built_closes_only_its_session() -> None:
+    engine, events = make_engine(sessions=2)
+    _open(engine, "a", "b")
+    engine.run_until_idle()
+    build = engine._prefix_embeds
+
+    def broken(prompt: str, ref: Any) -> Any:
+        if prompt == "bad":
+            raise RuntimeError("injected prefix failure")
+        return build(prompt, ref)
+
+    engine._prefix_embeds = broken  # type: ignore[method-assign]
+    engine.update("a", Fence(1, 0), prompt="bad")
+    for sid in ("a", "b"):
+        engine.append(sid, Fence(1, 0, 1), unit_pcm(7, 0))
+    engine.run_until_idle(max_steps=200)
+    assert _done(events, "a", 0).error_code == "internal_error"
+    assert _done(events, "b", 0).error is None
+    with pytest.raises(SessionClosedError):
+        engine.append("a", Fence(1, 0, 2), unit_pcm(7, 1))
