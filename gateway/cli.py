@@ -33,16 +33,18 @@ def _serve(argv: list[str]) -> int:
     ap.add_argument("--only", choices=("triton", "gateway"), default=None,
                     help="run one half (the two containers of docker-compose.yml); default both")
     ap.add_argument("--triton-host", default="127.0.0.1", help="Triton bind address (default 127.0.0.1)")
-    ap.add_argument("--triton-http-port", type=int, default=None, help="default: 8001, shifted off --port")
-    ap.add_argument("--triton-grpc-port", type=int, default=None, help="default: 8002, shifted off --port")
-    ap.add_argument("--triton-metrics-port", type=int, default=None, help="default: 8003, shifted off --port")
+    ap.add_argument("--triton-http-port", type=int, default=None, help="default: --port + 1, or a free port")
+    ap.add_argument("--triton-grpc-port", type=int, default=None, help="default: --port + 2, or a free port")
+    ap.add_argument("--triton-metrics-port", type=int, default=None, help="default: --port + 3, or a free port")
     ap.add_argument("--triton-url", default=None, help="--only gateway: Triton gRPC address (host:port)")
     args = ap.parse_args(argv)
     if args.only == "gateway" and not args.triton_url:
         ap.error("--only gateway needs --triton-url")
-    auto = choose_triton_ports(args.port)
-    ports = TritonPorts(http=args.triton_http_port or auto.http, grpc=args.triton_grpc_port or auto.grpc,
-                        metrics=args.triton_metrics_port or auto.metrics)
+    given = (args.triton_http_port, args.triton_grpc_port, args.triton_metrics_port)
+    ports = None  # the launcher derives them from --port (or picks free ones)
+    if any(given):
+        auto = choose_triton_ports(args.port)
+        ports = TritonPorts(http=given[0] or auto.http, grpc=given[1] or auto.grpc, metrics=given[2] or auto.metrics)
     return serve(ServeOptions(port=args.port, host=args.host, checkpoint=args.checkpoint, profile=args.profile,
                               max_sessions=args.max_sessions, cache_dir=args.cache_dir, only=args.only,
                               triton_host=args.triton_host, triton_ports=ports, triton_url=args.triton_url))

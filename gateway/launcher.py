@@ -18,6 +18,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from gateway.supervisor import TritonSupervisor
 from gateway.tritonserver import (  # noqa: F401 - re-exported for the launcher's callers
     DEFAULT_CACHE_DIR,
     LOG_TAIL_LINES,
@@ -148,82 +149,147 @@ def _raise_stop(signum: int, _frame: object) -> None:
     raise _Stop(signal.Signals(signum).name)
 
 
-def _start_triton(opts: ServeOptions, ports: TritonPorts) -> TritonServer:
-    checkpoint = opts.checkpoint or ensure_tiny_checkpoint(opts.cache_dir)
-    if not (checkpoint / "config.json").exists():
+# Run in a child interpreter: the launcher itself never imports `engine` (the gateway rule).
+_CHECK_CONFIG = """
+import sys
+try:
+    from engine.config import ConfigError, ModelConfig
+except ImportError:
+    sys.exit(0)  # a gateway-only install: the stages check their checkpoint when they load
+try:
+    ModelConfig.from_file(sys.argv[1])
+except (ConfigError, OSError, ValueError, TypeError) as exc:
+    print(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+    sys.exit(1)
+"""
+
+
+def check_checkpoint(checkpoint: Path) -> None:
+    """A checkpoint whose config.json is missing or invalid fails here, in one line, before Triton starts."""
+    config = checkpoint / "config.json"
+    if not config.exists():
         raise LaunchError(f"checkpoint {checkpoint} has no config.json")
-    build_model_repository(opts, checkpoint, opts.cache_dir / "model_repository")
+    done = subprocess.run([sys.executable, "-c", _CHECK_CONFIG, str(config)], capture_output=True, text=True,
+                          cwd=REPO_ROOT, check=False)
+    if done.returncode != 0:
+        why = (done.stdout.strip() or done.stderr.strip() or f"exit code {done.returncode}").splitlines()[-1]
+        raise LaunchError(f"{config} is not a valid MiniCPM-o 4.5 config: {why}")
+
+
+def _prepare_triton(opts: ServeOptions, ports: TritonPorts) -> TritonServer:
+    """Checkpoint, repository and the (not yet started) server; per gateway port, so two servers on one
+    host never rebuild each other's repository or share a log."""
+    checkpoint = opts.checkpoint or ensure_tiny_checkpoint(opts.cache_dir)
+    check_checkpoint(checkpoint)
+    repository = opts.cache_dir / f"model_repository-{opts.port}"
+    build_model_repository(opts, checkpoint, repository)
     install = locate_tritonserver(opts.cache_dir)
-    server = TritonServer(install, opts.cache_dir / "model_repository", PIPELINE_MODELS, ports,
-                          opts.cache_dir / "logs" / "tritonserver.log", host=opts.triton_host)
+    return TritonServer(install, repository, PIPELINE_MODELS, ports,
+                        opts.cache_dir / "logs" / f"tritonserver-{opts.port}.log", host=opts.triton_host)
+
+
+def _start_triton(server: TritonServer) -> None:
+    ports = server.ports
     print(f"[serve] starting tritonserver (gRPC {ports.grpc}, HTTP {ports.http}, metrics {ports.metrics}); "
           f"log: {server.log_path}", flush=True)
     server.start()
     server.wait_ready(TRITON_READY_TIMEOUT_S, progress=lambda m: print(m, flush=True))
-    return server
 
 
-def _start_gateway(opts: ServeOptions, triton_url: str, profile: dict[str, object]) -> subprocess.Popen[bytes]:
+def _gateway_cmd(opts: ServeOptions) -> list[str]:
     import importlib.util  # noqa: PLC0415
 
     # gateway.serving drains sessions before uvicorn closes the sockets; plain uvicorn is the fallback.
     if importlib.util.find_spec("gateway.serving") is not None:
-        cmd = [sys.executable, "-m", "gateway.serving", "--host", opts.host, "--port", str(opts.port)]
-    else:
-        cmd = [sys.executable, "-m", "uvicorn", "gateway.app:create_app", "--factory", "--host", opts.host,
-               "--port", str(opts.port)]
-    gateway = subprocess.Popen(cmd, env=gateway_env(triton_url, profile), cwd=REPO_ROOT, start_new_session=True)
-    base = f"http://{opts.host}:{opts.port}"
-    _wait_gateway(gateway, base, require_ready=opts.only != "gateway")
-    print(f"[serve] demo: {base}/  (Ctrl-C stops)", flush=True)
-    return gateway
+        return [sys.executable, "-m", "gateway.serving", "--host", opts.host, "--port", str(opts.port)]
+    return [sys.executable, "-m", "uvicorn", "gateway.app:create_app", "--factory", "--host", opts.host,
+            "--port", str(opts.port)]
 
 
-def serve(opts: ServeOptions) -> int:
-    """Run until Ctrl-C/SIGTERM (exit 0) or until a child dies (exit 1). Startup errors exit 2."""
-    # SIGINT too: a shell that starts us in the background sets SIGINT to "ignore", which Python keeps.
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, _raise_stop)
+@dataclass
+class _Children:
+    """What serve() started so far; the `finally` stops exactly these, even mid-startup (a SIGTERM while
+    Triton is still loading must not leave it running)."""
     server: TritonServer | None = None
     gateway: subprocess.Popen[bytes] | None = None
-    started = False
-    try:
-        profile = load_profile(opts.profile)
-        if opts.max_sessions is not None:
-            profile["max_sessions"] = opts.max_sessions
-        ports = opts.triton_ports or choose_triton_ports(opts.port)
-        wanted = {} if opts.only == "gateway" else ports.all()
-        if opts.only != "triton":
-            wanted = {"gateway": opts.port, **wanted}
-        check_ports_free(wanted)
-        triton_url = opts.triton_url or f"127.0.0.1:{ports.grpc}"
-        if opts.only != "gateway":
-            server = _start_triton(opts, ports)
-        if opts.only != "triton" and _gateway_available():
-            gateway = _start_gateway(opts, triton_url, profile)
-        elif opts.only != "triton":
-            print(f"[serve] gateway.app is not present; Triton serves gRPC at {triton_url}. Ctrl-C stops.", flush=True)
-        else:
-            print(f"[serve] Triton serves gRPC at {opts.triton_host}:{ports.grpc}. Ctrl-C stops.", flush=True)
-        started = True
-        while True:
-            if server is not None and (server.proc is None or server.proc.poll() is not None):
-                raise LaunchError(f"tritonserver stopped unexpectedly; log tail:\n{server.log_tail()}")
-            if gateway is not None and gateway.poll() is not None:
-                raise LaunchError(f"the gateway exited with code {gateway.returncode}")
-            time.sleep(READY_POLL_S)
-    except (KeyboardInterrupt, _Stop):
-        print("\n[serve] stopping ...", flush=True)
-        return 0
-    except LaunchError as exc:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
-        return 1 if started else 2
-    finally:
+    started: bool = False  # everything asked for came up: a later failure exits 1, not 2
+
+    def stop(self) -> None:
+        gateway, self.gateway = self.gateway, None
         if gateway is not None and gateway.poll() is None:
             signal_group(gateway, signal.SIGTERM)
             try:
                 gateway.wait(timeout=STOP_GRACE_S)
             except subprocess.TimeoutExpired:
                 signal_group(gateway, signal.SIGKILL)
-        if server is not None:
-            server.stop()
+        if self.server is not None:
+            self.server.stop()
+
+
+def _say(message: str) -> None:
+    print(message, flush=True)
+
+
+def _run(opts: ServeOptions, kids: _Children) -> None:
+    """Start what `opts` asks for, then supervise until a signal (raises _Stop) or a fatal LaunchError."""
+    profile = load_profile(opts.profile)
+    if opts.max_sessions is not None:
+        profile["max_sessions"] = opts.max_sessions
+    ports = opts.triton_ports or choose_triton_ports(opts.port)
+    wanted = {} if opts.only == "gateway" else ports.all()
+    if opts.only != "triton":
+        wanted = {"gateway": opts.port, **wanted}
+    check_ports_free(wanted)
+    triton_url = opts.triton_url or f"127.0.0.1:{ports.grpc}"
+    if opts.only != "gateway":
+        kids.server = _prepare_triton(opts, ports)
+        _start_triton(kids.server)
+    if opts.only != "triton" and _gateway_available():
+        kids.gateway = subprocess.Popen(_gateway_cmd(opts), env=gateway_env(triton_url, profile), cwd=REPO_ROOT,
+                                        start_new_session=True)
+        base = f"http://{opts.host}:{opts.port}"
+        _wait_gateway(kids.gateway, base, require_ready=opts.only != "gateway")
+        _say(f"[serve] demo: {base}/  (Ctrl-C stops)")
+    elif opts.only != "triton":
+        _say(f"[serve] gateway.app is not present; Triton serves gRPC at {triton_url}. Ctrl-C stops.")
+    else:
+        _say(f"[serve] Triton serves gRPC at {opts.triton_host}:{ports.grpc}. Ctrl-C stops.")
+    kids.started = True
+    _supervise(opts, kids)
+
+
+def _supervise(opts: ServeOptions, kids: _Children) -> None:
+    """Both halves: restart a dead tritonserver under the running gateway. `--only triton` (a container of
+    its own) exits on Triton's death instead: its container's restart policy is the supervisor there."""
+    supervisor = TritonSupervisor(kids.server, _say) if kids.server is not None and opts.only is None else None
+    while True:
+        server = kids.server
+        if supervisor is not None:
+            supervisor.check()
+        elif server is not None and (server.proc is None or server.proc.poll() is not None):
+            code = -9 if server.proc is None else server.proc.returncode
+            raise LaunchError(f"tritonserver stopped unexpectedly: {server.exit_cause(code)}")
+        if kids.gateway is not None and kids.gateway.poll() is not None:
+            raise LaunchError(f"the gateway exited with code {kids.gateway.returncode}")
+        time.sleep(READY_POLL_S)
+
+
+def serve(opts: ServeOptions) -> int:
+    """Run until Ctrl-C/SIGTERM (exit 0) or until a child dies for good (exit 1). Startup errors exit 2."""
+    # SIGINT too: a shell that starts us in the background sets SIGINT to "ignore", which Python keeps.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _raise_stop)
+    kids = _Children()
+    try:
+        _run(opts, kids)
+    except (KeyboardInterrupt, _Stop):
+        _say("\n[serve] stopping ...")
+        return 0
+    except LaunchError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 1 if kids.started else 2
+    finally:
+        # a second signal while stopping must not cut the cleanup short
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
+        kids.stop()

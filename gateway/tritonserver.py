@@ -11,6 +11,7 @@ This module imports neither torch nor `engine` (the gateway rule); it only manag
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -33,6 +34,13 @@ READY_POLL_S = 0.25
 PROGRESS_EVERY_S = 3.0
 STOP_GRACE_S = 10.0
 LOG_TAIL_LINES = 40
+MAX_PORT = 65535
+SHM_PREFIX = "triton_python_backend_shm_region_"  # the Python backend's per-instance regions in /dev/shm
+SHM_DIR = Path("/dev/shm")
+CAUSE_LINES = 12
+# Lines of a tritonserver log that say why it failed (the model table and INFO chatter do not).
+ERROR_KEYS = ("failed to load", "failed to start", "already in use", "error:", "Error", "Traceback", "Fatal",
+              "Segmentation fault", "Aborted", "Killed", "out of memory")
 # Python-backend shared memory per model instance. The 1 MiB default grows under concurrent
 # decoupled BLS traffic; start large enough that one second of audio per session never grows it.
 PY_SHM_DEFAULT_BYTES = 64 * 1024 * 1024
@@ -133,12 +141,24 @@ def port_in_use(port: int, host: str = "0.0.0.0") -> bool:
     return False
 
 
-def choose_triton_ports(gateway_port: int, base: int = 8001) -> TritonPorts:
-    """Triton's three ports out of the gateway's way: 8001-8003, shifted past a collision."""
-    start = base
-    while gateway_port in range(start, start + 3):
-        start += 3
-    return TritonPorts(http=start, grpc=start + 1, metrics=start + 2)
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def choose_triton_ports(gateway_port: int) -> TritonPorts:
+    """Triton's three ports, derived from the gateway's (`--port`+1..+3: 8001-8003 for 8000) so that servers
+    with different `--port` never collide; if one of those is taken, three free ports the kernel picks."""
+    derived = TritonPorts(http=gateway_port + 1, grpc=gateway_port + 2, metrics=gateway_port + 3)
+    if derived.metrics <= MAX_PORT and not any(port_in_use(p) for p in derived.all().values()):
+        return derived
+    picked: list[int] = []
+    while len(picked) < 3:
+        port = free_port()
+        if port not in picked and port != gateway_port:
+            picked.append(port)
+    return TritonPorts(http=picked[0], grpc=picked[1], metrics=picked[2])
 
 
 def check_ports_free(named_ports: dict[str, int]) -> None:
@@ -156,6 +176,7 @@ class TritonServer:
         self.install, self.repository, self.models, self.ports = install, repository, list(models), ports
         self.log_path, self.env, self.log_verbose, self.host = log_path, env, log_verbose, host
         self.proc: subprocess.Popen[bytes] | None = None
+        self.shm_regions: set[str] = set()
 
     @property
     def grpc_url(self) -> str:
@@ -195,9 +216,38 @@ class TritonServer:
 
     def load_errors(self) -> list[str]:
         """Lines of the log that name a failing model or port (what a person needs to see)."""
-        keys = ("failed to load", "failed to start", "already in use", "error:", "Traceback", "Error")
         text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-        return [ln.strip() for ln in text.splitlines() if any(k in ln for k in keys)]
+        return [ln.strip() for ln in text.splitlines() if any(k in ln for k in ERROR_KEYS)]
+
+    def exit_cause(self, code: int, lines: int = CAUSE_LINES) -> str:
+        """Why the process ended: the signal or exit code and the log's last error lines (never the model
+        table, which Triton prints at every start and exit and which says nothing about a crash)."""
+        how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+        errors = [ln for ln in self.load_errors() if not ln.startswith(("|", "+"))][-lines:]
+        detail = "\n  ".join(errors) if errors else "(no error lines in its log)"
+        return f"tritonserver {how}; last error lines:\n  {detail}\n(full log: {self.log_path})"
+
+    def owns_ports(self) -> bool:
+        """The HTTP and gRPC ports are held by THIS process: another server answering on them (a second
+        launcher whose Triton failed to bind) must not pass for ours."""
+        if self.proc is None:
+            return False
+        return all(process_listens_on(self.proc.pid, p) is not False for p in (self.ports.http, self.ports.grpc))
+
+    def note_shm_regions(self) -> None:
+        """Remember the Python backend's /dev/shm regions this server maps (read while it is alive)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.shm_regions |= mapped_shm_regions(self.proc.pid)
+
+    def remove_shm_regions(self) -> list[str]:
+        """Unlink the regions a dead server left (a killed server cannot remove its own). Returns them."""
+        removed = []
+        for name in sorted(self.shm_regions):
+            with contextlib.suppress(FileNotFoundError):
+                (SHM_DIR / name).unlink()
+                removed.append(name)
+        self.shm_regions.clear()
+        return removed
 
     def model_states(self) -> dict[str, str]:
         try:
@@ -208,7 +258,7 @@ class TritonServer:
 
     def is_ready(self) -> bool:
         return all(http_ok(f"{self.http_url}/v2/models/{m}/ready") for m in self.models) and http_ok(
-            f"{self.http_url}/v2/health/ready")
+            f"{self.http_url}/v2/health/ready") and self.owns_ports()
 
     def wait_ready(self, timeout_s: float, progress: Callable[[str], None] = print) -> None:
         assert self.proc is not None, "start() first"
@@ -218,6 +268,7 @@ class TritonServer:
             if code is not None:
                 raise LaunchError(self._exit_message(code))
             if self.is_ready():
+                self.note_shm_regions()
                 progress(f"[triton] ready in {time.monotonic() - t0:.1f}s: {', '.join(self.models)}")
                 return
             now = time.monotonic()
@@ -233,20 +284,23 @@ class TritonServer:
             time.sleep(READY_POLL_S)
 
     def _exit_message(self, code: int) -> str:
-        errors = self.load_errors()
-        detail = "\n  ".join(errors[-12:]) if errors else self.log_tail()
-        return f"tritonserver exited with code {code} during startup:\n  {detail}\n(full log: {self.log_path})"
+        return f"{self.exit_cause(code)} (during startup)"
 
-    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
+    def stop(self, grace_s: float = STOP_GRACE_S) -> list[str]:
+        """SIGTERM, then SIGKILL after `grace_s`, to the whole group (the backend stubs too); then remove
+        the shared-memory regions a killed server leaves behind. Returns the regions removed."""
         proc, self.proc = self.proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        signal_group(proc, signal.SIGTERM)
-        try:
-            proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            signal_group(proc, signal.SIGKILL)
-            proc.wait()
+        if proc is None:
+            return []
+        if proc.poll() is None:
+            signal_group(proc, signal.SIGTERM)
+            try:
+                proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                signal_group(proc, signal.SIGKILL)
+                proc.wait()
+        signal_group(proc, signal.SIGKILL)  # stubs that outlived their server (it crashed) hold regions mapped
+        return self.remove_shm_regions()
 
     def __enter__(self) -> TritonServer:
         self.start()
@@ -261,6 +315,48 @@ def signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
         os.killpg(proc.pid, sig)
     except ProcessLookupError:
         pass
+
+
+def _listening_inodes(port: int) -> set[str] | None:
+    """Inodes of the TCP sockets listening on `port` (IPv4 and IPv6); None where /proc/net is not there."""
+    found: set[str] = set()
+    tables = [Path("/proc/net/tcp"), Path("/proc/net/tcp6")]
+    if not any(t.exists() for t in tables):
+        return None
+    for table in tables:
+        with contextlib.suppress(OSError):
+            for line in table.read_text().splitlines()[1:]:
+                f = line.split()
+                if f[3] == "0A" and int(f[1].rpartition(":")[2], 16) == port:  # 0A: LISTEN
+                    found.add(f[9])
+    return found
+
+
+def process_listens_on(pid: int, port: int) -> bool | None:
+    """Whether process `pid` holds a socket listening on `port` (None: cannot tell on this system)."""
+    inodes = _listening_inodes(port)
+    if inodes is None:
+        return None
+    try:
+        fds = list(Path(f"/proc/{pid}/fd").iterdir())
+    except OSError:
+        return False
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            link = os.readlink(fd)
+            if link.startswith("socket:[") and link[len("socket:["):-1] in inodes:
+                return True
+    return False
+
+
+def mapped_shm_regions(pid: int) -> set[str]:
+    """Names of the Python backend's /dev/shm regions mapped by process `pid`."""
+    try:
+        maps = Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return set()
+    prefix = f"{SHM_DIR}/{SHM_PREFIX}"
+    return {line[line.index(prefix):].split()[0].rsplit("/", 1)[1] for line in maps.splitlines() if prefix in line}
 
 
 def http_ok(url: str) -> bool:
