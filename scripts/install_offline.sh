@@ -55,12 +55,12 @@ chmod +x "$VENV/bin/duplex"
 # Check what a broken install would only show at serve time: numpy 1.x first, torch from the host,
 # tritonserver with the stub for this Python, the gateway importable, host-provided packages present.
 "$VENV/bin/python" - "$host_provides" <<'EOF'
-import importlib, pathlib, sys
+import importlib, os, pathlib, sys
 import numpy, torch, pytriton, fastapi, tritonclient.grpc, gateway.app  # noqa: F401
 assert numpy.__version__.startswith("1."), f"numpy {numpy.__version__}: the Triton 2.51 stub needs numpy 1.x"
 server = pathlib.Path(pytriton.__file__).parent / "tritonserver"
 py = f"{sys.version_info[0]}.{sys.version_info[1]}"
-assert (server / "bin" / "tritonserver").exists(), server
+assert os.access(server / "bin" / "tritonserver", os.X_OK), f"{server}/bin/tritonserver is not executable"
 assert (server / "python_backend_stubs" / py / "triton_python_backend_stub").exists(), f"no stub for {py}"
 MODULES = {"pillow": "PIL", "pyyaml": "yaml"}  # distribution -> module where they differ
 for name in sys.argv[1].split():

@@ -103,7 +103,9 @@ do_load() {
 
 do_logs() {
   tail -n 300 "$SERVE_LOG" > "$OUT/serve-tail.log" 2>/dev/null || true
-  tail -n 500 "$SERVE_DIR/logs/tritonserver.log" > "$OUT/tritonserver-tail.log" 2>/dev/null || true
+  local tlog  # the launcher names it tritonserver-<port>.log (tritonserver.log before)
+  tlog="$(ls -t "$SERVE_DIR"/logs/tritonserver*.log 2>/dev/null | head -1)"
+  [[ -n "$tlog" ]] && tail -n 500 "$tlog" > "$OUT/tritonserver-tail.log"
   nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1 || true
   ls -la "$OUT"
 }
