@@ -3,8 +3,10 @@
 `forward_stream_batch` equals `WhisperEncoder.forward_stream` run once per session: every unit yields
 the same 50 encoder frames (unit 0: T = 102, no left trim; later units: T = 104, one CNN frame trimmed
 per side), so the CNN, the projections and the MLP run as one [B, 50, d] batch. Attention is one SDPA
-over each session's past K/V (stacked up to the longest past, the rest masked) followed by the unit's
-own 50 keys; the new K/V of every layer is written back into each session's cache once at the end.
+per layer over a stack of each session's cache up to the longest past + 50, into which the unit's own
+K/V are scattered at the session's positions (one copy of the caches per layer, one small scatter); a key
+counts for a session below its own past + 50. The new K/V of every layer go back into each session's
+cache once, at the end.
 """
 
 from __future__ import annotations
@@ -29,14 +31,18 @@ def _trim(unit: UnitMel) -> tuple[int, int]:
     return left, kept
 
 
-def _layer(layer: WhisperEncoderLayer, x: torch.Tensor, past: tuple[torch.Tensor, torch.Tensor] | None,
-           mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One encoder layer over x [B, S, d] attending to past [B, H, P, D] (masked) + its own S keys."""
+def _layer(layer: WhisperEncoderLayer, x: torch.Tensor, window: tuple[torch.Tensor, torch.Tensor],
+           at: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One encoder layer over x [B, S, d]: its K/V go into `window` [B, H, P + S, D] at positions `at`
+    [B, S], then it attends to the window under `mask`."""
     attn = layer.self_attn
     b, s, d = x.shape
     h = layer.self_attn_layer_norm(x)
     q, k, v = attn._split(attn.q_proj(h)), attn._split(attn.k_proj(h)), attn._split(attn.v_proj(h))
-    keys, values = (k, v) if past is None else (torch.cat([past[0], k], 2), torch.cat([past[1], v], 2))
+    rows = torch.arange(b, device=x.device)[:, None]  # [B, 1]
+    keys, values = window
+    keys[rows, :, at] = k.transpose(1, 2)  # [B, S, H, D] at (row, position)
+    values[rows, :, at] = v.transpose(1, 2)
     out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)  # [B, H, S, D]
     x = x + attn.out_proj(out.transpose(1, 2).reshape(b, s, d))
     x = x + layer.fc2(F.gelu(layer.fc1(layer.final_layer_norm(x))))
@@ -46,12 +52,34 @@ def _layer(layer: WhisperEncoderLayer, x: torch.Tensor, past: tuple[torch.Tensor
 def forward_stream_batch(encoder: WhisperEncoder, units: Sequence[UnitMel],
                          caches: Sequence[AudioKVCache]) -> torch.Tensor:
     """One unit per session -> post-LN hidden [B, S, d]; each cache advanced as `forward_stream` would."""
-    weight = encoder.conv1.weight
-    dev = weight.device
+    dev = encoder.conv1.weight.device
     for unit, cache in zip(units, caches, strict=True):  # the §2.4 reset rule, per session, first
         if cache.length + cnn_length(unit.mel.shape[-1]) >= cache.capacity:
             cache.reset()
             cache.resets += 1
+    x = _embed_units(encoder, units)  # [B, S, d]
+    s = x.shape[1]
+    starts = torch.tensor([c.length for c in caches], device=dev)
+    at = starts[:, None] + torch.arange(s, device=dev)  # [B, S]: each session's new frames, positions
+    x = x + encoder.embed_positions.weight[at]
+    span = max(c.length for c in caches) + s  # every cache has room: the reset rule ran above
+    mask = None
+    if any(c.length + s != span for c in caches):  # [B, 1, 1, P + S]: a session's own past + unit only
+        mask = (torch.arange(span, device=dev)[None] < (starts + s)[:, None])[:, None, None, :]
+    new_k, new_v = [], []
+    for i, layer in enumerate(encoder.layers):
+        window = (torch.stack([c.k[i, 0, :, :span] for c in caches]),  # [B, H, P + S, D]: the one copy
+                  torch.stack([c.v[i, 0, :, :span] for c in caches]))
+        x, k, v = _layer(layer, x, window, at, mask)
+        new_k.append(k)
+        new_v.append(v)
+    _append(caches, torch.stack(new_k), torch.stack(new_v))
+    return encoder.layer_norm(x)
+
+
+def _embed_units(encoder: WhisperEncoder, units: Sequence[UnitMel]) -> torch.Tensor:
+    """The CNN over every unit's mel, trimmed as `forward_stream` trims -> [B, S, d] (S equal for all)."""
+    dev = encoder.conv1.weight.device
     trims = [_trim(u) for u in units]
     s = trims[0][1]
     if any(kept != s for _, kept in trims):
@@ -60,29 +88,15 @@ def forward_stream_batch(encoder: WhisperEncoder, units: Sequence[UnitMel],
     # Right zero-padding is what conv1's own padding adds at a slice edge: the kept frames are unchanged.
     mel = torch.stack([F.pad(u.mel.to(dev), (0, t_max - u.mel.shape[-1])) for u in units])  # [B, n_mels, T]
     x = encoder.embed_cnn(mel)  # [B, ceil(T / 2), d]
-    lefts = torch.tensor([left for left, _ in trims], device=dev)
-    frames = lefts[:, None] + torch.arange(s, device=dev)  # [B, S]
-    x = x.gather(1, frames[..., None].expand(-1, -1, x.shape[-1]))  # [B, S, d]
-    starts = torch.tensor([c.length for c in caches], device=dev)
-    x = x + encoder.embed_positions.weight[starts[:, None] + torch.arange(s, device=dev)]
-    past = max(c.length for c in caches)
-    keys = torch.arange(past + s, device=dev)
-    mask = None
-    if any(c.length != past for c in caches):  # [B, 1, 1, P + S]: own past and own unit only
-        mask = ((keys[None] < starts[:, None]) | (keys[None] >= past))[:, None, None, :]
-    new_k, new_v = [], []
-    for i, layer in enumerate(encoder.layers):
-        cached = None
-        if past:
-            cached = (torch.stack([c.k[i, 0, :, :past] for c in caches]),  # [B, H, P, D]
-                      torch.stack([c.v[i, 0, :, :past] for c in caches]))
-        x, k, v = _layer(layer, x, cached, mask)
-        new_k.append(k)
-        new_v.append(v)
-    k_all, v_all = torch.stack(new_k), torch.stack(new_v)  # [layers, B, H, S, D]
+    frames = torch.tensor([left for left, _ in trims], device=dev)[:, None] + torch.arange(s, device=dev)
+    return x.gather(1, frames[..., None].expand(-1, -1, x.shape[-1]))  # [B, S, d]
+
+
+def _append(caches: Sequence[AudioKVCache], k_all: torch.Tensor, v_all: torch.Tensor) -> None:
+    """Every layer's new K/V [layers, B, H, S, D] into each session's cache, after its past."""
+    s = k_all.shape[3]
     for b, cache in enumerate(caches):
         start = cache.length
         cache.k[:, 0, :, start:start + s] = k_all[:, b]
         cache.v[:, 0, :, start:start + s] = v_all[:, b]
         cache.length = start + s
-    return encoder.layer_norm(x)
