@@ -156,3 +156,21 @@ def test_the_clients_clip_replaces_the_voices_in_the_prefix(stages: dict[str, An
         send(s0, corrid=c, op="close", fence=(1, 1, 0))
     assert clip_prefix - voice_prefix == 20 - 10  # the default voice's clip is 1 s (model.md §9.4)
     assert codes(run_units(s0, with_clip)) != codes(run_units(s0, gateway_config(seed=5, temperature=1.5)))
+
+
+def test_a_new_clip_before_the_first_unit_rebuilds_the_prefix_and_after_it_is_refused(stages: dict[str, Any]) -> None:
+    s0 = stages["stage0"]
+    clip = (np.random.default_rng(4).standard_normal(48_000) * 3000).astype("<i2")  # 3 s -> 30 embeddings
+    corrid, _ = open_all(stages, gateway_config(seed=5), keep=True)
+    with_clip = gateway_config(seed=5, ref_audio=base64.b64encode(clip.tobytes()).decode())
+    for stage in stages.values():
+        assert send(stage, corrid=corrid, op="update", fence=(1, 1, 0), config=with_clip).kinds() == ["updated"]
+    send(s0, corrid=corrid, op="append", fence=(1, 1, 1), pcm=pcm(0, seed=7))
+    with_voice = s0.engine.session(str(corrid)).prefix_len
+    late = send(s0, corrid=corrid, op="update", fence=(1, 1, 0), config=gateway_config(seed=5))
+    assert [o.event.get("code") for o in late.outs] == ["invalid_runtime_config"]
+    close_all(stages, corrid)
+    plain, _ = open_all(stages, gateway_config(seed=5), keep=True)
+    send(s0, corrid=plain, op="append", fence=(1, 1, 1), pcm=pcm(0, seed=7))
+    assert with_voice - s0.engine.session(str(plain)).prefix_len == 30 - 10
+    close_all(stages, plain)

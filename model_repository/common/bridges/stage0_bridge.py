@@ -65,6 +65,7 @@ class _Unit:
 class _Session:
     corrid: int
     seed: int
+    voice: tuple[Any, ...]  # what chose the prefix's clip: (CONFIG voice, CONFIG ref_audio)
     text_only: bool = False  # no `tts_input`: nothing for the talker and the vocoder to do
     units: dict[int, _Unit] = field(default_factory=dict)
     started: int = 0  # units whose decision the engine reached
@@ -131,7 +132,7 @@ class Stage0Bridge(EngineBridge):
         self.engine.open(sid, fence, prompt=instructions(cfg), ref_audio=self._clip(cfg),
                          params=sampling_params(cfg, seed), rules=decode_rules(cfg, self.engine.rules),
                          force_listen_count=force_listen_count(cfg))
-        self.sessions[sid] = _Session(corrid, seed, text_only=bool(text_only(cfg)))
+        self.sessions[sid] = _Session(corrid, seed, _voice_key(cfg), text_only=bool(text_only(cfg)))
 
     def _clip(self, cfg: dict[str, Any]) -> torch.Tensor | None:
         """The prefix's reference clip: the client's, else the voice's (None without voices)."""
@@ -141,17 +142,20 @@ class Stage0Bridge(EngineBridge):
         return self.voice_clips[voice_of(cfg, self.voice_clips, self.default_voice)]
 
     def _update(self, sid: str, fence: Fence, cfg: dict[str, Any]) -> None:
-        """A runtime update: sampling, rules, force-listen and output mode from the next unit. The prefix
-        (instructions) may change; its clip and the seed are fixed at open (protocol.md §2.6)."""
+        """A runtime update: sampling, rules, force-listen and output mode from the next unit; a new prompt
+        rebuilds the prefix. A new seed, voice or clip re-opens the session before its first unit and is
+        refused after it (the gateway locks them at the prefix commit, protocol.md §2.6)."""
         if not cfg:
             return
         check_config(cfg)
         state = self.sessions.get(sid)
         live = self.engine.session(sid)  # raises for an unknown session
         assert state is not None
-        if cfg.get("seed") is not None and seed_of(cfg) != state.seed:  # a new seed: only before any unit
+        new_seed = cfg.get("seed") is not None and seed_of(cfg) != state.seed
+        if new_seed or _voice_key(cfg) != state.voice:
             if live.appended:
-                raise RequestError("invalid_runtime_config", "CONFIG seed cannot change after the first unit")
+                raise RequestError("invalid_runtime_config",
+                                   "CONFIG seed, voice and ref_audio cannot change after the first unit")
             self.engine.update(sid, fence)  # checks the fence; the session is then opened again, seeded anew
             self.engine.close(sid, live.fence)
             self._open(sid, live.fence, state.corrid, cfg)
@@ -275,6 +279,10 @@ def scripted_decisions(value: Any) -> dict[str, Any]:
     if plan.speak_units < 1:
         raise ConfigError("engine option scripted_decisions: speak_units must be >= 1")
     return {"scripted_decisions": True, "benchmark_mode": True, "script_plan": plan}
+
+
+def _voice_key(cfg: dict[str, Any]) -> tuple[Any, ...]:
+    return cfg.get("voice"), cfg.get("ref_audio")
 
 
 def _token_times_ms(ttft_s: float, itl_s: tuple[float, ...]) -> list[float]:

@@ -99,16 +99,19 @@ class Token2WavBridge(EngineBridge):
         sink.close()
 
     def _reseed(self, sid: str, cfg: dict[str, Any]) -> None:
-        """A new CONFIG seed before the session's first unit opens it again with that seed; later it is refused."""
+        """A new CONFIG seed or voice before the session's first unit opens it again with them; later they are
+        refused (the gateway locks both at the prefix commit)."""
         voice, seed, used = self.opened.get(sid, ("", None, True))
-        if cfg.get("seed") is None or seed_of(cfg) == seed:
+        new_voice = voice_of(cfg, self.voices, self.default_voice)
+        new_seed = seed if cfg.get("seed") is None else seed_of(cfg)
+        if (new_voice, new_seed) == (voice, seed):
             return
         session = self.engine.sessions.get(sid)
         if used or session is None:
-            raise RequestError("invalid_runtime_config", "CONFIG seed cannot change after the first unit")
+            raise RequestError("invalid_runtime_config", "CONFIG seed and voice cannot change after the first unit")
         self.engine.close(sid, session.fence)
-        self.opened[sid] = (voice, seed_of(cfg), False)
-        self.engine.open(sid, session.fence, voice, self.opened[sid][1])
+        self.opened[sid] = (new_voice, new_seed, False)
+        self.engine.open(sid, session.fence, new_voice, new_seed)
 
     def step(self) -> bool:
         # a row is one session's flow + vocoder call (queued silence is no row)
