@@ -151,9 +151,10 @@ async def _start(user: User, delay_s: float) -> UserLog:
     return await user.run()
 
 
-async def run_step(n: int, args: argparse.Namespace, speech: list[Any]) -> list[UserLog]:
-    users = [User(i, args.url, speech, args.duration, cancel_every_s=args.cancel_every, api_key=args.api_key)
-             for i in range(n)]
+async def run_step(n: int, args: argparse.Namespace, speech: list[Any],
+                   plan: dict[str, int] | None = None) -> list[UserLog]:
+    users = [User(i, args.url, speech, args.duration, cancel_every_s=args.cancel_every, api_key=args.api_key,
+                  plan=plan) for i in range(n)]
     progress = asyncio.create_task(_progress(n, users, time.monotonic()))
     try:
         return list(await asyncio.gather(*(_start(u, i * START_SPREAD_S / n) for i, u in enumerate(users))))
@@ -214,7 +215,7 @@ async def sweep(args: argparse.Namespace) -> dict[str, Any]:
     for n in args.sessions:
         print(f"[N={n}] {n} sessions for {args.duration:.0f}s", file=sys.stderr, flush=True)
         before = scrape(args.triton_metrics)
-        logs = await run_step(n, args, speech)
+        logs = await run_step(n, args, speech, plan)
         run = step_record(n, logs, scripted, before, scrape(args.triton_metrics))
         doc["runs"].append(run)
         write(args.out, doc)

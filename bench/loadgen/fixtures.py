@@ -17,11 +17,9 @@ from pathlib import Path
 import numpy as np
 
 INPUT_RATE = 16_000
-SENTENCES = (
-    "Hello there, could you please tell me about the weather tomorrow?",
-    "What is a good recipe for dinner tonight?",
-    "Please explain how a rainbow forms after the rain.",
-)
+# short turns (about 1 s each): a user of a scripted plan must fit one, plus the VAD's silence, into the
+# plan's listen units (bench/loadgen/user.py)
+SENTENCES = ("Hello there.", "What time is it?", "Tell me a joke.", "How are you today?")
 CACHE_ENV = "DUPLEX_LOADGEN_CACHE"
 
 

@@ -4,6 +4,10 @@
   commit, so its receipt is the client's first sight of it) -> first audio delta of the first response created
   after it; absent when no response with audio followed before the next commit.
 - `response_created_to_first_audio_ms`: per response.
+- `unit_to_first_audio_ms` (P6 at the client): send of the last input chunk of the unit whose speak decision
+  opened a response -> that response's first audio delta; `unit_to_decision_ms`: the same origin -> the
+  unit's `response.listen` / `response.speak`. Units come from the rebuilt grid (grid.py); none are timed
+  past a point where the grid is unknown.
 - `cancel_to_last_audio_ms`: send time of our `response.cancel` -> receipt of the cancelled response's last
   audio delta (0 if none arrived after the cancel); `cancel_to_done_ms`: the same origin -> its `response.done`.
 - `transcript_delay_ms`: per model unit, first transcript delta receipt - first audio delta receipt (negative
@@ -23,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from bench.loadgen.user import ResponseLog, UserLog
+from bench.loadgen.user import APPEND_SAMPLES, ResponseLog, UserLog
 
 MAX_CHUNK_GAP_MS = 1200.0  # targets.md P8
 MIN_RTF = 0.95  # audio keeps pace: at most 5 % of the playing time spent waiting for the next chunk
@@ -83,6 +87,21 @@ def commit_latencies(log: UserLog) -> list[float]:
     return out
 
 
+def unit_sent(log: UserLog, unit: int) -> float | None:
+    """Send time of the append holding the unit's last input sample (None where the grid is unknown)."""
+    end = log.grid.end(unit)
+    k = None if end is None else (end - 1) // APPEND_SAMPLES
+    return log.chunk_sent[k] if k is not None and k < len(log.chunk_sent) else None
+
+
+def unit_latencies(log: UserLog) -> tuple[list[float], list[float]]:
+    """(unit -> first audio of the response it opened, unit -> its decision) in ms."""
+    audio = [(r.audio_t[0] - sent) * MS for r in log.responses.values()
+             if r.audio_t and r.speak_unit is not None and (sent := unit_sent(log, r.speak_unit)) is not None]
+    decided = [(t - sent) * MS for unit, t in log.decisions if (sent := unit_sent(log, unit)) is not None]
+    return audio, decided
+
+
 def cancel_latency(resp: ResponseLog) -> float | None:
     if resp.cancel_t is None:
         return None
@@ -125,6 +144,7 @@ def run_figures(sessions: int, logs: list[UserLog], scripted: bool | None) -> di
     responses = [r for log in logs for r in log.responses.values()]
     commit_ms = [x for log in logs for x in commit_latencies(log)]
     created_ms = [(r.audio_t[0] - r.created_t) * MS for r in responses if r.audio_t]
+    by_unit = [unit_latencies(log) for log in logs]
     cancel_ms = [x for r in responses if (x := cancel_latency(r)) is not None]
     text_ms = [(r.unit_text_t[u] - t) * MS for r in responses for u, t in r.unit_audio_t.items() if u in r.unit_text_t]
     rtfs = [p["realtime_factor"] for p in per if p["realtime_factor"] is not None]
@@ -136,6 +156,8 @@ def run_figures(sessions: int, logs: list[UserLog], scripted: bool | None) -> di
         "not_held": sorted({p["not_held"] for p in per if p["not_held"]})[:5],
         "commit_to_first_audio_ms": pcts(commit_ms, 50, 99),
         "response_created_to_first_audio_ms": pcts(created_ms, 50, 99),
+        "unit_to_first_audio_ms": pcts([x for audio, _ in by_unit for x in audio], 50, 99),
+        "unit_to_decision_ms": pcts([x for _, decided in by_unit for x in decided], 50, 99),
         "cancel_to_last_audio_ms": pcts(cancel_ms, 50, 99),
         "cancel_to_done_ms": pcts([x for r in responses if (x := cancel_to_done(r)) is not None], 50, 99),
         "transcript_delay_ms": pcts(text_ms, 50, 99),

@@ -1,10 +1,14 @@
 """One simulated user over `/v1/realtime`: speech in at exactly 1x real time, the assistant's audio into a 1x player.
 
 The user streams continuously (protocol.md §8.6 U-2) in 200 ms appends scheduled on an absolute clock, so a
-slow event loop shows up as send lag instead of silently slowing the input. It speaks one sentence, then
-sends silence; it speaks again once it has been silent for `MIN_SILENCE_S` and the assistant is quiet (no
-active response, the simulated player drained), or after `MAX_SILENCE_S` at the latest. Server VAD
-(`turn_detection: server_vad`) decides the commits. With `cancel_every_s` it sends `response.cancel` at that
+slow event loop shows up as send lag instead of silently slowing the input. Server VAD (`turn_detection:
+server_vad`) decides the commits. It speaks one short sentence, then sends silence, and speaks again:
+- against sampled decisions: once it has been silent for `MIN_SILENCE_S` and the assistant is quiet (no
+  active response, the simulated player drained), or after `MAX_SILENCE_S` at the latest;
+- against a scripted plan (`plan`, from the deploy profile): so that its VAD commit lands early in the first
+  speak unit of the plan's next turn (`COMMIT_INTO_UNIT_S`), on the unit grid it rebuilds (grid.py). The
+  commit then closes that unit, the unit speaks, and commit -> first audio is the server's latency, as with
+  a model that answers the user; and the speech falls in the plan's listen units, so it never barges in. With `cancel_every_s` it sends `response.cancel` at that
 period, each time while a response's audio is streaming (barge-in). Every receipt is stamped on the client's
 monotonic clock; `UserLog` keeps the raw stamps and `report.py` derives the figures. The load generator
 needs only the standard library, numpy, websockets and PyYAML (the GPU host has no package index), hence its
@@ -28,7 +32,8 @@ import numpy as np
 import websockets
 from websockets.exceptions import ConnectionClosed, InvalidHandshake
 
-INPUT_RATE = 16_000
+from bench.loadgen.grid import INPUT_RATE, UnitGrid, plan_speaks
+
 OUTPUT_RATE = 24_000
 APPEND_S = 0.2
 APPEND_SAMPLES = int(INPUT_RATE * APPEND_S)
@@ -38,10 +43,16 @@ OPEN_TIMEOUT_S = 30.0
 CLOSE_TIMEOUT_S = 10.0
 CANCEL_POLL_S = 0.05
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # protocol.md §1.5
+FORCE_LISTEN_UNITS = 3  # the first units of a session listen (set explicitly: the plan's grid counts on it)
+VAD_SILENCE_S = 0.5  # server VAD's silence_duration_ms default: speech end -> commit
+COMMIT_INTO_UNIT_S = 0.5  # where in the first speak unit to aim the commit (it lands 0.15-0.3 s early: the
+# fixtures end in silence and VAD counts from the last speech window)
+MAX_LAG_S = 0.25  # later than this the gateway may pad units with silence (§8.6 U-3): the grid is lost
 CANCEL_ID = "lg-cancel-"  # event_id prefix of our cancels: a `response_not_active` for one is a race, not a fault
 SESSION_CONFIG: dict[str, Any] = {
     "type": "realtime",
     "output_modalities": ["audio"],
+    "force_listen_count": FORCE_LISTEN_UNITS,
     "audio": {"input": {"format": {"type": "audio/pcm", "rate": INPUT_RATE}, "turn_detection": {"type": "server_vad"}},
               "output": {"format": {"type": "audio/pcm", "rate": OUTPUT_RATE}}},
 }
@@ -55,6 +66,7 @@ class ResponseLog:
     audio_ms: list[float] = field(default_factory=list)  # its decoded duration
     unit_audio_t: dict[int, float] = field(default_factory=dict)  # model unit -> first audio delta receipt
     unit_text_t: dict[int, float] = field(default_factory=dict)  # model unit -> first transcript delta receipt
+    speak_unit: int | None = None  # `response.speak`: the unit whose decision opened the response
     cancel_t: float | None = None  # send time of our response.cancel
     done_t: float | None = None
     status: str | None = None
@@ -66,6 +78,9 @@ class UserLog:
     session_id: str | None = None
     opened_t: float | None = None
     commits: list[float] = field(default_factory=list)  # receipt of committed items that may get a response
+    chunk_sent: list[float] = field(default_factory=list)  # send time of append k (input samples 3200k ...)
+    decisions: list[tuple[int, float]] = field(default_factory=list)  # (unit, receipt of its listen/speak)
+    grid: UnitGrid = field(default_factory=UnitGrid)
     responses: dict[str, ResponseLog] = field(default_factory=dict)
     errors: Counter[str] = field(default_factory=Counter)
     cancels_sent: int = 0
@@ -98,8 +113,8 @@ def _error_code(ev: dict[str, Any]) -> tuple[str, str | None]:
 class User:
     def __init__(self, index: int, url: str, speech: list[np.ndarray], duration_s: float, *,
                  cancel_every_s: float | None = None, api_key: str | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.url, self.speech, self.duration_s = url, speech, duration_s
+                 plan: dict[str, int] | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.url, self.speech, self.duration_s, self.plan = url, speech, duration_s, plan
         self.cancel_every_s, self.api_key, self.clock = cancel_every_s, api_key, clock
         self.log = UserLog(index)
         self._ws: websockets.ClientConnection | None = None
@@ -171,24 +186,47 @@ class User:
             delay = target - self.clock()
             if delay > 0:
                 await asyncio.sleep(delay)
-            self.log.max_send_lag_ms = max(self.log.max_send_lag_ms, (self.clock() - target) * 1000.0)
+            lag_s = self.clock() - target
+            self.log.max_send_lag_ms = max(self.log.max_send_lag_ms, lag_s * 1000.0)
+            if lag_s > MAX_LAG_S:
+                self.log.grid.lose_at(k * APPEND_SAMPLES)
+            self.log.chunk_sent.append(self.clock())
             await self._ws.send(json.dumps({"type": "input_audio_buffer.append",
                                             "audio": base64.b64encode(chunk.astype("<i2").tobytes()).decode()}))
 
     def _chunks(self) -> Iterator[np.ndarray]:
-        """200 ms chunks forever: a sentence, then silence until the assistant is quiet (or MAX_SILENCE_S)."""
+        """200 ms chunks forever: a sentence, then silence until the next one is due."""
         silence = np.zeros(APPEND_SAMPLES, np.int16)
-        turn = self.log.index
+        turn, k = self.log.index, 0  # k: the next chunk's index on the input clock
         while True:
             pcm = self.speech[turn % len(self.speech)]
-            for start in range(0, len(pcm), APPEND_SAMPLES):
-                piece = pcm[start:start + APPEND_SAMPLES]
-                yield np.pad(piece, (0, APPEND_SAMPLES - len(piece)))
-            turn += 1
-            quiet_s = 0.0
-            while quiet_s < MIN_SILENCE_S or (quiet_s < MAX_SILENCE_S and not self._assistant_quiet()):
+            if self.plan is None or self._plan_says_speak(k * APPEND_SAMPLES, len(pcm)):
+                for start in range(0, len(pcm), APPEND_SAMPLES):
+                    piece = pcm[start:start + APPEND_SAMPLES]
+                    yield np.pad(piece, (0, APPEND_SAMPLES - len(piece)))
+                    k += 1
+                turn += 1
+                quiet_s = 0.0
+            while self.plan is None and (quiet_s < MIN_SILENCE_S or
+                                         (quiet_s < MAX_SILENCE_S and not self._assistant_quiet())):
                 yield silence
-                quiet_s += APPEND_S
+                quiet_s, k = quiet_s + APPEND_S, k + 1
+            if self.plan is not None:
+                yield silence
+                k += 1
+
+    def _plan_says_speak(self, pos: int, length: int) -> bool:
+        """Start the sentence now if then its commit lands `COMMIT_INTO_UNIT_S` into the first speak unit of
+        the plan's next turn (and no response is active)."""
+        if self._active is not None:
+            return False
+        unit, _ = self.log.grid.unit_at(pos)
+        for v in range(unit + 1, unit + 1 + 2 * FORCE_LISTEN_UNITS + sum(self.plan.values()) + 1):
+            if plan_speaks(self.plan, v, FORCE_LISTEN_UNITS) and not plan_speaks(self.plan, v - 1, FORCE_LISTEN_UNITS):
+                start = self.log.grid.start(v) + int((COMMIT_INTO_UNIT_S - VAD_SILENCE_S) * INPUT_RATE) - length
+                if start >= pos:
+                    return start < pos + APPEND_SAMPLES
+        return False
 
     def _assistant_quiet(self) -> bool:
         return self._active is None and self.clock() >= self._player_end
@@ -236,6 +274,12 @@ class User:
             self._player_end = max(self._player_end, t) + dur / 1000.0
         elif kind == "response.output_audio_transcript.delta" and resp is not None:
             resp.unit_text_t.setdefault(_unit(ev), t)
+        elif kind in ("response.speak", "response.listen"):
+            unit = ev.get("model_unit_index")
+            if unit is not None:
+                self.log.decisions.append((int(unit), t))
+                if resp is not None and resp.speak_unit is None:
+                    resp.speak_unit = int(unit)
         elif kind == "response.created":
             rid = ev["response"]["id"]
             self.log.responses[rid] = ResponseLog(rid, t)
@@ -247,13 +291,22 @@ class User:
             if self._active == rid:
                 self._active = None
         elif kind == "input_audio_buffer.committed":
-            if not (ev.get("metadata") or {}).get("no_response"):
-                self.log.commits.append(t)
+            self._on_commit(ev.get("metadata") or {}, t)
         elif kind == "output_audio_buffer.cleared":
             self._player_end = t  # the client stops playback at once (§8.4 B5)
         elif kind == "error":
             self._on_error(ev)
         return kind in ("session.closed", "session.expired")
+
+    def _on_commit(self, md: dict[str, Any], t: float) -> None:
+        """Record a commit and move the unit grid: a final append restarts it at the commit's position."""
+        pos = int(md.get("audio_end_ms") or 0) * INPUT_RATE // 1000
+        if not md.get("no_response"):
+            self.log.commits.append(t)
+        if md.get("reason") == "committed" and not md.get("response_create_deferred"):
+            self.log.grid.flush_at(pos)
+        elif md.get("reason") != "short_overlap_ack":  # padded later (deferred) or dropped: position unknown
+            self.log.grid.lose_at(pos)
 
     def _on_error(self, ev: dict[str, Any]) -> None:
         code, event_id = _error_code(ev)

@@ -108,7 +108,7 @@ def test_sweep_runs_n_in_order_and_stops_at_the_first_n_not_held(tmp_path: Path,
     sys.path.insert(0, str(REPO / "bench"))
     import load_realtime
 
-    async def fake_run_step(n: int, args: object, speech: object) -> list[UserLog]:
+    async def fake_run_step(n: int, args: object, speech: object, plan: object = None) -> list[UserLog]:
         logs = [UserLog(i) for i in range(n)]
         for log in logs:  # 1 s chunks every second up to N=8, every 1.5 s beyond: not real time
             period = 1.0 if n <= 8 else 1.5

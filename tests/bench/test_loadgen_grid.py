@@ -1,0 +1,44 @@
+"""bench/loadgen/grid.py: the gateway's unit grid rebuilt from commits, and where a scripted-plan user speaks."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from bench.loadgen.grid import FIRST_UNIT, UNIT, UnitGrid, plan_speaks
+from bench.loadgen.user import APPEND_SAMPLES, COMMIT_INTO_UNIT_S, VAD_SILENCE_S, User
+
+PLAN = {"listen_units": 3, "speak_units": 2, "text_ids_per_unit": 3, "tail_listen_units": 0}
+
+
+def test_regular_grid_then_a_commit_restarts_it() -> None:
+    g = UnitGrid()
+    assert g.unit_at(0) == (0, 0) and g.unit_at(FIRST_UNIT) == (1, FIRST_UNIT)
+    assert g.end(0) == FIRST_UNIT and g.end(2) == FIRST_UNIT + 2 * UNIT
+    g.flush_at(51_200)  # inside unit 3 [48480, 64480): it ends there, unit 4 starts at the commit
+    assert g.end(3) == 51_200 and g.start(4) == 51_200 and g.end(5) == 51_200 + 2 * UNIT
+    assert g.unit_at(51_200 + UNIT + 5) == (5, 51_200 + UNIT)
+    g.flush_at(51_200 + UNIT)  # on a boundary: the residual is empty, no unit is padded
+    assert g.start(5) == 51_200 + UNIT and len(g.anchors) == 3
+
+
+def test_a_lost_grid_times_no_later_unit() -> None:
+    g = UnitGrid()
+    g.lose_at(40_000)
+    assert g.end(1) == FIRST_UNIT + UNIT and g.end(2) is None
+
+
+def test_plan_speaks_on_its_cycle_after_the_forced_units() -> None:
+    assert [u for u in range(16) if plan_speaks(PLAN, u, 3)] == [3, 4, 8, 9, 13, 14]
+    assert [u for u in range(16) if plan_speaks(PLAN, u, 4)] == [4, 8, 9, 13, 14]
+    assert not any(plan_speaks(None, u, 0) for u in range(16))
+
+
+def test_a_plan_user_starts_speaking_so_the_commit_lands_in_the_first_speak_unit() -> None:
+    length = UNIT  # a 1 s sentence
+    user = User(0, "ws://x:1", [np.zeros(length, np.int16)], 30.0, plan=PLAN)
+    starts = [k for k in range(40) if user._plan_says_speak(k * APPEND_SAMPLES, length)]
+    commit_at = [k * APPEND_SAMPLES + length + int(VAD_SILENCE_S * 16000) for k in starts]
+    turn_starts = [user.log.grid.start(u) for u in (3, 8)]
+    assert len(starts) == 2
+    for commit, unit_start in zip(commit_at, turn_starts, strict=True):
+        assert unit_start < commit <= unit_start + int(COMMIT_INTO_UNIT_S * 16000)
