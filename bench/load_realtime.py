@@ -13,7 +13,7 @@ printed last. Definitions of every figure: bench/loadgen/report.py.
         --cancel-every 10 --out bench/results/load-h200.json
 
 Exit status: 0 when the sweep ran (held or not), 2 when the gateway (or the metrics endpoint) is unreachable
-or not ready, 1 on any other failure.
+or not ready or opens no session at all, 1 on any other failure.
 """
 
 from __future__ import annotations
@@ -216,6 +216,8 @@ async def sweep(args: argparse.Namespace) -> dict[str, Any]:
         print(f"[N={n}] {n} sessions for {args.duration:.0f}s", file=sys.stderr, flush=True)
         before = scrape(args.triton_metrics)
         logs = await run_step(n, args, speech, plan)
+        if not any(log.opened_t is not None for log in logs):
+            raise Unreachable(f"no session of {n} could open at {args.url}: {logs[0].failure}")
         run = step_record(n, logs, scripted, before, scrape(args.triton_metrics))
         doc["runs"].append(run)
         write(args.out, doc)

@@ -30,7 +30,8 @@ from typing import Any
 from bench.loadgen.user import APPEND_SAMPLES, ResponseLog, UserLog
 
 MAX_CHUNK_GAP_MS = 1200.0  # targets.md P8
-MIN_RTF = 0.95  # audio keeps pace: at most 5 % of the playing time spent waiting for the next chunk
+MIN_RTF = 0.9  # audio keeps pace: at most 10 % of the playing time spent waiting for the next chunk (a
+# 100 ms late chunk in a 3-unit turn costs 3 %: jitter passes, a server that falls behind does not)
 UNDERRUN_EPS_MS = 10.0  # a player gap shorter than this is scheduling noise, not an audible underrun
 MS = 1000.0
 

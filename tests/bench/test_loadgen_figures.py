@@ -109,7 +109,7 @@ def test_sweep_runs_n_in_order_and_stops_at_the_first_n_not_held(tmp_path: Path,
     import load_realtime
 
     async def fake_run_step(n: int, args: object, speech: object, plan: object = None) -> list[UserLog]:
-        logs = [UserLog(i) for i in range(n)]
+        logs = [UserLog(i, opened_t=0.0) for i in range(n)]
         for log in logs:  # 1 s chunks every second up to N=8, every 1.5 s beyond: not real time
             period = 1.0 if n <= 8 else 1.5
             log.responses = {"r": _response("r", 0.0, [k * period for k in range(4)])}
@@ -127,3 +127,19 @@ def test_sweep_runs_n_in_order_and_stops_at_the_first_n_not_held(tmp_path: Path,
     assert doc["scripted"] is True and all(r["scripted"] for r in doc["runs"])
     assert doc["scripted_plan"] == {"listen_units": 3, "speak_units": 3, "text_ids_per_unit": 4, "tail_listen_units": 0}
     assert doc["runs"][0]["stage_rows_per_step"] == {"stage0": None, "tts": None, "token2wav": None}
+
+
+def test_a_server_that_opens_no_session_fails_loudly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    sys.path.insert(0, str(REPO / "bench"))
+    import load_realtime
+
+    async def refused(n: int, args: object, speech: object, plan: object = None) -> list[UserLog]:
+        return [UserLog(i, failure="open refused: runtime_unavailable") for i in range(n)]
+
+    monkeypatch.setattr(load_realtime, "check_ready", lambda url: None)
+    monkeypatch.setattr(load_realtime, "speech_fixtures", lambda: [])
+    monkeypatch.setattr(load_realtime, "run_step", refused)
+    assert load_realtime.main(["--url", "ws://x:1", "--sessions", "2", "--duration", "5",
+                               "--out", str(tmp_path / "r.json")]) == 2
+    assert "no session of 2 could open at ws://x:1: open refused: runtime_unavailable" in capsys.readouterr().err
