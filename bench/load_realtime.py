@@ -45,6 +45,7 @@ from bench.loadgen.user import User, UserLog  # noqa: E402
 READY_TIMEOUT_S = 5.0
 PROGRESS_S = 5.0
 START_SPREAD_S = 1.0  # users start spread over one model unit, as independent callers would
+SETTLE_S = 2.0  # between two N: slots whose cleanup is still pending (§3.10 X6) come free
 
 
 class Unreachable(RuntimeError):
@@ -212,7 +213,9 @@ async def sweep(args: argparse.Namespace) -> dict[str, Any]:
                            "scripted_plan": plan,
                            "url": args.url, "duration_s": args.duration, "cancel_every_s": args.cancel_every,
                            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "runs": []}
-    for n in args.sessions:
+    for i, n in enumerate(args.sessions):
+        if i:
+            await asyncio.sleep(SETTLE_S)
         print(f"[N={n}] {n} sessions for {args.duration:.0f}s", file=sys.stderr, flush=True)
         before = scrape(args.triton_metrics)
         logs = await run_step(n, args, speech, plan)
