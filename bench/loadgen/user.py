@@ -242,8 +242,11 @@ class User:
                 continue
             resp.cancel_t = self.clock()
             self.log.cancels_sent += 1
-            await self._ws.send(json.dumps({"type": "response.cancel", "response_id": resp.response_id,
-                                            "event_id": f"{CANCEL_ID}{self.log.cancels_sent}"}))
+            try:
+                await self._ws.send(json.dumps({"type": "response.cancel", "response_id": resp.response_id,
+                                                "event_id": f"{CANCEL_ID}{self.log.cancels_sent}"}))
+            except ConnectionClosed:
+                return  # the receiver records why
             due = self.clock() + self.cancel_every_s
 
     # -- output --------------------------------------------------------------------------------------
