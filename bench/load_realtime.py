@@ -25,6 +25,7 @@ import shutil
 import subprocess
 import sys
 import time
+import traceback
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -149,7 +150,13 @@ async def _progress(n: int, users: list[User], t0: float) -> None:
 
 async def _start(user: User, delay_s: float) -> UserLog:
     await asyncio.sleep(delay_s)
-    return await user.run()
+    try:
+        return await user.run()
+    except Exception as exc:  # noqa: BLE001 - one broken session is a finding of the run, not its end
+        traceback.print_exc()
+        user.log.failure = f"load generator fault: {type(exc).__name__}: {exc}"
+        user.log.errors["loadgen_fault"] += 1
+        return user.log
 
 
 async def run_step(n: int, args: argparse.Namespace, speech: list[Any],
