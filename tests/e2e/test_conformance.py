@@ -175,3 +175,35 @@ async def test_native_route(stack: Stack, speech: np.ndarray) -> None:
     if LOOPBACK:
         delta = next(e for e in ev if e["type"] == "response.output_audio.delta")
         assert delta["model_speak"] is True and isinstance(delta["audio_transcript"], str)
+
+
+def _jpeg_b64(width: int, height: int, seed: int) -> str:
+    import base64
+    import io
+
+    from PIL import Image
+
+    rgb = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(rgb).save(out, format="JPEG", quality=70)
+    return base64.b64encode(out.getvalue()).decode()
+
+
+@pytest.mark.skipif(LOOPBACK, reason="the loopback stand-in has no vision encoder")
+async def test_camera_frames_reach_the_model_without_errors(addr: str, speech: np.ndarray) -> None:
+    """Issue 17: appends with `video_frames` (a 640x480 webcam JPEG and a stacked 448² one, on every append:
+    the last per unit wins) go through the gateway and tritonserver into stage0's vision encoder, and every
+    unit is decided without an error (before, stage0 had no vision tower and answered each frame with one)."""
+    from tests.e2e.wire import unit_decided
+
+    units = 3
+    c, _ = await opened(addr)
+    async with cleanup(c):
+        await c.send({"type": "session.update", "session": {"turn_detection": None, "output_modalities": ["text"]}})
+        await c.until("session.updated", WAIT_S)
+        frames = [_jpeg_b64(640, 480, 1), _jpeg_b64(448, 448, 2)]
+        await send_audio(c, fit_units(speech, units), pace=0, video_frames=frames)
+        await collect_until(c, lambda e: unit_decided(e, units - 1))
+        events = await close_session(c)
+    assert not [e for e in events if e["type"] == "error"], [e for e in events if e["type"] == "error"]
+    assert {u for u in range(units) if any(unit_decided(e, u) for e in events)} == set(range(units))
