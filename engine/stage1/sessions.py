@@ -63,9 +63,11 @@ class TTSSession:
         self.generator.set_state(state)
         draw_uniforms(self.generator, used)
 
-    def projected_end(self, rows: int, max_samples: int) -> int:
-        """Worst-case turn position after the queued units and one more unit with `rows` rows."""
+    def projected_end(self, rows: int, max_samples: int, *, restart: bool = False) -> int:
+        """Worst-case turn position after the queued units and one more unit with `rows` rows (from 0 when
+        that unit restarts the TTS context)."""
         pos = self.tts_pos
         for req in self.queue:
-            pos = 0 if req.end_of_turn else pos + req.n_rows + 1 + max_samples
-        return pos + rows + 1 + max_samples
+            start = 0 if req.restart else pos
+            pos = 0 if req.end_of_turn else start + req.n_rows + 1 + max_samples
+        return (0 if restart else pos) + rows + 1 + max_samples

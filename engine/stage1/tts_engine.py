@@ -8,6 +8,7 @@ draws, advance or reset the turn) → emit (results whose fence is still live).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -83,6 +84,11 @@ class TTSEngine:
         self._check_rows(req)
         end = s.projected_end(req.n_rows, self.cfg.max_new_tokens)
         if end > self.cfg.max_turn_positions:
+            # A turn longer than the cap (the model did not end it, or an override closed it without
+            # resetting the TTS, Q13) goes on in a fresh TTS context: refusing would wedge the session.
+            req = dataclasses.replace(req, restart=True)
+            end = s.projected_end(req.n_rows, self.cfg.max_new_tokens, restart=True)
+        if end > self.cfg.max_turn_positions:
             raise TurnCapacityError(f"unit {req.unit_index} of {req.session_id!r} would reach turn position "
                                     f"{end} > max_turn_positions {self.cfg.max_turn_positions}")
         if req.fence.epoch > s.fence.epoch:  # a newer epoch implies the older one was cancelled
@@ -152,7 +158,7 @@ class TTSEngine:
         for sid in self._order[: self.cfg.max_batch]:
             s = self.sessions[sid]
             req = s.queue.popleft()
-            if self.cfg.turn_start_resets_kv and req.turn_start and s.tts_pos > 0:
+            if (req.restart or self.cfg.turn_start_resets_kv and req.turn_start) and s.tts_pos > 0:
                 s.tts_pos = 0
             state, u = s.take_uniforms(self.cfg.max_new_tokens)
             # §5.3: EOS may end the unit at turn start (tts_pos == 0, the TTS's own state) or turn end

@@ -35,6 +35,9 @@ class TTSUnitRequest:
     is_turn_eos: tuple[bool, ...]
     end_of_turn: bool
     turn_start: bool
+    # Set by the engine, never by a caller: this unit starts a fresh TTS context because the open turn would
+    # pass `max_turn_positions` (model.md §5.2's cap; a turn closed by an override keeps its TTS KV, Q13).
+    restart: bool = False
 
     @property
     def n_rows(self) -> int:
