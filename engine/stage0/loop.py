@@ -65,7 +65,7 @@ class StepLoop:
         with self.lock:
             sessions = [s for s in sessions if self.sessions.get(s.session_id) is s]  # closed meanwhile: gone
             self._encode_frames(sessions)
-            work = [(s, row) for s in sessions if (row := self._schedule(s)) is not None]
+            work = [(s, row) for s in sessions if (row := self._guarded_schedule(s)) is not None]
             if not work:
                 return False
             hidden, failed = self._forward(work)
@@ -116,6 +116,14 @@ class StepLoop:
         del s.history[unit.history_len:]
         self._fail_unit(s, error, code="internal_error")
         s.check_accounting()
+
+    def _guarded_schedule(self: Stage0Engine, s: Session) -> Row | None:
+        try:
+            return self._schedule(s)
+        except Exception as exc:  # noqa: BLE001 - building one session's row fails that session's unit only
+            traceback.print_exc()
+            self._fail_step(s, exc)
+            return None
 
     def _close_failed(self: Stage0Engine, s: Session, error: str) -> None:
         """Close a session whose own state cannot go on (its prefix): its units end with `internal_error`, its

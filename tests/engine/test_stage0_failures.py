@@ -146,3 +146,28 @@ def test_a_new_prompt_whose_prefix_cannot_be_built_closes_only_its_session() -> 
     assert _done(events, "b", 0).error is None
     with pytest.raises(SessionClosedError):
         engine.append("a", Fence(1, 0, 2), unit_pcm(7, 1))
+
+
+def test_a_row_that_cannot_be_built_fails_only_that_unit() -> None:
+    engine, events = make_engine(sessions=2)
+    _open(engine, "a", "b")
+    embed, close_id = engine.runner.embed, engine.ids.unit_close
+    broken = {"left": 1}
+
+    def flaky(ids: list[int]) -> Any:
+        if ids[-1:] == [close_id] and len(ids) == 2 and broken["left"]:  # the first unit close of the step
+            broken["left"] -= 1
+            raise RuntimeError("injected embedding failure")
+        return embed(ids)
+
+    engine.runner.embed = flaky  # type: ignore[method-assign]
+    for sid in ("a", "b"):
+        engine.append(sid, Fence(1, 0, 1), unit_pcm(8, 0))
+    engine.run_until_idle()
+    outcomes = sorted(_done(events, sid, 0).error_code if _done(events, sid, 0).error else "ok" for sid in "ab")
+    assert outcomes == ["internal_error", "ok"]
+    for sid in ("a", "b"):
+        engine.session(sid).check_accounting()
+        engine.append(sid, Fence(1, 0, 2), unit_pcm(8, 1))
+    engine.run_until_idle()
+    assert all(_done(events, sid, 1).error is None for sid in "ab")
