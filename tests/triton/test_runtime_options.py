@@ -174,3 +174,14 @@ def test_a_new_clip_before_the_first_unit_rebuilds_the_prefix_and_after_it_is_re
     send(s0, corrid=plain, op="append", fence=(1, 1, 1), pcm=pcm(0, seed=7))
     assert with_voice - s0.engine.session(str(plain)).prefix_len == 30 - 10
     close_all(stages, plain)
+
+
+def test_a_partial_update_changes_only_what_it_names(stages: dict[str, Any]) -> None:
+    s0 = stages["stage0"]
+    corrid, _ = open_all(stages, gateway_config(seed=5, voice="default"), keep=True)
+    send(s0, corrid=corrid, op="append", fence=(1, 1, 1), pcm=pcm(0, seed=7))
+    for stage in stages.values():  # after the first unit: no seed, voice or clip in it, so nothing is re-opened
+        assert send(stage, corrid=corrid, op="update", fence=(1, 1, 0), config={"temperature": 0.3}).kinds() \
+            == ["updated"]
+    assert s0.engine.session(str(corrid)).pending_params.temperature == 0.3
+    close_all(stages, corrid)

@@ -152,7 +152,8 @@ class Stage0Bridge(EngineBridge):
         live = self.engine.session(sid)  # raises for an unknown session
         assert state is not None
         new_seed = cfg.get("seed") is not None and seed_of(cfg) != state.seed
-        if new_seed or _voice_key(cfg) != state.voice:
+        new_voice = ("voice" in cfg or "ref_audio" in cfg) and _voice_key(cfg) != state.voice  # absent: unchanged
+        if new_seed or new_voice:
             if live.appended:
                 raise RequestError("invalid_runtime_config",
                                    "CONFIG seed, voice and ref_audio cannot change after the first unit")

@@ -102,7 +102,7 @@ class Token2WavBridge(EngineBridge):
         """A new CONFIG seed or voice before the session's first unit opens it again with them; later they are
         refused (the gateway locks both at the prefix commit)."""
         voice, seed, used = self.opened.get(sid, ("", None, True))
-        new_voice = voice_of(cfg, self.voices, self.default_voice)
+        new_voice = voice_of(cfg, self.voices, self.default_voice) if "voice" in cfg else voice  # absent: unchanged
         new_seed = seed if cfg.get("seed") is None else seed_of(cfg)
         if (new_voice, new_seed) == (voice, seed):
             return
