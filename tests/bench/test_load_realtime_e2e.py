@@ -1,5 +1,5 @@
 """bench/load_realtime.py against the real stack: tritonserver + gateway (tiny checkpoint, CPU) with stage0 on the
-scripted plan of tests/e2e/profiles/scripted.yaml, two sessions for a few seconds, real WebSockets."""
+scripted plan of tests/e2e/profiles/scripted-load.yaml, two sessions for a few seconds, real WebSockets."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from bench.loadgen import stages
 from tests.e2e.stack import Stack
 
 REPO = Path(__file__).resolve().parents[2]
-PROFILE = REPO / "tests" / "e2e" / "profiles" / "scripted.yaml"
+PROFILE = REPO / "tests" / "e2e" / "profiles" / "scripted-load.yaml"
 # 3 forced listen units, then the plan speaks units 4-5, 7-8, 10-11: a 12 s run sees two turns per session
 DURATION_S = 12
 CANCEL_EVERY_S = 4

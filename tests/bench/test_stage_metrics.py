@@ -50,7 +50,8 @@ PLAN = {"listen_units": 3, "speak_units": 3, "text_ids_per_unit": 4, "tail_liste
 
 def test_scripted_profiles_are_valid() -> None:
     root = Path(__file__).resolve().parents[2]
-    for path in (root / "deploy/profiles/h200-scripted.yaml", root / "tests/e2e/profiles/scripted.yaml"):
+    for path in (root / "deploy/profiles/h200-scripted.yaml", root / "tests/e2e/profiles/scripted.yaml",
+                 root / "tests/e2e/profiles/scripted-load.yaml"):
         plan = DeployProfile.load(path).engine_options["stage0"]["scripted_decisions"]
         assert set(plan) == set(PLAN)
 
