@@ -124,6 +124,10 @@ class Token2WavEngine:
         if self.graphs.enabled or self.solver.enabled:
             sizes = range(min(warm_batch or self.cfg.max_batch, self.cfg.max_batch), 0, -1)
             progress = Progress("token2wav", len(sizes), emit)
+            if self.pool is not None and self.solver.enabled:  # the shared K/V window at its largest first:
+                f = self.models.flow_cfg                        # growing it later would drop every graph
+                self.solver.kv_buffer((self.cfg.stream.n_timesteps, f.dit_depth, 2, sizes[0], f.dit_heads,
+                                       self.pool.est_width, 2 * f.dit_head_dim), self.pool.est_att)
             rng = np.random.default_rng(seed)
             for b in sizes:  # largest first: the shared pool and the K/V buffer are sized once
                 turns, grew = 0, True
