@@ -225,8 +225,14 @@ class User:
             if plan_speaks(self.plan, v, FORCE_LISTEN_UNITS) and not plan_speaks(self.plan, v - 1, FORCE_LISTEN_UNITS):
                 start = self.log.grid.start(v) + int((COMMIT_INTO_UNIT_S - VAD_SILENCE_S) * INPUT_RATE) - length
                 if start >= pos:
-                    return start < pos + APPEND_SAMPLES
+                    return start < pos + APPEND_SAMPLES and self._plan_listens(start, v)
         return False
+
+    def _plan_listens(self, pos: int, unit: int) -> bool:
+        """Whether every unit from the one holding `pos` up to `unit` (excluded) listens: speech there never
+        overlaps a scripted turn. A plan with too few listen units for a sentence gets no user turns."""
+        first, _ = self.log.grid.unit_at(max(pos, 0))
+        return not any(plan_speaks(self.plan, u, FORCE_LISTEN_UNITS) for u in range(first, unit))
 
     def _assistant_quiet(self) -> bool:
         return self._active is None and self.clock() >= self._player_end

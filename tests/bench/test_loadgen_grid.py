@@ -42,3 +42,12 @@ def test_a_plan_user_starts_speaking_so_the_commit_lands_in_the_first_speak_unit
     assert len(starts) == 2
     for commit, unit_start in zip(commit_at, turn_starts, strict=True):
         assert unit_start < commit <= unit_start + int(COMMIT_INTO_UNIT_S * 16000)
+
+
+def test_a_plan_without_room_for_the_sentence_gets_no_user_turn() -> None:
+    tight = {"listen_units": 1, "speak_units": 2, "text_ids_per_unit": 3, "tail_listen_units": 0}
+    length = UNIT + APPEND_SAMPLES  # 1.2 s: more than the plan's one listen unit between turns
+    user = User(0, "ws://x:1", [np.zeros(length, np.int16)], 30.0, plan=tight)
+    starts = [k for k in range(60) if user._plan_says_speak(k * APPEND_SAMPLES, length)]
+    # only the first turn (unit 4) has room: units 0-3 listen; later turns have 1 listen unit before them
+    assert len(starts) == 1 and starts[0] * APPEND_SAMPLES < user.log.grid.start(3)
