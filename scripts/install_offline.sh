@@ -56,18 +56,18 @@ chmod +x "$VENV/bin/duplex"
 # tritonserver with the stub for this Python, the gateway importable, host-provided packages present.
 "$VENV/bin/python" - "$host_provides" <<'EOF'
 import importlib, os, pathlib, sys
-import numpy, torch, pytriton, fastapi, tritonclient.grpc, gateway.app  # noqa: F401
+MODULES = {"pillow": "PIL", "pyyaml": "yaml"}  # distribution -> module where they differ
+for name in sys.argv[1].split():  # first: the gateway imports onnxruntime at start
+    try:
+        importlib.import_module(MODULES.get(name.lower(), name.replace("-", "_")))
+    except ImportError as exc:
+        sys.exit(f"install_offline: {name} is not in the bundle and the host has none ({exc})")
+import numpy, torch, pytriton, fastapi, tritonclient.grpc, gateway.app  # noqa: E401, F401
 assert numpy.__version__.startswith("1."), f"numpy {numpy.__version__}: the Triton 2.51 stub needs numpy 1.x"
 server = pathlib.Path(pytriton.__file__).parent / "tritonserver"
 py = f"{sys.version_info[0]}.{sys.version_info[1]}"
 assert os.access(server / "bin" / "tritonserver", os.X_OK), f"{server}/bin/tritonserver is not executable"
 assert (server / "python_backend_stubs" / py / "triton_python_backend_stub").exists(), f"no stub for {py}"
-MODULES = {"pillow": "PIL", "pyyaml": "yaml"}  # distribution -> module where they differ
-for name in sys.argv[1].split():
-    try:
-        importlib.import_module(MODULES.get(name.lower(), name.replace("-", "_")))
-    except ImportError as exc:
-        sys.exit(f"install_offline: {name} is not in the bundle and the host has none ({exc})")
 print(f"[offline] ok: numpy {numpy.__version__}, torch {torch.__version__} (cuda {torch.version.cuda}), "
       f"tritonserver {server}")
 EOF
