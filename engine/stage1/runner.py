@@ -73,7 +73,7 @@ class TTSRunner:
         hidden = self.model(cond, pos, st.slot, self.kv, valid=valid, kv_limit=kv_limit)  # [B, T, H]
         logits = self.model.logits(hidden[torch.arange(b, device=cond.device), st.n_rows])  # [B, V]
         st.samples[:, :w].fill_(self.vocab)  # empty penalty window
-        first = self._sample(logits, st.samples[:, :w], st.eos_blocked, st.u[:, 0])  # t = 0: no penalty
+        first = self._sample(logits, st.samples[:, :w], st, st.u[:, 0])  # t = 0: no penalty
         st.samples[:, w].copy_(first)
         st.t.fill_(1)
 
@@ -86,19 +86,19 @@ class TTSRunner:
         x = self.model.embed_codes(code)[:, None]  # [B, 1, H]
         pos = (st.start + st.n_rows + st.t)[:, None]  # [B, 1]
         h = self.model(x, pos, st.slot, self.kv, valid=st.valid[:, None], kv_limit=kv_limit)
-        out = self._sample(self.model.logits(h[:, 0]), window, st.eos_blocked, st.u.gather(1, t)[:, 0])
+        out = self._sample(self.model.logits(h[:, 0]), window, st, st.u.gather(1, t)[:, 0])
         st.samples.scatter_(1, t + w, out[:, None])
         st.t.add_(1)
 
-    def _sample(self, logits: torch.Tensor, window: torch.Tensor, eos_blocked: torch.Tensor,
-                u: torch.Tensor) -> torch.Tensor:
-        return tts_sample(logits, window, eos_blocked, u, temperature=self.cfg.temperature,
-                          penalty=self.cfg.repetition_penalty, eos_id=self.model.cfg.eos_code)
+    def _sample(self, logits: torch.Tensor, window: torch.Tensor, st: UnitState, u: torch.Tensor) -> torch.Tensor:
+        """Each row with its own session's temperature and penalty (`UnitState`), so no row affects another."""
+        return tts_sample(logits, window, st.eos_blocked, u, temperature=st.temperature, penalty=st.penalty,
+                          eos_id=self.model.cfg.eos_code)
 
     # -- graphs --------------------------------------------------------------------------------------
     def _state(self, size: int) -> UnitState:
         return UnitState.allocate(size, self.cfg.repetition_window, self.cfg.max_new_tokens, self.vocab,
-                                  self.kv.scratch, self.device)
+                                  self.kv.scratch, self.device, self.cfg.temperature, self.cfg.repetition_penalty)
 
     def _capture(self, key: tuple[int, ...], fn: Callable[[], object], reset: Callable[[], object]) -> None:
         """Warm up (compiling if enabled) on all-pad rows, whose writes reach the scratch slot only.
@@ -181,12 +181,14 @@ class TTSRunner:
     # -- one unit ------------------------------------------------------------------------------------
     @torch.inference_mode()
     def run_unit(self, cond: torch.Tensor, n_rows: list[int], start_pos: list[int], slots: list[int],
-                 eos_allowed: list[bool], u: torch.Tensor, *, use_graphs: bool | None = None) -> torch.Tensor:
+                 eos_allowed: list[bool], u: torch.Tensor, *, use_graphs: bool | None = None,
+                 temperature: list[float] | None = None, penalty: list[float] | None = None) -> torch.Tensor:
         """All samples of one unit for B sessions, on the device, with no host sync.
 
         cond [B, T, H] condition rows on the device with `audio_bos` at row n_b (rows past it are
         padding); per-row host lists n_rows, start_pos (the turn position of row 0), slots, eos_allowed;
-        u [B, S] fp64 with S = max_new_tokens. Returns samples [B, S] int64; sample t is fed at
+        u [B, S] fp64 with S = max_new_tokens; per-row temperature / penalty (default: the config's).
+        Returns samples [B, S] int64; sample t is fed at
         start_pos + n + 1 + t for t < S - 1, the last one never.
         """
         b, t_max = cond.shape[0], cond.shape[1]
@@ -201,8 +203,9 @@ class TTSRunner:
         if graphs and rows is None:
             self.misses.record("prefill_rows", t_max, "eager")
         prefill = self._prefill_graph(bucket, rows, prefill_limit) if rows is not None else None
-        st.load(start=start_pos, n_rows=n_rows, slots=slots, eos_allowed=eos_allowed, u=u,
-                scratch=self.kv.scratch)
+        st.load(start=start_pos, n_rows=n_rows, slots=slots, eos_allowed=eos_allowed, u=u, scratch=self.kv.scratch,
+                temperature=temperature or [self.cfg.temperature] * b,
+                penalty=penalty or [self.cfg.repetition_penalty] * b)
         if prefill is not None and prefill.cond is not None:
             prefill.cond[:b, :t_max].copy_(cond)
             prefill.graph.replay()

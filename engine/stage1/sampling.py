@@ -21,12 +21,14 @@ def window_counts(window: torch.Tensor, vocab: int) -> torch.Tensor:
 
 
 def tts_sample(logits: torch.Tensor, window: torch.Tensor, eos_blocked: torch.Tensor, u: torch.Tensor,
-               *, temperature: float, penalty: float, eos_id: int) -> torch.Tensor:
+               *, temperature: float | torch.Tensor, penalty: float | torch.Tensor, eos_id: int) -> torch.Tensor:
     """One TTS sampling step for B rows (§5.4), in fp32.
 
     logits [B, V]; window [B, W] the current unit's last ≤ W codes (`V` = empty; all empty at t = 0);
     eos_blocked [B] bool (t < min_new_tokens); u [B] fp64. Returns codes [B] int64.
     """
+    if isinstance(temperature, torch.Tensor):  # per row [B] (each session's talker settings)
+        temperature, penalty = temperature[:, None], penalty[:, None]  # type: ignore[index]
     scores = logits.float() / temperature
     # CustomRepetitionPenaltyLogitsProcessorRepeat: α = penalty^count; negative × α, otherwise ÷ α
     alpha = torch.pow(penalty, window_counts(window, scores.shape[-1]))  # [B, V] fp32

@@ -42,13 +42,17 @@ class TTSSession:
     slot: int
     fence: Fence
     generator: torch.Generator
+    temperature: float  # this session's talker sampling (model.md §5.4), per row in the batched sampler
+    repetition_penalty: float
     tts_pos: int = 0
     queue: deque[TTSUnitRequest] = field(default_factory=deque)
     units_done: int = 0
 
     @classmethod
-    def open(cls, session_id: str, slot: int, fence: Fence, seed: int) -> TTSSession:
-        return cls(session_id=session_id, slot=slot, fence=fence, generator=session_generator(seed + TTS_SEED_OFFSET))
+    def open(cls, session_id: str, slot: int, fence: Fence, seed: int, *, temperature: float,
+             repetition_penalty: float) -> TTSSession:
+        return cls(session_id=session_id, slot=slot, fence=fence, generator=session_generator(seed + TTS_SEED_OFFSET),
+                   temperature=temperature, repetition_penalty=repetition_penalty)
 
     def take_uniforms(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(generator state before, `count` fp64 uniforms), without committing the draws.

@@ -23,10 +23,12 @@ class UnitState:
     valid: torch.Tensor  # [B] bool, False for pad rows
     eos_blocked: torch.Tensor  # [B] bool
     u: torch.Tensor  # [B, S] fp64
+    temperature: torch.Tensor  # [B] fp32, the row's session's talker temperature (pad rows keep a valid one)
+    penalty: torch.Tensor  # [B] fp32, its repetition penalty
 
     @classmethod
     def allocate(cls, size: int, window: int, steps: int, vocab: int, scratch: int,
-                 device: torch.device) -> UnitState:
+                 device: torch.device, temperature: float = 1.0, penalty: float = 1.0) -> UnitState:
         i64 = dict(dtype=torch.int64, device=device)
         samples = torch.full((size, window + steps), vocab, **i64)
         samples[:, window:] = 0  # sample columns must always hold valid codes (graph warm-up feeds them)
@@ -35,7 +37,9 @@ class UnitState:
                    slot=torch.full((size,), scratch, **i64),
                    valid=torch.zeros(size, dtype=torch.bool, device=device),
                    eos_blocked=torch.ones(size, dtype=torch.bool, device=device),
-                   u=torch.full((size, steps), 0.5, dtype=torch.float64, device=device))
+                   u=torch.full((size, steps), 0.5, dtype=torch.float64, device=device),
+                   temperature=torch.full((size,), temperature, dtype=torch.float32, device=device),
+                   penalty=torch.full((size,), penalty, dtype=torch.float32, device=device))
 
     @property
     def size(self) -> int:
@@ -49,7 +53,8 @@ class UnitState:
         self.valid.fill_(False)
 
     def load(self, *, start: list[int], n_rows: list[int], slots: list[int], eos_allowed: list[bool],
-             u: torch.Tensor, scratch: int) -> None:
+             u: torch.Tensor, scratch: int, temperature: list[float] | None = None,
+             penalty: list[float] | None = None) -> None:
         """Copy one batch of b ≤ size rows in; rows past b become pad rows."""
         b, dev = len(start), self.samples.device
         host = torch.tensor([start, n_rows, slots, [int(not a) for a in eos_allowed]], dtype=torch.int64)
@@ -60,6 +65,10 @@ class UnitState:
         self.eos_blocked[:b].copy_(host[3].bool())
         self.valid[:b].fill_(True)
         self.u[:b].copy_(u, non_blocking=True)
+        if temperature is not None and penalty is not None:  # else the rows keep theirs (always valid ones)
+            sampling = torch.tensor([temperature, penalty], dtype=torch.float32).to(dev, non_blocking=True)
+            self.temperature[:b].copy_(sampling[0])
+            self.penalty[:b].copy_(sampling[1])
         if b < self.size:
             self.start[b:].fill_(0)
             self.n_rows[b:].fill_(0)

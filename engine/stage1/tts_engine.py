@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +20,7 @@ from engine.stage1.config import TTSEngineConfig
 from engine.stage1.runner import TTSRunner
 from engine.stage1.sessions import SlotTable, TTSSession
 from engine.stage1.types import (
+    BadSamplingError,
     Fence,
     HiddenDimError,
     RowCountError,
@@ -55,11 +57,30 @@ class TTSEngine:
         self._order: list[str] = []  # sessions in first-come order, for fair batch selection
 
     # -- session lifecycle ------------------------------------------------------------------------
-    def open(self, session_id: str, fence: Fence, seed: int) -> None:
+    def open(self, session_id: str, fence: Fence, seed: int, *, temperature: float | None = None,
+             repetition_penalty: float | None = None) -> None:
+        """`temperature` / `repetition_penalty`: this session's talker sampling (default: the config's)."""
         if session_id in self.sessions:
             raise SessionExistsError(f"session {session_id!r} is already open")
+        t, p = self._sampling(temperature, repetition_penalty)
         slot = self.slots.acquire()
-        self.sessions[session_id] = TTSSession.open(session_id, slot, fence, seed)
+        self.sessions[session_id] = TTSSession.open(session_id, slot, fence, seed, temperature=t,
+                                                    repetition_penalty=p)
+
+    def set_sampling(self, session_id: str, *, temperature: float | None = None,
+                     repetition_penalty: float | None = None) -> None:
+        """New talker sampling for the session's units that have not started (None keeps a value)."""
+        s = self._session(session_id)
+        s.temperature, s.repetition_penalty = self._sampling(temperature if temperature is not None else s.temperature,
+                                                             repetition_penalty if repetition_penalty is not None
+                                                             else s.repetition_penalty)
+
+    def _sampling(self, temperature: float | None, penalty: float | None) -> tuple[float, float]:
+        t = self.cfg.temperature if temperature is None else float(temperature)
+        p = self.cfg.repetition_penalty if penalty is None else float(penalty)
+        if not (math.isfinite(t) and t > 0 and math.isfinite(p) and p > 0):
+            raise BadSamplingError(f"talker temperature {t} and repetition penalty {p} must be finite and > 0")
+        return t, p
 
     def close(self, session_id: str, fence: Fence) -> bool:
         """Release the session's slot; a close with another incarnation is a no-op (returns False)."""
@@ -149,7 +170,8 @@ class TTSEngine:
         u = torch.stack([w.u for w in work])  # [B, S]
         samples = self.runner.run_unit(
             cond, [w.req.n_rows for w in work], [w.start_pos for w in work],
-            [w.session.slot for w in work], [w.eos_allowed for w in work], u, use_graphs=use_graphs)
+            [w.session.slot for w in work], [w.eos_allowed for w in work], u, use_graphs=use_graphs,
+            temperature=[w.session.temperature for w in work], penalty=[w.session.repetition_penalty for w in work])
         return self._postprocess(work, samples.cpu().tolist())  # the step's one host sync
 
     def _collect(self) -> list[_Work]:

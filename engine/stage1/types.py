@@ -110,5 +110,11 @@ class TokenIdError(TTSRequestError):
     """A text id is outside [0, num_text_tokens)."""
 
 
+class BadSamplingError(TTSRequestError):
+    """A talker temperature or repetition penalty the sampler cannot use (not finite and > 0)."""
+
+    code = "bad_sampling"
+
+
 class TurnCapacityError(TTSRequestError):
     """The unit would run the turn past `max_turn_positions` (the gateway closes the turn first)."""

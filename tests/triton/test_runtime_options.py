@@ -88,7 +88,8 @@ def test_every_option_the_gateway_sends_is_accepted_by_every_stage(stages: dict[
     ({"talker": {"top_k": 25}}, "tts"),  # the duplex TTS samples without top-k/top-p (Q14)
     ({"response_token_cap": 5}, "token2wav"),  # the gateway enforces max_output_tokens itself
     ({"initial_user_text": "hello"}, "stage0"),
-    ({"talker": {"temperature": 0.5}}, "tts"),  # the TTS engine samples a batch with one temperature
+    ({"talker": {"temperature": 0.0}}, "tts"),  # the TTS sampler divides by it
+    ({"talker": {"repetition_penalty": "high"}}, "tts"),
     ({"talker": {"codes_per_unit": 10}}, "tts"),
     ({"thinker": {"max_tokens_per_unit": 21}}, "stage0"),  # beyond what the KV slot is sized for
     ({"voice": "nobody"}, "stage0"),
@@ -185,3 +186,23 @@ def test_a_partial_update_changes_only_what_it_names(stages: dict[str, Any]) -> 
             == ["updated"]
     assert s0.engine.session(str(corrid)).pending_params.temperature == 0.3
     close_all(stages, corrid)
+
+
+def test_talker_options_take_effect(stages: dict[str, Any]) -> None:
+    """The same rows through the TTS stage: the talker temperature changes the codes, per session."""
+    tts = stages["tts"]
+    rng = np.random.default_rng(2)
+    rows, hidden = np.arange(6, dtype=np.int64) + 40, (rng.standard_normal(6 * tts.llm_dim) * 0.5).astype(np.float32)
+
+    def unit_codes(talker: dict[str, Any]) -> list[int]:
+        corrid = next(_corrids)
+        send(tts, corrid=corrid, op="open", fence=(1, 1, 0), config=gateway_config(seed=3, talker=talker))
+        sink = send(tts, corrid=corrid, op="append", fence=(1, 1, 1), tokens=rows, hidden=hidden,
+                    config={"unit": 0, "is_turn_eos": [False] * 6, "turn_start": False})
+        send(tts, corrid=corrid, op="close", fence=(1, 1, 0))
+        return sink.of("audio_tokens")[0].tokens.tolist()
+
+    base = unit_codes({})
+    assert len(base) == 25 and unit_codes({}) == base  # same seed, same settings: the same codes
+    assert unit_codes({"temperature": 0.1}) != base
+    assert unit_codes({"repetition_penalty": 4.0}) != base

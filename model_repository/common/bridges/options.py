@@ -16,7 +16,7 @@ cannot apply, is `invalid_runtime_config`: nothing is accepted and then ignored 
 | `force_listen_count` | stage0 | the first N units listen; an update restarts the count |
 | `thinker.max_tokens_per_unit` | stage0 | decode steps per unit (decision + text + terminator), ≤ the engine's |
 | `thinker.max_speak_chars_per_unit` | stage0 | character cap per unit (0 = off) |
-| `talker.temperature` / `repetition_penalty` | tts | must equal the TTS engine's (the batched sampler has one) |
+| `talker.temperature` / `repetition_penalty` | tts | the session's talker sampling, per row of the batch (> 0) |
 | `talker.codes_per_unit` | tts | must equal the codes a unit returns (model.md §5.3) |
 
 Temperature is the public range [0, 2]; 0 means greedy. An `append` may carry CONFIG too: only
@@ -177,15 +177,15 @@ def unit_temperature(config: dict[str, Any]) -> float | None:
     return None if value is None else _temperature(value)
 
 
-def check_talker(config: dict[str, Any], *, temperature: float, repetition_penalty: float,
-                 codes_per_unit: int) -> None:
-    """The talker settings must be the ones the TTS engine samples with: it has one set for the batch."""
+def talker_sampling(config: dict[str, Any], *, codes_per_unit: int) -> dict[str, float]:
+    """`talker.temperature` / `repetition_penalty` as TTSEngine keyword arguments (the engine checks > 0);
+    `talker.codes_per_unit` must be what a unit returns (model.md §5.3 fixes it)."""
     talker = _section(config, "talker")
-    engine = {"temperature": temperature, "repetition_penalty": repetition_penalty, "codes_per_unit": codes_per_unit}
-    for key, have in engine.items():
-        value = talker.get(key)
-        if value is not None and not math.isclose(_convert(f"talker.{key}", value, float), have):
-            raise _bad(f"CONFIG talker.{key}={value!r}: this server's talker runs with {have}")
+    codes = talker.get("codes_per_unit")
+    if codes is not None and _convert("talker.codes_per_unit", codes, int) != codes_per_unit:
+        raise _bad(f"CONFIG talker.codes_per_unit={codes!r}: a unit returns {codes_per_unit} codes")
+    return {key: _convert(f"talker.{key}", talker[key], float) for key in ("temperature", "repetition_penalty")
+            if talker.get(key) is not None}
 
 
 def voice_of(config: dict[str, Any], voices: dict[str, Any], default: str) -> str:

@@ -20,7 +20,7 @@ from engine.stage1.types import Fence, TTSUnitRequest
 from ..codec import RequestError, StageOutput, StageRequest
 from ..settings import StageSettings
 from .base import EngineBridge, configure_torch, control_event, engine_options, session_key, torch_dtype
-from .options import check_config, check_talker, seed_of
+from .options import check_config, seed_of, talker_sampling
 
 OPTIONS = ("compile_step", "cuda_graphs")  # deploy profile `engine_options.tts` keys
 
@@ -50,13 +50,14 @@ class TTSBridge(EngineBridge):
     def handle(self, req: StageRequest, sink: Any) -> None:
         sid, fence = session_key(req.corrid), Fence(req.fence[0], req.fence[1])
         if req.op == "open":
-            self._check(req.config or {})
+            sampling = self._sampling(req.config or {})
             self.seeds[sid] = seed_of(req.config or {})
-            self.engine.open(sid, fence, self.seeds[sid])
+            self.engine.open(sid, fence, self.seeds[sid], **sampling)
             self.pending[sid] = []
         elif req.op == "update":
-            self._check(req.config or {})
+            sampling = self._sampling(req.config or {})
             self._reseed(sid, fence, req.config or {})
+            self.engine.set_sampling(sid, **sampling)
         elif req.op == "append":
             unit = self._unit(sid, fence, req)
             self.engine.submit(unit)
@@ -82,14 +83,13 @@ class TTSBridge(EngineBridge):
             raise RequestError("invalid_runtime_config", "CONFIG seed cannot change after the first unit")
         self.engine.close(sid, fence)
         self.seeds[sid] = seed_of(cfg)
-        self.engine.open(sid, session.fence, self.seeds[sid])
+        self.engine.open(sid, session.fence, self.seeds[sid], temperature=session.temperature,
+                         repetition_penalty=session.repetition_penalty)
 
-    def _check(self, cfg: dict[str, Any]) -> None:
-        """The session's runtime options: the talker's must be this engine's (`options.check_talker`)."""
+    def _sampling(self, cfg: dict[str, Any]) -> dict[str, float]:
+        """The session's talker options (`options.talker_sampling`), after the whole CONFIG is checked."""
         check_config(cfg)
-        ecfg = self.engine.cfg
-        check_talker(cfg, temperature=ecfg.temperature, repetition_penalty=ecfg.repetition_penalty,
-                     codes_per_unit=ecfg.max_new_tokens - 1)  # the last sample is never returned (§5.3)
+        return talker_sampling(cfg, codes_per_unit=self.engine.cfg.max_new_tokens - 1)  # the last sample is dropped
 
     def _unit(self, sid: str, fence: Fence, req: StageRequest) -> TTSUnitRequest:
         cfg = req.config or {}
