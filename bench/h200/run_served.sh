@@ -59,6 +59,7 @@ do_fixtures() {
 
 do_setup() {
   local stamp="$VENV/.offline-bundle.sha256" sum
+  [[ -f "$BUNDLE" ]] || { say "no bundle at $BUNDLE: build it here with scripts/offline_bundle.sh and carry dist"; return 1; }
   sum="$(sha256sum "$BUNDLE" | cut -d' ' -f1)"
   if [[ -f "$stamp" && "$(cat "$stamp")" == "$sum" ]]; then say "venv $VENV already holds this bundle"; return; fi
   bash scripts/install_offline.sh "$BUNDLE" "$VENV" "$REPO"
