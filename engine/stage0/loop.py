@@ -5,7 +5,8 @@ frames + audio), an A1 `<|turn_eos|>`, a decoded token, or a unit close `[termin
 `merge_unit_close` the close is owed instead and fed in front of the next unit's prefill (one forward per
 unit, §3.6), and the unit is finished as soon as its terminator is known. The runner routes the rows
 (decode graphs, prefill graphs, eager); sampling then runs batched over every row that needs a draw, with
-the session's own uniforms, and the ids come back in one read-back, the step's only host sync."""
+the session's own uniforms, and the ids come back in one read-back, the step's only host sync. What a step
+does when something in it raises is in `recovery.py`."""
 
 from __future__ import annotations
 
@@ -19,17 +20,18 @@ import torch
 
 from engine.stage0.decode import Feed, Stop, UnitDecoder
 from engine.stage0.hostio import read_back
+from engine.stage0.recovery import StepRecovery
 from engine.stage0.runner import Row
 from engine.stage0.sampling import SamplingBatch, sample
 from engine.stage0.session import Phase, Session, UnitRecord, UnitRun
 from engine.stage0.slots import evict_span
-from engine.stage0.types import FrontEndError, TokenEvent, UnitDone, UnitMetrics
+from engine.stage0.types import FrontEndError, TokenEvent, UnitDone
 
 if TYPE_CHECKING:
     from engine.stage0.engine import Stage0Engine
 
 
-class StepLoop:
+class StepLoop(StepRecovery):
     def has_work(self: Stage0Engine) -> bool:
         with self.lock:
             return any(s.phase is not Phase.IDLE or s.queue for s in self.sessions.values())
@@ -82,62 +84,6 @@ class StepLoop:
                 for s, _ in work:
                     self._fail_step(s, exc)
             return True
-
-    # ---- a failed step ------------------------------------------------------------------------------
-    def _forward(self: Stage0Engine, work: list[tuple[Session, Row]]
-                 ) -> tuple[dict[str, torch.Tensor], list[tuple[Session, Exception]]]:
-        """The batch's forward; if it raises, each row alone, so that only the rows that fail by themselves
-        fail. Rows write the KV only at and past their session's cache length, which nothing reads yet."""
-        try:
-            out = self.runner.forward([r for _, r in work])
-            return {s.session_id: h for (s, _), h in zip(work, out, strict=True)}, []
-        except Exception:  # noqa: BLE001 - isolated below
-            traceback.print_exc()
-        hidden, failed = {}, []
-        for s, row in work:
-            try:
-                hidden[s.session_id] = self.runner.forward([row])[0]
-            except Exception as exc:  # noqa: BLE001 - this session's row fails alone
-                failed.append((s, exc))
-        return hidden, failed
-
-    def _fail_step(self: Stage0Engine, s: Session, exc: Exception) -> None:
-        """Undo what this step did to `s`: the unit in flight is dropped from the KV and ends with an
-        `internal_error`; a system prefix that cannot be fed closes the session (its queued units end too)."""
-        error = f"{type(exc).__name__}: {exc}"
-        if s.phase is Phase.PREFIX:
-            self._close_failed(s, error)
-            return
-        unit = s.unit
-        if unit is None:
-            return  # its unit finished before the failure: nothing of this session is undone
-        s.cached_len = unit.start_len - len(s.pending_close)  # an owed close was not fed if the prefill failed
-        s.turn = dataclasses.replace(unit.turn_before)
-        del s.history[unit.history_len:]
-        self._fail_unit(s, error, code="internal_error")
-        s.check_accounting()
-
-    def _guarded_schedule(self: Stage0Engine, s: Session) -> Row | None:
-        try:
-            return self._schedule(s)
-        except Exception as exc:  # noqa: BLE001 - building one session's row fails that session's unit only
-            traceback.print_exc()
-            self._fail_step(s, exc)
-            return None
-
-    def _close_failed(self: Stage0Engine, s: Session, error: str) -> None:
-        """Close a session whose own state cannot go on (its prefix): its units end with `internal_error`, its
-        slot is freed, and later requests on it get `session_closed`."""
-        if s.unit is not None:
-            self._fail_unit(s, error, code="internal_error")
-        for job in s.queue:
-            self._emit(UnitDone(s.session_id, job.fence, job.index, True, self.ids.listen, (), "", False, True,
-                                UnitMetrics(0.0, 0.0, 0.0, (), 0), error=error, error_code="internal_error",
-                                forced=job.force_listen_override))
-        s.queue.clear()
-        del self.sessions[s.session_id]
-        self.slots.give(s.slot)
-        self.closed.add(s.session_id)
 
     # ---- schedule ---------------------------------------------------------------------------------
     def _schedule(self: Stage0Engine, s: Session) -> Row | None:
@@ -222,14 +168,6 @@ class StepLoop:
         s.unit = UnitRun(job=job, index=job.index, start_len=s.owed_len, started_at=time.perf_counter(),
                          params=params, turn_before=dataclasses.replace(s.turn), history_len=len(s.history))
         s.phase = Phase.PREFILL
-
-    def _fail_unit(self: Stage0Engine, s: Session, error: str, code: str = "bad_audio") -> None:
-        unit = s.unit
-        assert unit is not None
-        forced = unit.decoder.force if unit.decoder is not None else unit.job.force_listen_override
-        self._emit(UnitDone(s.session_id, unit.job.fence, unit.index, True, self.ids.listen, (), "", False,
-                            True, unit.metrics(), error=error, error_code=code, forced=forced))
-        s.unit, s.phase = None, Phase.IDLE
 
     def _unit_embeds(self: Stage0Engine, s: Session) -> torch.Tensor:
         """`<unit>` + frame blocks + audio embeddings → [T, H] (§3.3)."""

@@ -1,0 +1,88 @@
+"""What the engine step does when something in it raises (issue 17): it fails only the units it was running.
+
+A session's row that cannot be built or fed fails that session's unit alone (a failed batched forward is
+retried row by row); a failure after the forward fails the step's units. A failed unit is undone: the KV
+length, the turn state and the repetition history go back to before the unit, and the unit ends with a
+`UnitDone` carrying the error. A session whose own prefix cannot be built or fed is closed instead. So no
+failure repeats step after step, and sessions that are not in the failing rows never notice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import traceback
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.stage0.runner import Row
+from engine.stage0.session import Phase, Session
+from engine.stage0.types import UnitDone, UnitMetrics
+
+if TYPE_CHECKING:
+    from engine.stage0.engine import Stage0Engine
+
+
+class StepRecovery:
+    def _forward(self: Stage0Engine, work: list[tuple[Session, Row]]
+                 ) -> tuple[dict[str, torch.Tensor], list[tuple[Session, Exception]]]:
+        """The batch's forward; if it raises, each row alone, so that only the rows that fail by themselves
+        fail. Rows write the KV only at and past their session's cache length, which nothing reads yet."""
+        try:
+            out = self.runner.forward([r for _, r in work])
+            return {s.session_id: h for (s, _), h in zip(work, out, strict=True)}, []
+        except Exception:  # noqa: BLE001 - isolated below
+            traceback.print_exc()
+        hidden, failed = {}, []
+        for s, row in work:
+            try:
+                hidden[s.session_id] = self.runner.forward([row])[0]
+            except Exception as exc:  # noqa: BLE001 - this session's row fails alone
+                failed.append((s, exc))
+        return hidden, failed
+
+    def _fail_step(self: Stage0Engine, s: Session, exc: Exception) -> None:
+        """Undo what this step did to `s`: the unit in flight is dropped from the KV and ends with an
+        `internal_error`; a system prefix that cannot be fed closes the session (its queued units end too)."""
+        error = f"{type(exc).__name__}: {exc}"
+        if s.phase is Phase.PREFIX:
+            self._close_failed(s, error)
+            return
+        unit = s.unit
+        if unit is None:
+            return  # its unit finished before the failure: nothing of this session is undone
+        s.cached_len = unit.start_len - len(s.pending_close)  # an owed close was not fed if the prefill failed
+        s.turn = dataclasses.replace(unit.turn_before)
+        del s.history[unit.history_len:]
+        self._fail_unit(s, error, code="internal_error")
+        s.check_accounting()
+
+    def _guarded_schedule(self: Stage0Engine, s: Session) -> Row | None:
+        try:
+            return self._schedule(s)
+        except Exception as exc:  # noqa: BLE001 - building one session's row fails that session's unit only
+            traceback.print_exc()
+            self._fail_step(s, exc)
+            return None
+
+    def _close_failed(self: Stage0Engine, s: Session, error: str) -> None:
+        """Close a session whose own state cannot go on (its prefix): its units end with `internal_error`, its
+        slot is freed, and later requests on it get `session_closed`."""
+        if s.unit is not None:
+            self._fail_unit(s, error, code="internal_error")
+        for job in s.queue:
+            self._emit(UnitDone(s.session_id, job.fence, job.index, True, self.ids.listen, (), "", False, True,
+                                UnitMetrics(0.0, 0.0, 0.0, (), 0), error=error, error_code="internal_error",
+                                forced=job.force_listen_override))
+        s.queue.clear()
+        del self.sessions[s.session_id]
+        self.slots.give(s.slot)
+        self.closed.add(s.session_id)
+
+    def _fail_unit(self: Stage0Engine, s: Session, error: str, code: str = "bad_audio") -> None:
+        unit = s.unit
+        assert unit is not None
+        forced = unit.decoder.force if unit.decoder is not None else unit.job.force_listen_override
+        self._emit(UnitDone(s.session_id, unit.job.fence, unit.index, True, self.ids.listen, (), "", False,
+                            True, unit.metrics(), error=error, error_code=code, forced=forced))
+        s.unit, s.phase = None, Phase.IDLE
