@@ -31,8 +31,17 @@ def web_root(settings: GatewaySettings) -> Path | None:
 
 
 def triton_runtime(settings: GatewaySettings) -> Runtime:
-    """The served runtime: the gateway chaining the stages, or the one-stream `duplex` pipeline (settings)."""
+    """The served runtime: the gateway chaining the stages (on one Triton, or on several replicas), or the
+    one-stream `duplex` pipeline (settings)."""
     # tritonclient is imported only when serving
+    if settings.triton_replicas:
+        if settings.triton_mode != "stages":
+            raise ValueError("triton_replicas needs triton_mode=stages (the served path)")
+        from gateway.runtime.replicas import ReplicaEndpoint, ReplicaRuntime  # noqa: PLC0415
+
+        return ReplicaRuntime(tuple(ReplicaEndpoint.parse(s) for s in settings.triton_replicas),
+                              settings.triton_ready_models, batch_dim=settings.triton_batch_dim,
+                              probe_timeout_s=settings.ready_probe_timeout_s, retry_s=settings.replica_retry_s)
     if settings.triton_mode == "stages":
         from gateway.runtime.stages import StagedTritonRuntime  # noqa: PLC0415
 

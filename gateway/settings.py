@@ -18,6 +18,10 @@ class GatewaySettings(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     triton_url: str = "localhost:8001"
+    # Scale-out (docs/deploy.md): several Triton replicas, each `host:grpc_port[|host:metrics_port]` (metrics port
+    # 8002 when left out). Set, it replaces triton_url; each new session goes to the replica with the most room.
+    triton_replicas: tuple[str, ...] = ()
+    replica_retry_s: float = Field(5.0, gt=0)  # a replica whose probe failed is skipped this long, then probed again
     # "stages": the gateway chains stage0 -> tts -> token2wav on one stream per session (the served path,
     # gateway/runtime/stages.py); "pipeline": one request per unit to the `triton_model` BLS model.
     triton_mode: Literal["stages", "pipeline"] = "stages"
@@ -66,12 +70,21 @@ class GatewaySettings(BaseModel):
     vad_onset_confirm_ms: int = Field(64, gt=0)
     web_root: str | None = None  # DUPLEX_WEB_ROOT; None = <repo>/clients/web when it exists; "" = off
 
-    @field_validator("triton_ready_models", "model_aliases", "voices", "api_keys", "allowed_origins",
+    @field_validator("triton_ready_models", "triton_replicas", "model_aliases", "voices", "api_keys", "allowed_origins",
                      "allowed_hosts", mode="before")
     @classmethod
     def _split(cls, v: Any) -> Any:
         if isinstance(v, str):
             return tuple(json.loads(v)) if v.startswith("[") else tuple(x for x in v.split(",") if x)
+        return v
+
+    @field_validator("triton_replicas")
+    @classmethod
+    def _replica_specs(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        from gateway.runtime.replicas import ReplicaEndpoint  # noqa: PLC0415 - the one parser of a replica spec
+
+        for spec in v:
+            ReplicaEndpoint.parse(spec)  # ValueError -> a settings validation error naming the spec
         return v
 
     @classmethod

@@ -32,6 +32,7 @@ from .codec import (
     output_arrays,
     parse_request,
 )
+from .occupancy import SessionGauge
 from .sessions import SessionTable
 from .settings import StageSettings, instance_device, load_factory
 from .workarounds import pin_object_dtype, report_fatal_signals
@@ -101,6 +102,7 @@ class DecoupledStageModel:
 
     def initialize(self, args: dict[str, Any]) -> None:
         self.settings, self.sessions = decoupled_setup(args)
+        self.gauge = SessionGauge(self.settings.stage, self.settings.max_sessions)  # replica routing reads it
         self.engine: StageEngine = load_factory(self.settings.engine_factory)(self.settings)
         warm_up(self.engine, self.settings.stage)
         self._outbox: queue.Queue[Any] = queue.Queue()
@@ -134,10 +136,12 @@ class DecoupledStageModel:
                 sink.emit(error_output("internal_error", f"{type(exc).__name__}: {exc}"))
                 sink.close()
                 pb_utils.Logger.log_error(traceback.format_exc())
+        self.gauge.update(len(self.sessions))
         return None
 
     def finalize(self) -> None:
         self.engine.stop()
+        self.gauge.release()
         with self._lock:
             live = list(self._live)
         for sink in live:
