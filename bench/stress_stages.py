@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import subprocess
 import sys
@@ -64,11 +65,15 @@ async def _one_session(rt: StagedTritonRuntime, key: SessionKey, units: int, can
     epoch = 0
     await rt.open(key, Fence(1, epoch), {"seed": key.correlation_id})
     done: list[UnitDone] = []
+    all_done = asyncio.Event()
+    final_epoch = 0 if cancel_at is None else 1
 
     async def collect() -> None:
         async for ev in rt.events(key):
             if isinstance(ev, UnitDone) and ev.epoch == epoch:
                 done.append(ev)
+                if ev.epoch == final_epoch and len(done) >= units - (cancel_at or 0):
+                    all_done.set()
 
     collector = asyncio.create_task(collect())
     for i in range(units):
@@ -81,9 +86,8 @@ async def _one_session(rt: StagedTritonRuntime, key: SessionKey, units: int, can
                                UNIT_TIMEOUT_S)
         stats["units"] += 1
     expected = units - (cancel_at or 0)
-    deadline = time.monotonic() + UNIT_TIMEOUT_S
-    while len(done) < expected and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(all_done.wait(), UNIT_TIMEOUT_S)
     if len(done) < expected:
         stats["missing_unit_done"] += expected - len(done)
     await rt.close(key, Fence(1, epoch))

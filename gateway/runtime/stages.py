@@ -273,12 +273,21 @@ class StagedTritonRuntime:
     async def open(self, key: SessionKey, fence: Fence, config: Mapping[str, Any]) -> None:
         s = _Session(self._get_client(), key, self._batch_dim)
         self._sessions[key.correlation_id] = s
-        try:
-            await self._all_stages(s, "open", dict.fromkeys(STAGES, fence), config=config)
-        except BaseException:
+        opened: list[str] = []
+
+        async def open_one(model: str) -> None:
+            await s.stream.call(model, "open", fence, config=config)
+            opened.append(model)
+
+        results = await asyncio.gather(*(open_one(m) for m in STAGES), return_exceptions=True)
+        failure = next((r for r in results if isinstance(r, BaseException)), None)
+        if failure is not None:
+            # the stages that did open hold a sequence slot and a session until their idle timeout: end them now
+            await asyncio.gather(*(s.stream.call(m, "close", fence) for m in opened if s.stream.broken is None),
+                                 return_exceptions=True)
             self._sessions.pop(key.correlation_id, None)
             await s.stream.aclose()
-            raise
+            raise failure
 
     async def append(self, key: SessionKey, fence: Fence, unit: UnitSubmission) -> None:
         s = self._session(key)

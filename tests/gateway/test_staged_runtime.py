@@ -251,3 +251,26 @@ async def test_a_stream_error_from_triton_ends_the_session_and_close_still_succe
         await asyncio.wait_for(events.__anext__(), 1)
     await asyncio.wait_for(rt.close(KEY, Fence(1, 0)), 1)
     await rt.aclose()
+
+
+async def test_an_open_refused_by_one_stage_closes_the_stages_that_opened() -> None:
+    class FullTTS(StageClient):
+        async def _answer(self, req: dict[str, Any], out: asyncio.Queue) -> None:
+            rid = req["request_id"]
+            if rid.startswith("tts:open"):
+                out.put_nowait((_Result(rid, {"type": "error", "code": "runtime_backpressure", "message": "full"}),
+                                None))
+                out.put_nowait((_Result(rid, None, final=True), None))
+                return
+            await super()._answer(req, out)
+
+    client = FullTTS()
+    rt = StagedTritonRuntime("unused:1", client=client)
+    with pytest.raises(RuntimeFailure) as exc:
+        await rt.open(KEY, Fence(1, 0), {})
+    assert exc.value.code == "runtime_backpressure"
+    closed = sorted(r["model_name"] for r in client.requests if r["sequence_end"])
+    assert closed == ["stage0", "token2wav"]
+    with pytest.raises(RuntimeFailure):
+        await rt.append(KEY, Fence(1, 0, 1), _unit(0))
+    await rt.aclose()

@@ -8,6 +8,7 @@ its responses came back, so the tests read the overlap and the streaming from wh
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -85,18 +86,20 @@ def _pcm(index: int, seed: int) -> bytes:
 
 async def _session(rt: StagedTritonRuntime, key: SessionKey, units: int, seen: list[Any]) -> None:
     await rt.open(key, Fence(1, 0), {"seed": key.correlation_id})
+    all_done = asyncio.Event()
 
     async def collect() -> None:
         async for ev in rt.events(key):
             seen.append(ev)
+            if sum(isinstance(e, UnitDone) for e in seen) == units:
+                all_done.set()
 
     collector = asyncio.create_task(collect())
     for i in range(units):
         await asyncio.wait_for(rt.append(key, Fence(1, 0, i + 1), UnitSubmission(i, _pcm(i, key.correlation_id))),
                                ACK_TIMEOUT_S)
-    deadline = time.monotonic() + ACK_TIMEOUT_S  # the last speak unit's audio follows its ack
-    while sum(isinstance(e, UnitDone) for e in seen) < units and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
+    with contextlib.suppress(TimeoutError):  # the last speak unit's audio follows its ack; asserted by the caller
+        await asyncio.wait_for(all_done.wait(), ACK_TIMEOUT_S)
     await rt.close(key, Fence(1, 0))
     collector.cancel()
 
