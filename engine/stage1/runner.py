@@ -61,7 +61,11 @@ class TTSRunner:
         self._step_fn = self._step
         if cfg.compile_step and on_cuda:  # fuse the ~45 small kernels per layer; graphs replay the result
             _allow_recompiles(len(cfg.batch_buckets) * 8)
-            self._step_fn = torch.compile(self._step, fullgraph=True, dynamic=False)
+            # NOTE: automatic dynamic shapes, not one static compile per (batch, kv) bucket: warm-up builds all
+            # 36 buckets of a 32-session profile, and 36 static compiles (~30-60 s each) would keep the stage
+            # unready for over half an hour; dynamo makes the batch and kv span symbolic after the first
+            # changes (about 6 compiles in all, seen on CPU). Graphs still replay per bucket.
+            self._step_fn = torch.compile(self._step, fullgraph=True, dynamic=None)
 
     # -- the two functions shared by eager and graph paths ----------------------------------------
     def _prefill(self, cond: torch.Tensor, st: UnitState, kv_limit: int) -> None:
