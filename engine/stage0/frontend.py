@@ -37,7 +37,10 @@ class VisionFrames:
         self.tower, self.resampler = tower, resampler
         self.patch = tower.cfg.patch_size
 
-    def prepare_frame(self, data: bytes) -> torch.Tensor:
+    def prepare_frame(self, data: bytes | torch.Tensor) -> torch.Tensor:
+        """JPEG/PNG bytes -> uint8 [H, W, 3] at the slice size; a frame prepared before (a tensor) as it is."""
+        if isinstance(data, torch.Tensor):
+            return data
         from engine.model.frames import decode_frame  # Pillow only where frames are served
 
         return decode_frame(bytes(data), self.patch)

@@ -13,6 +13,7 @@ from the engine's `on_event` callback, which runs on the engine thread inside `s
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -107,6 +108,15 @@ class Stage0Bridge(EngineBridge):
             emit(f"audio front end: batch {b}")
 
     # ---- requests ---------------------------------------------------------------------------------
+    def submit(self, req: StageRequest, sink: Any) -> None:
+        """An append's camera frames are decoded and resized here, on the adapter's thread (Pillow releases the
+        GIL), so the engine thread only encodes them. A frame that fails here stays bytes and fails its
+        append on the engine thread, typed (`Stage0Engine.append`)."""
+        prepare = getattr(self.engine.frontend, "prepare_frame", None)
+        if req.op == "append" and req.frames and prepare is not None:
+            req = dataclasses.replace(req, frames=tuple(_prepared(prepare, f) for f in req.frames))
+        super().submit(req, sink)
+
     def handle(self, req: StageRequest, sink: Any) -> None:
         sid, fence = session_key(req.corrid), Fence(req.fence[0], req.fence[1], req.fence[2])
         if req.op == "open":
@@ -280,6 +290,13 @@ def scripted_decisions(value: Any) -> dict[str, Any]:
     if plan.speak_units < 1:
         raise ConfigError("engine option scripted_decisions: speak_units must be >= 1")
     return {"scripted_decisions": True, "benchmark_mode": True, "script_plan": plan}
+
+
+def _prepared(prepare: Callable[[Any], Any], frame: bytes) -> Any:
+    try:
+        return prepare(frame)
+    except ValueError:
+        return frame  # decoded again at append, where the error becomes the append's
 
 
 def _voice_key(cfg: dict[str, Any]) -> tuple[Any, ...]:
