@@ -5,7 +5,7 @@
 
 Rows (median / p99 ms):
 - `decode+resize <W>x<H> JPEG`: Pillow decode and bicubic resize to the slice (engine/model/frames.py), host
-  only, one frame; done at append time on the engine thread.
+  only, one frame; the stage0 bridge does it on the adapter's thread, off the engine thread.
 - `vision encode N x 448²`: SigLIP (26 layers) + resampler over N frames in one batch (what one engine step
   does for N sessions' frames).
 - `unit step N sessions, frame|no frame`: the engine step that starts N sessions' units: batched audio front
