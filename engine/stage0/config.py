@@ -105,6 +105,9 @@ class Stage0Config:
     # §3.6: defer `[terminator, </unit>]` and feed it in front of the next unit's prefill (one forward per
     # unit). UnitDone is emitted as soon as the terminator is known; the close is owed until then.
     merge_unit_close: bool = False
+    # Units one session may have queued (not yet started): about that many seconds of audio ahead of real
+    # time. More is refused with CapacityError (runtime_backpressure): a flood of appends never piles up.
+    max_queued_units: int = 32
     # §9.5 benchmark-only: replace every sampled id by a script (all kernels still run). Rejected unless
     # `benchmark_mode` is set, which only benchmark entry points do.
     scripted_decisions: bool = False

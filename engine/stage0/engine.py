@@ -116,6 +116,8 @@ class Stage0Engine(StepLoop):
                 raise TooManyFramesError(f"{session_id}: {len(frames)} frames > {self.config.max_frames_per_unit}")
             if frames and not hasattr(self.frontend, "encode_frame") and not hasattr(self.frontend, "encode_frames"):
                 raise FrontEndError("this front end has no vision encoder")
+            if len(s.queue) >= self.config.max_queued_units:
+                raise CapacityError(f"{session_id}: {len(s.queue)} units already queued (input ahead of real time)")
             images = self._prepare_frames(session_id, frames)
             room = self.runner.kv.reserved_pos - s.cached_len - len(s.pending_close) - (
                 s.prefix_rows.shape[0] if s.prefix_rows is not None else 0)

@@ -17,7 +17,7 @@ import torch
 
 from engine.stage0.runner import Row
 from engine.stage0.session import Phase, Session
-from engine.stage0.types import UnitDone, UnitMetrics
+from engine.stage0.types import CapacityError, UnitDone, UnitMetrics
 
 if TYPE_CHECKING:
     from engine.stage0.engine import Stage0Engine
@@ -59,7 +59,13 @@ class StepRecovery:
 
     def _guarded_schedule(self: Stage0Engine, s: Session) -> Row | None:
         try:
-            return self._schedule(s)
+            row = self._schedule(s)
+            if row is not None and row.start + row.length > self.runner.kv.reserved_pos:
+                # NOTE: eviction keeps every row inside the slot; should that ever fail, this unit fails
+                # (typed), never the batch's KV write (an IndexError past the cache, issue 18)
+                raise CapacityError(f"{s.session_id}: positions {row.start}..{row.start + row.length - 1} pass "
+                                    f"the KV slot ({self.runner.kv.reserved_pos} positions)")
+            return row
         except Exception as exc:  # noqa: BLE001 - building one session's row fails that session's unit only
             traceback.print_exc()
             self._fail_step(s, exc)
