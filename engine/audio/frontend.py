@@ -96,7 +96,8 @@ class AudioFrontEnd:
         log-mel over their windows, one encoder pass, one projector -> a [10, llm_hidden] per session."""
         if not states:
             return []
-        for state, pcm in zip(states, pcms or [None] * len(states), strict=True):
+        for state, pcm in zip(states, _on_device(pcms or [None] * len(states), self.streamer.logmel.device),
+                              strict=True):
             if pcm is not None:
                 self.push(state, pcm)
         units = self.streamer.next_units([s.mel for s in states])
@@ -136,3 +137,13 @@ class AudioFrontEnd:
         emb = self.projector.embed(hidden, self.cfg.audio_pool_step)  # [B, S // 5, llm_hidden]
         counts = [max(0, pooled_length(m.shape[1], self.cfg.audio_pool_step)) for m in mels]
         return torch.cat([emb[i, :n] for i, n in enumerate(counts)])
+
+
+def _on_device(pcms: list[torch.Tensor | None], device: torch.device) -> list[torch.Tensor | None]:
+    """Host PCM of many sessions -> the mel device in one copy (not one synchronous copy per session)."""
+    host = [p for p in pcms if p is not None and p.device != device]
+    if not host:
+        return pcms
+    flat = torch.cat([p.detach().reshape(-1).to(torch.float32) for p in host]).to(device)
+    parts = iter(flat.split([p.numel() for p in host]))
+    return [next(parts) if p is not None and p.device != device else p for p in pcms]

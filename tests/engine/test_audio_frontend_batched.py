@@ -118,3 +118,14 @@ def test_batched_units_on_the_gpu_equal_the_cpu_path() -> None:
     want = [cpu.encode_unit(s, p) for s, p in zip(states, pcms, strict=True)]
     for g, w in zip(gpu.encode_units(on_gpu, pcms), want, strict=True):
         torch.testing.assert_close(g.cpu(), w, atol=1e-4, rtol=1e-4)  # TF32-free fp32, GPU reductions
+
+
+def test_host_pcm_goes_to_the_mel_device_in_order() -> None:
+    from engine.audio.frontend import _on_device
+
+    pcms = [torch.arange(3.0), None, torch.arange(5.0, dtype=torch.float64), torch.zeros(2, device="meta")]
+    moved = _on_device(pcms, torch.device("meta"))
+    assert moved[1] is None and moved[3] is pcms[3]
+    assert [tuple(m.shape) for m in (moved[0], moved[2])] == [(3,), (5,)]
+    assert all(m.device.type == "meta" and m.dtype == torch.float32 for m in (moved[0], moved[2]))
+    assert _on_device([torch.ones(2)], torch.device("cpu"))[0].device.type == "cpu"
