@@ -113,20 +113,29 @@ async def _traffic(grpc_url: str, sessions: int, units: int, seed: int) -> dict[
     return stats
 
 
-def one_run(index: int, args: argparse.Namespace, repo: Path, workdir: Path) -> dict[str, Any]:
+async def one_run(index: int, args: argparse.Namespace, repo: Path, workdir: Path) -> dict[str, Any]:
     log = workdir / f"triton-{index}.log"
     server = TritonServer(locate_tritonserver(DEFAULT_CACHE_DIR), repo, STAGES, _free_ports(), log)
     t0 = time.monotonic()
     server.start()
     try:
-        server.wait_ready(args.ready_timeout, progress=lambda _m: None)
-        stats = asyncio.run(_traffic(server.grpc_url, args.sessions, args.units, index))
+        await asyncio.to_thread(server.wait_ready, args.ready_timeout, lambda _m: None)
+        stats = await _traffic(server.grpc_url, args.sessions, args.units, index)
     finally:
-        server.stop()  # graceful: the models unload, which once crashed stubs too
+        await asyncio.to_thread(server.stop)  # graceful: the models unload, which once crashed stubs too
     text = log.read_text(errors="replace")
     crashes = [m for m in CRASH_MARKS if m in text]
     ok = not crashes and not stats["missing_unit_done"] and not stats["errors"]
     return {"run": index, "ok": ok, "crash_marks": crashes, "seconds": round(time.monotonic() - t0, 1), **stats}
+
+
+async def _runs(args: argparse.Namespace, repo: Path, workdir: Path) -> list[dict[str, Any]]:
+    results = []
+    for i in range(args.runs):
+        res = await one_run(i, args, repo, workdir)
+        results.append(res)
+        print(json.dumps(res), flush=True)
+    return results
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -143,11 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     ckpt = args.checkpoint or build_tiny_checkpoint(workdir / "ckpt", 0, vision=False)
     profile = DeployProfile.load(args.profile, max_sessions=args.sessions)
     repo = build_repository(str(ckpt), profile, workdir / "models", models=STAGES)
-    results = []
-    for i in range(args.runs):
-        res = one_run(i, args, repo, workdir)
-        results.append(res)
-        print(json.dumps(res), flush=True)
+    results = asyncio.run(_runs(args, repo, workdir))  # one event loop: grpc.aio binds to the first one
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout
     report = {"commit": commit.strip(), "sessions": args.sessions, "units": args.units, "runs": results,
               "failed_runs": sum(not r["ok"] for r in results)}
