@@ -146,3 +146,6 @@ class RuntimeLane:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        # nothing is sent any more: a later drain() (a retried cleanup) must not wait for a queue nobody runs
+        self._queue.clear()
+        self._idle.set()
