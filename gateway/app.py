@@ -31,6 +31,20 @@ def web_root(settings: GatewaySettings) -> Path | None:
 
 
 def triton_runtime(settings: GatewaySettings) -> Runtime:
+    """The served runtime (`triton_runtime_alone`), with each session recorded in the shared session directory
+    when the settings name one (several gateways, gateway/directory)."""
+    runtime = triton_runtime_alone(settings)
+    if not settings.redis_url:
+        return runtime
+    from gateway.directory.runtime import DirectoryRuntime  # noqa: PLC0415
+    from gateway.directory.store import SessionDirectory  # noqa: PLC0415
+
+    assert settings.advertise_addr is not None  # the settings refuse a directory without it
+    directory = SessionDirectory(settings.redis_url, settings.advertise_addr, settings.directory_lease_s)
+    return DirectoryRuntime(runtime, directory, settings.triton_url)
+
+
+def triton_runtime_alone(settings: GatewaySettings) -> Runtime:
     """The served runtime: the gateway chaining the stages (on one Triton, or on several replicas), or the
     one-stream `duplex` pipeline (settings)."""
     # tritonclient is imported only when serving
@@ -59,6 +73,7 @@ def create_app(settings: GatewaySettings | None = None, *, runtime: Runtime | No
     if runtime is None:
         runtime = triton_runtime(settings)
     state = GatewayState(settings, runtime)
+    state.directory = getattr(runtime, "directory", None)  # a DirectoryRuntime's: resumes of others' sessions relay
 
     async def on_expire(session_id: str, reason: ExpiryReason) -> None:
         live = state.sessions.get(session_id)

@@ -7,7 +7,7 @@ import os
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 ENV_PREFIX = "DUPLEX_"
 MiB = 1024 * 1024
@@ -22,6 +22,11 @@ class GatewaySettings(BaseModel):
     # 8002 when left out). Set, it replaces triton_url; each new session goes to the replica with the most room.
     triton_replicas: tuple[str, ...] = ()
     replica_retry_s: float = Field(5.0, gt=0)  # a replica whose probe failed is skipped this long, then probed again
+    # Several gateways (docs/deploy.md Scale-out): the shared session directory, e.g. redis://redis:6379/0. Set, it
+    # needs advertise_addr, the host:port other gateways reach this one at (a resume they get is relayed here).
+    redis_url: str | None = None
+    advertise_addr: str | None = None
+    directory_lease_s: float = Field(10.0, gt=0)  # a gateway unheard of this long is dead: its sessions are gone
     # "stages": the gateway chains stage0 -> tts -> token2wav on one stream per session (the served path,
     # gateway/runtime/stages.py); "pipeline": one request per unit to the `triton_model` BLS model.
     triton_mode: Literal["stages", "pipeline"] = "stages"
@@ -87,12 +92,18 @@ class GatewaySettings(BaseModel):
             ReplicaEndpoint.parse(spec)  # ValueError -> a settings validation error naming the spec
         return v
 
+    @model_validator(mode="after")
+    def _directory_needs_an_address(self) -> GatewaySettings:
+        if self.redis_url and not self.advertise_addr:
+            raise ValueError("redis_url needs advertise_addr (DUPLEX_ADVERTISE_ADDR): where other gateways reach this one")
+        return self
+
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> GatewaySettings:
         env = os.environ if environ is None else environ
         values = {k[len(ENV_PREFIX):].lower(): v for k, v in env.items() if k.startswith(ENV_PREFIX)}
         known = {k: v for k, v in values.items() if k in cls.model_fields}
-        for key in ("idle_ttl_s",):
+        for key in ("idle_ttl_s", "redis_url", "advertise_addr"):
             if known.get(key, "").lower() in ("null", "none"):
                 known[key] = None
         return cls.model_validate(known)

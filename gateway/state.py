@@ -18,6 +18,7 @@ from gateway.runtime.base import Readiness, Runtime
 from gateway.settings import GatewaySettings
 
 if TYPE_CHECKING:
+    from gateway.directory.store import SessionDirectory
     from gateway.vad.model import SileroVad
     from gateway.ws.live import LiveSession
 
@@ -43,6 +44,7 @@ class GatewayState:
         self.sessions: dict[str, LiveSession] = {}  # open, detached or closing: the resume lookup
         self.tasks: set[asyncio.Task[None]] = set()  # session hosts; they outlive their sockets
         self.reaper: Reaper | None = None
+        self.directory: SessionDirectory | None = None  # several gateways: where a session lives (gateway/directory)
         self.draining = False
         self.warm = False  # set once the runtime has reported ready (warm-up done)
         self._ready_cache: tuple[float, Readiness] | None = None

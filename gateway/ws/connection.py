@@ -13,6 +13,7 @@ import logging
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
+from gateway.directory.relay import relayed_to_owner
 from gateway.protocol import client_events as ce
 from gateway.protocol.codec import FrameLimits, decode_frame
 from gateway.protocol.errors import Effect, ProtocolError
@@ -106,6 +107,8 @@ class Connection:
                                               self.gw.settings.handshake_timeout_s)
         if isinstance(opener, ce.SessionResume):
             self.resuming = True
+            if await relayed_to_owner(self.gw, self.ws, patch):
+                return None  # another gateway owns the session: it answered through the relay (gateway/directory)
             live, generation = await resume_session(self, patch)
             self.live = live
             return generation

@@ -1,0 +1,72 @@
+"""`DirectoryRuntime`: any `Runtime`, with each session's open and close written to the shared directory.
+
+The runtime open is where a session gets its replica, so the record is written right after it succeeds (a
+failed open leaves nothing behind) and deleted when the runtime close ends, whatever its outcome. The
+directory is the only thing added: every operation is the inner runtime's.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+from gateway.directory.store import SessionDirectory
+from gateway.runtime.base import (
+    Fence,
+    Readiness,
+    Runtime,
+    RuntimeEvent,
+    RuntimeFailure,
+    SessionKey,
+    UnitSubmission,
+)
+
+log = logging.getLogger(__name__)
+
+
+class DirectoryRuntime:
+    def __init__(self, inner: Runtime, directory: SessionDirectory, default_replica: str) -> None:
+        self.inner, self.directory, self._default_replica = inner, directory, default_replica
+
+    def _replica(self, key: SessionKey) -> str:
+        replica_of = getattr(self.inner, "replica_of", None)  # ReplicaRuntime knows; one Triton is the default
+        return replica_of(key).endpoint.grpc if replica_of is not None else self._default_replica
+
+    async def open(self, key: SessionKey, fence: Fence, config: Mapping[str, Any]) -> None:
+        await self.inner.open(key, fence, config)
+        try:
+            await self.directory.register(key.session_id, self._replica(key), key.correlation_id)
+        except Exception as exc:  # a session no other gateway can find must not start: undo the open
+            await self.inner.close(key, fence)
+            raise RuntimeFailure("internal_error", f"session directory: {exc}") from exc
+
+    async def append(self, key: SessionKey, fence: Fence, unit: UnitSubmission) -> None:
+        await self.inner.append(key, fence, unit)
+
+    async def cancel(self, key: SessionKey, fence: Fence, next_fence: Fence) -> None:
+        await self.inner.cancel(key, fence, next_fence)
+
+    async def update(self, key: SessionKey, fence: Fence, config: Mapping[str, Any]) -> None:
+        await self.inner.update(key, fence, config)
+
+    async def close(self, key: SessionKey, fence: Fence) -> None:
+        try:
+            await self.inner.close(key, fence)
+        finally:
+            try:
+                await self.directory.unregister(key.session_id)
+            except Exception as exc:  # noqa: BLE001 - a stale record is harmless: its owner answers "expired"
+                log.warning("directory: could not forget session %s: %s", key.session_id, exc)
+
+    def events(self, key: SessionKey) -> AsyncIterator[RuntimeEvent]:
+        return self.inner.events(key)
+
+    async def readiness(self) -> Readiness:
+        return await self.inner.readiness()
+
+    async def aclose(self) -> None:
+        try:
+            await self.inner.aclose()
+        finally:
+            await self.directory.aclose()
