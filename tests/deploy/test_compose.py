@@ -55,8 +55,10 @@ def test_our_interpolation_agrees_with_docker_compose() -> None:
 
 def test_services_and_profiles() -> None:
     services = load_compose()["services"]
-    assert set(services) == {"triton", "gateway", "prometheus"}
+    scaleout = {"triton-a", "triton-b", "gateway-a", "gateway-b", "redis", "lb"}  # tests/scaleout/test_manifests.py
+    assert set(services) == {"triton", "gateway", "prometheus"} | scaleout
     assert services["prometheus"].get("profiles") == ["prometheus"]
+    assert all(services[name].get("profiles") == ["scaleout"] for name in scaleout)
     assert "profiles" not in services["triton"] and "profiles" not in services["gateway"]
 
 
