@@ -1,10 +1,10 @@
 """Killing tritonserver mid-session (issue 7): typed errors, the gateway stays up, /ready red, service again after
 Triton is restarted.
 
-`duplex serve` does not supervise Triton: when its tritonserver child dies the launcher exits and takes the
-gateway down with it (by design, gateway/launcher.py `serve`). So this module runs the two halves as separate
-launchers, `duplex serve --only triton` and `duplex serve --only gateway --triton-url ...` (the two containers
-of docker-compose.yml), and kills/restarts only the Triton one.
+This module runs the two halves as separate launchers, `duplex serve --only triton` and `duplex serve --only
+gateway --triton-url ...` (the two containers of docker-compose.yml), and kills/restarts only the Triton one:
+`--only triton` exits when its Triton dies (its container's restart policy is the supervisor). A plain
+`duplex serve` restarts Triton itself under the running gateway: tests/e2e/test_launcher.py.
 """
 
 from __future__ import annotations
