@@ -103,8 +103,9 @@ class Stage0Config:
     # (fast capture); False compiles every graph shape separately (slow capture, fastest kernels).
     compile_dynamic: bool | None = None
     # §3.6: defer `[terminator, </unit>]` and feed it in front of the next unit's prefill (one forward per
-    # unit). UnitDone is emitted as soon as the terminator is known; the close is owed until then.
-    merge_unit_close: bool = False
+    # unit). UnitDone is emitted as soon as the terminator is known; the close is owed until then. Same ids
+    # and hidden states as the separate close (tests/engine/test_stage0_merge.py), one forward fewer per unit.
+    merge_unit_close: bool = True
     # Units one session may have queued (not yet started): about that many seconds of audio ahead of real
     # time. More is refused with CapacityError (runtime_backpressure): a flood of appends never piles up.
     max_queued_units: int = 32

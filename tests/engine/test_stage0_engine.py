@@ -56,7 +56,8 @@ def offline_hidden(engine: Stage0Engine, seq: torch.Tensor) -> torch.Tensor:
 
 
 def test_session_matches_offline_forward_and_accounting() -> None:
-    engine, events = make_engine(rules=DecodeRules(force_listen_count=1))
+    """The separate close (the merged one: test_stage0_merge.py)."""
+    engine, events = make_engine(rules=DecodeRules(force_listen_count=1), merge_unit_close=False)
     engine.open("a", Fence(1, 0), params=params(3))
     engine.run_until_idle()
     prefix = engine.session("a").cached_len

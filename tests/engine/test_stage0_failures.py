@@ -149,7 +149,7 @@ def test_a_new_prompt_whose_prefix_cannot_be_built_closes_only_its_session() -> 
 
 
 def test_a_row_that_cannot_be_built_fails_only_that_unit() -> None:
-    engine, events = make_engine(sessions=2)
+    engine, events = make_engine(sessions=2, merge_unit_close=False)  # a separate close row to break
     _open(engine, "a", "b")
     embed, close_id = engine.runner.embed, engine.ids.unit_close
     broken = {"left": 1}

@@ -101,14 +101,14 @@ def test_cancel_adopts_next_fence_and_rejects_old_epoch_forever() -> None:
     with pytest.raises(StaleFenceError):
         engine.append("s0", Fence(1, 0, seq=9), unit_pcm(0, 1))
     s = engine.session("s0")
-    assert sum(r.span for r in s.ledger) == s.cached_len - s.prefix_len
-    before = s.cached_len
+    assert sum(r.span for r in s.ledger) == s.owed_len - s.prefix_len
+    before = s.owed_len
     engine.append("s0", Fence(1, 1, seq=2), unit_pcm(0, 1))  # unit index keeps counting: 16,000 samples
     engine.run_until_idle()
     # F-5: the turn was open, so this unit fed `<|turn_eos|>` and was forced to listen
     done = [e for e in events if isinstance(e, UnitDone)][-1]
     assert done.is_listen and done.fence.epoch == 1 and not done.aborted
-    assert engine.session("s0").cached_len == before + 13 + 1
+    assert engine.session("s0").owed_len == before + 13 + 1
     assert engine.session("s0").turn.current_turn_ended
 
 
@@ -132,10 +132,10 @@ def test_override_and_update_apply_from_next_unit() -> None:
 
 def test_frames_add_blocks_to_the_unit() -> None:
     engine, events = opened(n=1, rules=DecodeRules(force_listen_count=1))
-    before = engine.session("s0").cached_len
+    before = engine.session("s0").owed_len
     engine.append("s0", Fence(1, 0, seq=0), unit_pcm(0, 0), [torch.ones(64), torch.zeros(64)])
     engine.run_until_idle()
-    assert engine.session("s0").cached_len == before + 13 + 2 * 66
+    assert engine.session("s0").owed_len == before + 13 + 2 * 66
 
 
 def test_front_end_shape_error_fails_only_that_unit() -> None:
@@ -147,8 +147,8 @@ def test_front_end_shape_error_fails_only_that_unit() -> None:
     done = events[-1]
     assert isinstance(done, UnitDone) and done.error and "shape" in done.error and done.aborted
     s = engine.session("s0")
-    assert s.cached_len == s.prefix_len and not s.ledger and s.turn.units_generated == 0
+    assert s.owed_len == s.prefix_len and not s.ledger and s.turn.units_generated == 0
     engine.frontend.per_unit = 10
     engine.append("s0", Fence(1, 0, seq=1), unit_pcm(0, 1))
     engine.run_until_idle()
-    assert engine.session("s0").cached_len == s.prefix_len + 13 and same(snapshot(engine, "s1"), before)
+    assert engine.session("s0").owed_len == s.prefix_len + 13 and same(snapshot(engine, "s1"), before)

@@ -49,7 +49,7 @@ from .options import (
 MS_PER_S = 1000.0
 WINDOW_LOW_FRACTION = 0.75  # eviction drops old units down to this share of the KV window (§7.4)
 
-OPTIONS = ("compile_mode", "cuda_graphs", "scripted_decisions")  # deploy profile `engine_options.stage0` keys
+OPTIONS = ("compile_mode", "cuda_graphs", "merge_unit_close", "scripted_decisions")  # deploy profile `engine_options.stage0` keys
 PLAN_KEYS = ("listen_units", "speak_units", "text_ids_per_unit", "tail_listen_units")  # ScriptPlan's fields
 
 
@@ -91,7 +91,9 @@ class Stage0Bridge(EngineBridge):
         cfg = Stage0Config(max_sessions=settings.max_sessions, window_high=settings.kv_window,
                            window_low=max(1, int(settings.kv_window * WINDOW_LOW_FRACTION)),
                            use_cuda_graphs=settings.device.startswith("cuda") and opts.get("cuda_graphs", True),
-                           compile_mode=opts.get("compile_mode"), **scripted_decisions(opts.get("scripted_decisions")))
+                           compile_mode=opts.get("compile_mode"),
+                           merge_unit_close=bool(opts.get("merge_unit_close", True)),
+                           **scripted_decisions(opts.get("scripted_decisions")))
         self.hidden_dim = ck.config.llm.hidden_size
         self.engine = Stage0Engine(model.llm, ck.tokenizer, frontend, self._on_event, cfg)
         self.terminators = self.engine.ids.terminators
