@@ -36,4 +36,15 @@ class SessionRegistry:
         """After cleanup succeeded (AD-3); keeps a tombstone for the next incarnation."""
         incarnation = self._live.pop(session_id, None)
         if incarnation is not None:
-            self._tombstones[session_id] = (incarnation, self._clock())
+            now = self._clock()
+            self._prune(now)
+            self._tombstones[session_id] = (incarnation, now)
+
+    def _prune(self, now: float) -> None:
+        """Forget tombstones past their TTL (they no longer change an incarnation): without this the map grew by
+        one entry per session ever closed. Insertion order is release order, so the expired ones lead."""
+        while self._tombstones:
+            oldest = next(iter(self._tombstones))
+            if now - self._tombstones[oldest][1] <= self._ttl:
+                return
+            del self._tombstones[oldest]
