@@ -38,10 +38,14 @@ def triton_runtime(settings: GatewaySettings) -> Runtime:
         return runtime
     from gateway.directory.runtime import DirectoryRuntime  # noqa: PLC0415
     from gateway.directory.store import SessionDirectory  # noqa: PLC0415
+    from gateway.directory.sweep import Sweeper  # noqa: PLC0415
 
     assert settings.advertise_addr is not None  # the settings refuse a directory without it
     directory = SessionDirectory(settings.redis_url, settings.advertise_addr, settings.directory_lease_s)
-    return DirectoryRuntime(runtime, directory, settings.triton_url)
+    # dead gateways' sequences are closed stage by stage: only on the served (stages) path
+    sweeper = Sweeper(directory, settings.directory_lease_s, settings.runtime_timeout_s,
+                      batch_dim=settings.triton_batch_dim) if settings.triton_mode == "stages" else None
+    return DirectoryRuntime(runtime, directory, settings.triton_url, sweeper)
 
 
 def triton_runtime_alone(settings: GatewaySettings) -> Runtime:

@@ -1,17 +1,22 @@
 """`DirectoryRuntime`: any `Runtime`, with each session's open and close written to the shared directory.
 
 The runtime open is where a session gets its replica, so the record is written right after it succeeds (a
-failed open leaves nothing behind) and deleted when the runtime close ends, whatever its outcome. The
-directory is the only thing added: every operation is the inner runtime's.
+failed open leaves nothing behind) and deleted when the runtime close ends, whatever its outcome. Readiness
+includes the directory: a gateway that cannot reach Redis could not record new sessions, so it is not ready.
+The first readiness probe (a gateway serves nothing before one: the handshake asks too) takes the lease and
+starts the sweep (sweep.py). Every session operation is the inner runtime's.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from gateway.directory.store import SessionDirectory
+from gateway.directory.sweep import Sweeper
 from gateway.runtime.base import (
     Fence,
     Readiness,
@@ -26,8 +31,11 @@ log = logging.getLogger(__name__)
 
 
 class DirectoryRuntime:
-    def __init__(self, inner: Runtime, directory: SessionDirectory, default_replica: str) -> None:
+    def __init__(self, inner: Runtime, directory: SessionDirectory, default_replica: str,
+                 sweeper: Sweeper | None = None) -> None:
         self.inner, self.directory, self._default_replica = inner, directory, default_replica
+        self._sweeper = sweeper
+        self._sweeping: asyncio.Task[None] | None = None
 
     def _replica(self, key: SessionKey) -> str:
         replica_of = getattr(self.inner, "replica_of", None)  # ReplicaRuntime knows; one Triton is the default
@@ -36,7 +44,7 @@ class DirectoryRuntime:
     async def open(self, key: SessionKey, fence: Fence, config: Mapping[str, Any]) -> None:
         await self.inner.open(key, fence, config)
         try:
-            await self.directory.register(key.session_id, self._replica(key), key.correlation_id)
+            await self.directory.register(key.session_id, self._replica(key), key.correlation_id, fence.incarnation)
         except Exception as exc:  # a session no other gateway can find must not start: undo the open
             await self.inner.close(key, fence)
             raise RuntimeFailure("internal_error", f"session directory: {exc}") from exc
@@ -63,9 +71,20 @@ class DirectoryRuntime:
         return self.inner.events(key)
 
     async def readiness(self) -> Readiness:
-        return await self.inner.readiness()
+        inner = await self.inner.readiness()
+        try:
+            await self.directory.start()
+        except Exception as exc:  # noqa: BLE001 - Redis unreachable: not ready, with the reason
+            return Readiness(inner.live, False, inner.models, (*inner.reasons, f"session directory: {exc}"))
+        if self._sweeper is not None and self._sweeping is None:
+            self._sweeping = asyncio.create_task(self._sweeper.run(), name="directory-sweep")
+        return inner
 
     async def aclose(self) -> None:
+        if self._sweeping is not None:
+            self._sweeping.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeping
         try:
             await self.inner.aclose()
         finally:

@@ -24,7 +24,15 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.runtime.base import Fence, Readiness, RuntimeEvent, RuntimeFailure, SessionKey, UnitSubmission
+from gateway.runtime.base import (
+    Fence,
+    Readiness,
+    Runtime,
+    RuntimeEvent,
+    RuntimeFailure,
+    SessionKey,
+    UnitSubmission,
+)
 from gateway.runtime.stages import STAGES, StagedTritonRuntime
 
 SESSIONS_METRIC = "duplex_stage_sessions"
@@ -79,7 +87,7 @@ def parse_occupancy(text: str, stages: tuple[str, ...] = STAGES) -> Occupancy:
 class Replica:
     name: str
     endpoint: ReplicaEndpoint
-    runtime: StagedTritonRuntime
+    runtime: Runtime  # a StagedTritonRuntime on that replica
     opening: int = 0  # opens sent, not yet answered: the replica's gauge may not count them yet
     down_until: float = 0.0  # skipped until then (monotonic), after a failed probe
     last: Occupancy | None = field(default=None)
@@ -91,8 +99,8 @@ class Replica:
 class ReplicaRuntime:
     def __init__(self, endpoints: tuple[ReplicaEndpoint, ...], ready_models: tuple[str, ...] = STAGES, *,
                  batch_dim: bool = True, probe_timeout_s: float = 2.0, retry_s: float = 5.0,
-                 make_runtime: Callable[[ReplicaEndpoint], StagedTritonRuntime] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 make_runtime: Callable[[ReplicaEndpoint], Runtime] | None = None,
+                 http: httpx.AsyncClient | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         if not endpoints:
             raise ValueError("at least one replica is needed")
         make = make_runtime or (lambda ep: StagedTritonRuntime(ep.grpc, ready_models, batch_dim=batch_dim))
@@ -100,7 +108,7 @@ class ReplicaRuntime:
         self._probe_timeout_s, self._retry_s, self._clock = probe_timeout_s, retry_s, clock
         self._placed: dict[int, Replica] = {}  # correlation id -> its replica, for the session's life
         self._choose = asyncio.Lock()  # one placement at a time, so `opening` is counted before the next reads
-        self._http: httpx.AsyncClient | None = None
+        self._http = http
 
     # ---- placement --------------------------------------------------------------------------------------
     async def _probe(self, replica: Replica) -> Occupancy | None:
@@ -125,30 +133,31 @@ class ReplicaRuntime:
         return [r for _, _, r in sorted(room, key=lambda t: (-t[0], t[1]))]
 
     async def open(self, key: SessionKey, fence: Fence, config: Mapping[str, Any]) -> None:
-        async with self._choose:
-            ranked = await self._ranked()
-            for r in ranked:
-                r.opening += 1
-        if not ranked:
-            raise RuntimeFailure("runtime_backpressure", "no replica has a free session slot")
-        try:
-            await self._open_first(ranked, key, fence, config)
-        finally:
-            for r in ranked:
-                r.opening -= 1
-
-    async def _open_first(self, ranked: list[Replica], key: SessionKey, fence: Fence,
-                          config: Mapping[str, Any]) -> None:
-        """Open on the best replica; one that turns out full (another gateway won the slot) passes to the next."""
-        for n, replica in enumerate(ranked):
+        """Open on the replica with most room; one that turns out full (another gateway took its last slot since
+        it reported) passes the open to the next. Any other refusal is the session's answer."""
+        tried: set[str] = set()
+        while (replica := await self._reserve(tried)) is not None:
+            tried.add(replica.name)
             try:
                 await replica.runtime.open(key, fence, config)
             except RuntimeFailure as exc:
-                if exc.code != "runtime_backpressure" or n == len(ranked) - 1:
+                if exc.code != "runtime_backpressure":
                     raise
                 continue
+            finally:
+                replica.opening -= 1  # answered: from now on the replica's own gauge counts it (or not)
             self._placed[key.correlation_id] = replica
             return
+        raise RuntimeFailure("runtime_backpressure", "no replica has a free session slot")
+
+    async def _reserve(self, tried: set[str]) -> Replica | None:
+        """The best replica not tried yet, its pending opens counted up before the next placement reads them."""
+        async with self._choose:
+            ranked = [r for r in await self._ranked() if r.name not in tried]
+            if not ranked:
+                return None
+            ranked[0].opening += 1
+            return ranked[0]
 
     def replica_of(self, key: SessionKey) -> Replica:
         replica = self._placed.get(key.correlation_id)

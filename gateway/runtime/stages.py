@@ -262,6 +262,12 @@ class StagedTritonRuntime:
             raise RuntimeFailure("session_not_found", "no open sequence for this session")
         return s
 
+    def adopt(self, key: SessionKey) -> None:
+        """Bind a stream to a sequence another client opened (a dead gateway's, gateway/directory/sweep.py), so
+        that `close` can end it; nothing is sent until then."""
+        if key.correlation_id not in self._sessions:
+            self._sessions[key.correlation_id] = _Session(self._get_client(), key, self._batch_dim)
+
     async def _all_stages(self, s: _Session, op: str, fences: Mapping[str, Fence], **kw: Any) -> None:
         """`op` on every stage at once; the first failure (stage0's first) is raised after all have ended."""
         results = await asyncio.gather(*(s.stream.call(m, op, fences[m], **kw) for m in STAGES),

@@ -153,6 +153,7 @@ async def test_sessions_go_where_the_replicas_report_room_and_a_dead_replica_fai
 
 async def test_a_killed_gateway_takes_only_its_own_sessions(cluster: Cluster, clients: list[Raw]) -> None:
     gw_a, gw_b = cluster.gateways
+    r0 = cluster.replicas[0]
     assert [r.proc.alive() for r in cluster.replicas] == [True, False]  # as the test before left them
     on_a, created_a, _ = await open_on(gw_a, cluster, clients)
     on_b, created_b, _ = await open_on(gw_b, cluster, clients)
@@ -169,13 +170,20 @@ async def test_a_killed_gateway_takes_only_its_own_sessions(cluster: Cluster, cl
     assert resumed["type"] == "session.resumed" and resumed["replay_count"] == 0, resumed
     await decides(b, 2)
 
-    # A's session died with A: once A's lease has run out, a resume through B gets the protocol's final answer.
+    # A's session died with A: once A's lease has run out, a resume through B gets the protocol's final answer,
+    # and a gateway's sweep closes its sequence on the replica, so the slot comes free without the idle timeout.
     sid_a, token_a = created_a["session"]["id"], created_a["resume_token"]
     await asyncio.sleep(LEASE_S)
     stale, err = await resume(gw_b.addr, sid_a, token_a, 0)
     clients.append(stale)
     assert err["type"] == "error" and err["error"]["code"] == "session_resume_expired", err
+    await eventually(lambda: _holds(r0, 1), 3 * LEASE_S)
     await close(b)
+    assert await held(r0) == 0
+
+
+async def _holds(replica: Replica, n: int) -> bool:
+    return await held(replica) == n
 
 
 async def _opens(gw: Gateway, clients: list[Raw]) -> Raw | None:

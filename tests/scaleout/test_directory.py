@@ -1,0 +1,81 @@
+"""`SessionDirectory` against a real redis-server: records, leases, and orphans claimed exactly once."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+import redis.asyncio as redis
+
+from gateway.directory.store import SessionDirectory, lease_key, session_key
+from tests.scaleout.cluster import Cluster
+
+LEASE_S = 0.5
+
+pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None,
+                                reason="redis-server is not installed (requirements/apt.txt)")
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    cluster = Cluster(Path(tmp_path_factory.mktemp("redis")))
+    try:
+        yield cluster.start_redis().url
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture
+async def raw(redis_url: str) -> AsyncIterator[redis.Redis]:
+    r = redis.Redis.from_url(redis_url, decode_responses=True)
+    await r.flushdb()
+    yield r
+    await r.aclose()
+
+
+async def test_a_record_names_its_owner_and_replica_while_the_owner_holds_its_lease(
+        redis_url: str, raw: redis.Redis) -> None:
+    a, b = (SessionDirectory(redis_url, addr, LEASE_S) for addr in ("gw-a:8000", "gw-b:8000"))
+    try:
+        await a.register("sess_1", "triton-a:8001", 42, 3)
+        entry = await b.lookup("sess_1")
+        assert entry is not None and (entry.owner, entry.replica, entry.correlation_id, entry.incarnation,
+                                      entry.owner_alive) == ("gw-a:8000", "triton-a:8001", 42, 3, True)
+        await asyncio.sleep(2 * LEASE_S)  # the lease is refreshed while the gateway runs
+        assert (await b.lookup("sess_1")).owner_alive
+        assert await b.claim_orphans() == []
+        await a.unregister("sess_1")
+        assert await b.lookup("sess_1") is None
+    finally:
+        await a.aclose()
+        await b.aclose()
+    assert not await raw.exists(lease_key("gw-a:8000"))  # a clean stop ends the lease at once
+
+
+async def test_a_dead_owners_sessions_are_claimed_once_among_all_sweepers(redis_url: str, raw: redis.Redis) -> None:
+    for n in range(5):  # what a gateway that died leaves: records, no lease
+        await raw.hset(session_key(f"sess_{n}"), mapping={"owner": "gw-dead:8000", "replica": "t:8001",
+                                                          "correlation_id": str(n + 1), "incarnation": "1"})
+    live = SessionDirectory(redis_url, "gw-live:8000", LEASE_S)
+    await live.register("sess_live", "t:8001", 99, 1)
+    sweepers = [SessionDirectory(redis_url, f"gw-{i}:8000", LEASE_S) for i in range(3)]
+    try:
+        assert not (await sweepers[0].lookup("sess_0")).owner_alive
+        claims = await asyncio.gather(*(s.claim_orphans() for s in sweepers))
+        claimed = sorted(e.session_id for batch in claims for e in batch)
+        assert claimed == [f"sess_{n}" for n in range(5)]  # each exactly once, the live one never
+        assert await sweepers[0].lookup("sess_0") is None
+        assert (await sweepers[0].lookup("sess_live")).owner_alive
+    finally:
+        for d in (live, *sweepers):
+            await d.aclose()
+
+
+async def test_a_directory_that_cannot_reach_redis_says_so(redis_url: str) -> None:
+    d = SessionDirectory("redis://127.0.0.1:1/0", "gw:8000", LEASE_S)
+    with pytest.raises(redis.ConnectionError):
+        await d.start()
+    await d.aclose()
