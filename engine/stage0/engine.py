@@ -20,6 +20,7 @@ from engine.stage0.config import DecodeRules, SpecialIds, Stage0Config, TextToke
 from engine.stage0.frontend import UnitFrontEnd
 from engine.stage0.graphs import DecodeGraphs, PrefillGraphs
 from engine.stage0.loop import StepLoop
+from engine.stage0.penalty import HistoryRing
 from engine.stage0.runner import ModelRunner
 from engine.stage0.sampling import SamplerIds, SamplingParams, UniformStream
 from engine.stage0.script import DecisionScript
@@ -64,6 +65,9 @@ class Stage0Engine(StepLoop):
         prefill = PrefillGraphs.create(model, kv, config.prefill_batch_buckets, config.prefill_lengths(),
                                        config.decode_kv_buckets, **how)
         self.runner = ModelRunner(model, kv, graphs, prefill)
+        # B2's history on the device, one ring per slot (grows if a session's window is wider)
+        self.history_ring = HistoryRing(config.max_sessions, SamplingParams().repetition_window,
+                                        model.cfg.vocab_size, p.device)
         self.script = DecisionScript(self.ids, tokenizer.decode, model.cfg.vocab_size, config.script_plan) \
             if config.scripted_decisions else None
         self.slots = SlotTable(config.max_sessions)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.stage0.decode import Feed, Stop, UnitDecoder
-from engine.stage0.hostio import read_back
+from engine.stage0.hostio import read_back, to_device
 from engine.stage0.recovery import StepRecovery
 from engine.stage0.runner import Row
 from engine.stage0.sampling import SamplingBatch, sample
@@ -236,17 +236,27 @@ class StepLoop(StepRecovery):
         return False
 
     def _sample(self: Stage0Engine, rows: list[Session], logits: torch.Tensor) -> None:
-        uniforms = [s.stream.peek(2) for s in rows]
-        batch = SamplingBatch.build([s.unit_params for s in rows], [s.history for s in rows], uniforms,
-                                    logits.shape[-1], logits.device)
-        token, draws, appended = read_back(torch.stack(sample(logits, batch, self.sampler_ids)).long())  # the sync
+        params, ring = [s.unit_params for s in rows], self.history_ring
+        ring.sync([(s.slot, s, s.history, p.repetition_window) for s, p in zip(rows, params, strict=True)])
+        batch = SamplingBatch.from_ring(params, [s.stream.peek(2) for s in rows], ring, [s.slot for s in rows],
+                                        logits.device)
+        out = sample(logits, batch, self.sampler_ids)
+        token, draws, appended, exact = read_back(torch.stack(out).long())  # the sync
+        if not all(exact):  # a row's top-k did not fit the candidates (rare): the full-vocabulary rule
+            out = sample(logits, batch, self.sampler_ids, candidates=None)
+            token, draws, appended, _ = read_back(torch.stack(out).long())
+        if self.script is not None:  # §9.5 benchmark mode: the kernels ran, only the id is replaced
+            token = [self.script.choose(s.params.seed, s.unit.index, s.unit.decoder.j, t)  # type: ignore[union-attr]
+                     for s, t in zip(rows, token, strict=True)]
+            out = (to_device(torch.tensor(token, dtype=torch.long), logits.device), *out[1:])
+        assert batch.slots is not None and batch.count is not None
+        ring.append(batch.slots, batch.count, out[0], out[2])  # B7 on the device, from the ids still there
         for s, t, d, a in zip(rows, token, draws, appended, strict=True):
             assert s.unit is not None and s.unit.decoder is not None
-            if self.script is not None:  # §9.5 benchmark mode: the kernels ran, only the id is replaced
-                t = self.script.choose(s.params.seed, s.unit.index, s.unit.decoder.j, t)
             s.stream.consume(d)
             if a:
                 s.history.append(t)
+                ring.advance(s.slot)
             self._act(s, s.unit.decoder.step(t))
 
     def _act(self: Stage0Engine, s: Session, action: Feed | Stop) -> None:

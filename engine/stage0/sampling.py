@@ -2,8 +2,9 @@
 
 Every row carries its own parameters and its own pre-drawn uniforms (u_a for Step A, u_b for Step B),
 taken from the session's CPU generator (`UniformStream`), so a session's output never depends on which
-other rows share the batch. The kernel is pure tensor code with no host sync; the caller reads back the
-chosen ids and the number of draws each row consumed.
+other rows share the batch. The kernel is pure tensor code with no host sync and no sort of the vocabulary; the
+caller reads back the chosen ids, the number of draws each row consumed and whether the row's top-k fit the
+candidates (else it draws that row again with the full-vocabulary rule, `sample(..., candidates=None)`).
 """
 
 from __future__ import annotations
@@ -17,8 +18,13 @@ import torch
 
 from engine.sampling_draw import draw, draw_uniforms, session_generator
 from engine.stage0.hostio import to_device
+from engine.stage0.penalty import HistoryRing
+from engine.stage0.topkp import candidate_draw, full_draw
 
 __all__ = ["SamplerIds", "SamplingBatch", "SamplingParams", "UniformStream", "draw", "sample"]
+
+# Logits per row that top-k and top-p run on (`candidate_draw`); a row needing more is drawn over the vocabulary
+TOP_CANDIDATES = 64
 
 
 @dataclass(frozen=True)
@@ -102,12 +108,14 @@ class SamplingBatch:
     history: torch.Tensor  # [B, V] bool: id occurs in the last `repetition_window` Step-B draws
     u_a: torch.Tensor  # fp64
     u_b: torch.Tensor  # fp64
+    slots: torch.Tensor | None = None  # int64: the rows' ring slots (`from_ring`)
+    count: torch.Tensor | None = None  # int64: the rows' history lengths (`from_ring`)
 
     @classmethod
     def build(cls, params: list[SamplingParams], histories: list[list[int]], uniforms: list[list[float]],
               vocab: int, device: torch.device | str) -> SamplingBatch:
+        """From host histories: only the (row, id) pairs travel to the device, not a [B, V] mask."""
         b = len(params)
-        # only the (row, id) pairs travel to the device: at most B × window ids, not a [B, V] mask
         rows, cols = [], []
         for i, (p, h) in enumerate(zip(params, histories, strict=True)):
             recent = h[-p.repetition_window:]
@@ -117,31 +125,46 @@ class SamplingBatch:
         if cols:
             pairs = to_device(torch.tensor([rows, cols], dtype=torch.long), device)  # [2, n]
             hist[pairs[0], pairs[1]] = True
-        # every per-row scalar travels in one fp64 block (exact for these ints, bools and fp32 roundings)
-        table = to_device(torch.tensor(
-            [[p.greedy, p.temperature, p.top_k, p.top_p, p.repetition_penalty, p.turn_eos_length_penalty,
-              p.listen_prob_scale, p.listen_top_k, u[0], u[1]] for p, u in zip(params, uniforms, strict=True)],
-            dtype=torch.float64), device).T  # [10, B]
-        return cls(
-            greedy=table[0].bool(), temperature=table[1].float(), top_k=table[2].long(), top_p=table[3].float(),
-            repetition_penalty=table[4].float(), turn_eos_penalty=table[5].float(),
-            listen_scale=table[6].float(), listen_top_k=table[7].long(), history=hist,
-            u_a=table[8], u_b=table[9],
-        )
+        table = _table(params, uniforms, [0] * b, [0] * b, device)
+        return cls(**_fields(table), history=hist)
+
+    @classmethod
+    def from_ring(cls, params: list[SamplingParams], uniforms: list[list[float]], ring: HistoryRing,
+                  slots: list[int], device: torch.device | str) -> SamplingBatch:
+        """From the device history ring (synced by the caller): the mask is built on the device."""
+        table = _table(params, uniforms, slots, [ring.count[s] for s in slots], device)
+        slot_t, count = table[10].long(), table[11].long()
+        hist = ring.mask(slot_t, count, table[12].long())
+        return cls(**_fields(table), history=hist, slots=slot_t, count=count)
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch, ids: SamplerIds) -> tuple[torch.Tensor, torch.Tensor,
-                                                                                 torch.Tensor]:
+def _table(params: list[SamplingParams], uniforms: list[list[float]], slots: list[int], counts: list[int],
+           device: torch.device | str) -> torch.Tensor:
+    """Every per-row scalar in one fp64 block [13, B], one copy (exact for these ints, bools and fp32s)."""
+    return to_device(torch.tensor(
+        [[p.greedy, p.temperature, p.top_k, p.top_p, p.repetition_penalty, p.turn_eos_length_penalty,
+          p.listen_prob_scale, p.listen_top_k, u[0], u[1], slot, n, p.repetition_window]
+         for p, u, slot, n in zip(params, uniforms, slots, counts, strict=True)],
+        dtype=torch.float64), device).T
+
+
+def _fields(table: torch.Tensor) -> dict[str, torch.Tensor]:
+    return dict(greedy=table[0].bool(), temperature=table[1].float(), top_k=table[2].long(),
+                top_p=table[3].float(), repetition_penalty=table[4].float(), turn_eos_penalty=table[5].float(),
+                listen_scale=table[6].float(), listen_top_k=table[7].long(), u_a=table[8], u_b=table[9])
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch, ids: SamplerIds, candidates: int | None = TOP_CANDIDATES
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One `sample(logits)` per row (§3.5). logits [B, V] (bf16 or fp32; processed in fp32).
 
     Returns (token [B] int64, draws [B] int64 consumed from the row's stream, appended [B] bool: the
-    token came from Step B6 and joins `generated_history`).
+    token came from Step B6 and joins `generated_history`, exact [B] bool: False where the row's top-k did
+    not fit the `candidates` and the row must be drawn again with `candidates=None`, the full-vocabulary
+    rule). The draws of a row do not depend on which rule drew it.
     """
     x = logits.float()
-    vocab = x.shape[-1]
-    # Step A: chunk-end pre-draw on the raw logits
-    a_tok = torch.where(batch.greedy, x.argmax(-1), draw(torch.softmax(x, -1), batch.u_a))
-    a_hit = a_tok == ids.chunk_eos
+    a_hit = _chunk_end(x, batch, ids.chunk_eos)  # Step A
     # Step B1: masks
     y = x.clone()
     y[:, to_device(torch.tensor(ids.masked, dtype=torch.long), x.device)] = float("-inf")  # no pageable copy
@@ -156,15 +179,26 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, ids: SamplerIds) -> tuple
     early = (batch.listen_top_k > 0) & (n_above < batch.listen_top_k)
     # B6: greedy argmax, or temperature → top-k → top-p → draw
     z = y / batch.temperature[:, None]
-    sorted_z, order = torch.sort(z, dim=-1, descending=True, stable=True)  # ties: ascending id
-    kth = sorted_z.gather(1, (batch.top_k.clamp(max=vocab) - 1)[:, None])
-    sorted_z = torch.where(sorted_z >= kth, sorted_z, float("-inf"))
-    sorted_p = torch.softmax(sorted_z, dim=-1)
-    before = torch.cumsum(sorted_p, dim=-1) - sorted_p  # mass of the tokens ranked above
-    sorted_z = torch.where(before > batch.top_p[:, None], float("-inf"), sorted_z)
-    z = torch.full_like(z, float("-inf")).scatter(1, order, sorted_z)
-    b_tok = torch.where(batch.greedy, y.argmax(-1), draw(torch.softmax(z, -1), batch.u_b))
-    token = torch.where(a_hit, a_tok, torch.where(early, ids.listen_bias, b_tok))
+    if candidates is None:
+        drawn, exact = full_draw(z, batch.top_k, batch.top_p, batch.u_b), torch.ones_like(a_hit)
+    else:
+        drawn, exact = candidate_draw(z, batch.top_k, batch.top_p, batch.u_b, candidates)
+    b_tok = torch.where(batch.greedy, y.argmax(-1), drawn)
+    token = torch.where(a_hit, ids.chunk_eos, torch.where(early, ids.listen_bias, b_tok))
     draws = torch.where(batch.greedy, 0, torch.where(a_hit | early, 1, 2))
     appended = ~a_hit & ~early
-    return token, draws, appended
+    return token, draws, appended, exact | batch.greedy | a_hit | early
+
+
+def _chunk_end(x: torch.Tensor, batch: SamplingBatch, chunk_eos: int) -> torch.Tensor:
+    """Step A → [B] bool: the draw from softmax(raw logits) is `<|chunk_eos|>` (greedy: it is the argmax).
+
+    The draw picks id c when cdf[c − 1] <= u · Σp < cdf[c], so two sums decide it: no cumsum over the
+    vocabulary. (The draw's rounding fallback, the last id with p > 0, is not c unless every later id's
+    probability underflows to 0; that case is left out.)
+    """
+    p = torch.softmax(x, dim=-1)  # [B, V]
+    below = p[:, :chunk_eos].sum(-1)  # mass of the ids before c, in fp32
+    target = batch.u_a.to(torch.float32) * p.sum(-1)
+    drawn = (below <= target) & (target < below + p[:, chunk_eos])
+    return torch.where(batch.greedy, x.argmax(-1) == chunk_eos, drawn)

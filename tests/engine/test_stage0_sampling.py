@@ -87,11 +87,15 @@ def test_sample_matches_reference_and_is_batch_independent(pi: int) -> None:
         rows.append((logits, hist, UniformStream(seed).peek(2)))
     p = PARAMS[pi]
     batch = SamplingBatch.build([p] * len(rows), [r[1] for r in rows], [r[2] for r in rows], V, "cpu")
-    tok, draws, app = sample(torch.tensor([r[0] for r in rows]), batch, ids)
+    tok, draws, app, exact = sample(torch.tensor([r[0] for r in rows]), batch, ids)
+    full = sample(torch.tensor([r[0] for r in rows]), batch, ids, candidates=None)
+    tok = torch.where(exact, tok, full[0])  # what the engine does with a row whose top-k passed the candidates
+    assert exact.all() == (p.greedy or p.top_k <= 64) and full[3].all()
     for i, (logits, hist, u) in enumerate(rows):
         assert (tok[i].item(), draws[i].item(), app[i].item()) == _sample_ref(logits, p, hist, u, ids)
         solo = SamplingBatch.build([p], [hist], [u], V, "cpu")
-        assert sample(torch.tensor([logits]), solo, ids)[0].item() == tok[i].item()
+        got, _, _, fit = sample(torch.tensor([logits]), solo, ids)
+        assert (got if fit.item() else sample(torch.tensor([logits]), solo, ids, None)[0]).item() == tok[i].item()
 
 
 def test_masked_ids_never_sampled_and_penalty_sign_quirk() -> None:
