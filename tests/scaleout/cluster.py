@@ -123,7 +123,8 @@ class Cluster:
         return [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port), "--profile", str(self.profile),
                 "--cache-dir", str(self.cache_dir), *extra]
 
-    def start_replicas(self, n: int) -> None:
+    def start_replicas(self, n: int, *, wait: bool = True) -> None:
+        """`wait=False`: return once started; `start_gateways` then waits for the replicas with the gateways."""
         ensure_tiny_checkpoint(self.cache_dir)
         for i in range(n):
             port, http, grpc, metrics = free_port(), free_port(), free_port(), free_port()
@@ -133,7 +134,8 @@ class Cluster:
             proc = Proc(argv, self.cache_dir / "logs" / f"replica{i}.log", self._env())
             proc.start()
             self.replicas.append(Replica(f"r{i}", proc, port, http, grpc, metrics))
-        self._wait(lambda: all(r.ready() for r in self.replicas), [r.proc for r in self.replicas])
+        if wait:
+            self._wait(lambda: all(r.ready() for r in self.replicas), [r.proc for r in self.replicas])
 
     def start_redis(self) -> Redis:
         port = free_port()
@@ -159,8 +161,10 @@ class Cluster:
             gw.proc.start()
             self.gateways.append(gw)
             started.append(gw)
-        self._wait(lambda: all(http_status(f"http://{g.addr}/ready") == 200 for g in started),
-                   [g.proc for g in started])
+        # a gateway is ready once a replica is: wait for every replica too (they may still be warming up)
+        self._wait(lambda: all(r.ready() for r in self.replicas)
+                   and all(http_status(f"http://{g.addr}/ready") == 200 for g in started),
+                   [g.proc for g in started] + [r.proc for r in self.replicas])
         return started
 
     def _wait(self, done, procs: list[Proc], timeout_s: float = READY_TIMEOUT_S) -> None:

@@ -33,8 +33,8 @@ CLOSE_WAIT_S = 20.0
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     c = Cluster(Path(tmp_path_factory.mktemp("scaleout")), replica_sessions=2, env=GATEWAY_ENV)
     try:
+        c.start_replicas(2, wait=False)  # the gateways and redis start while the replicas warm up
         c.start_redis()
-        c.start_replicas(2)
         c.start_gateways(2)
         yield c
     finally:
