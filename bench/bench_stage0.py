@@ -1,9 +1,16 @@
-"""Stage0 benchmark (targets.md P1-P3, issue 15): decode step, unit prefill and the audio front end, ours vs
-HF transformers vs floor, at the serving context (the h200 profile's KV window, 8192 positions).
+"""Stage0 benchmark (targets.md P1-P3, issues 15 and 16): decode step, unit prefill, sampling and the audio
+front end, ours vs HF transformers vs floor, at 2 k and at the serving context (the h200 profile's KV window,
+8192 positions).
 
 Full size (model.md §1.2, dummy weights N(0, 0.02), §9.5) on a GPU:
     python bench/bench_stage0.py --batches 1,8,32,64 --json out.json
     python bench/bench_stage0.py --compile max-autotune-no-cudagraphs --engine-batches 1,32 --json out.json
+The issue-16 figures for the default serving configuration (compiled graphs, merged unit close):
+    python bench/bench_stage0.py --compile default --batches 1,32 --engine-batches 1,32 \
+        --results bench/results/stage0-h200.json
+Sampling alone over the full vocabulary (no model; CPU or GPU): the full-vocabulary sort with the history
+copied from the host vs the top-k candidates with the device history ring:
+    python bench/bench_stage0.py --sampler-only --sampler-batches 1,32
 CPU smoke test on the tiny model (graph sets run in eager replay):
     python bench/bench_stage0.py --tiny
 Rows: the model forward eager / in our CUDA graphs (decode and unit prefill, with --compile also compiled);
@@ -19,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -34,7 +42,10 @@ from engine.model.llm import Qwen3LLM, SlotKVCache
 from engine.stage0 import DecodeRules, Fence, SamplingParams, Stage0Config, Stage0Engine
 from engine.stage0.frontend import AudioFrontEndAdapter
 from engine.stage0.graphs import DecodeGraphs, PrefillGraphs
+from engine.stage0.hostio import read_back
+from engine.stage0.penalty import HistoryRing
 from engine.stage0.runner import KV_LIMIT_QUANTUM
+from engine.stage0.sampling import TOP_CANDIDATES, SamplerIds, SamplingBatch, sample
 from engine.stage0.script import DecisionScript, ScriptPlan
 from engine.stage0.session import Phase, UnitRecord
 
@@ -45,6 +56,10 @@ TINY = LLMConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, nu
                  num_key_value_heads=2, head_dim=32, vocab_size=320, max_position_embeddings=40960,
                  rope_theta=1e6, rms_norm_eps=1e-6)
 SERVING_CONTEXT = 8192  # deploy/profiles/h200.yaml kv_window: the benchmark runs where the server runs
+CONTEXTS = f"2048,{SERVING_CONTEXT}"  # issue 16: every figure at 2 k and at the serving context
+# `--results` rows (issue 16's format): `what` -> the row of the default serving configuration
+RESULT_ROWS = {"forward_decode": "graph decode [{attention}]{mode}", "forward_prefill": "graph prefill 13{mode}",
+               "engine_decode": "engine step decode{mode}", "engine_prefill": "engine step prefill{mode}"}
 UNIT_PREFILL = 11  # `<unit>` + 10 audio embeddings
 MERGED_PREFILL = 13  # the previous unit's `[terminator, </unit>]` + the above (model.md §3.6)
 WEIGHT_STD = 0.02  # model.md §9.4 / §9.5
@@ -249,17 +264,67 @@ def bench_engine(model: Qwen3LLM, cfg: LLMConfig, b: int, args: argparse.Namespa
                  ms=stats(v)) for k, v in kinds.items() if v]
 
 
+def bench_sampler(vocab: int, b: int, args: argparse.Namespace, dev: torch.device) -> list[dict]:
+    """One step's sampling of b rows (Step A, B1-B6, the read-back), each row with a full 512-id history:
+    the full-vocabulary sort with the history sent from the host vs the candidates with the device ring."""
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(b, vocab, generator=g) * 3).to(dev, torch.bfloat16 if dev.type == "cuda" else None)
+    top = vocab - len(SPECIALS)
+    ids = SamplerIds(chunk_eos=top, turn_eos=top + 1, listen_bias=top + 2, masked=(top + 3, top))
+    params = [SamplingParams(seed=i) for i in range(b)]
+    histories = [torch.randint(0, vocab, (params[0].repetition_window,), generator=g).tolist() for _ in range(b)]
+    uniforms = [[0.5, 0.5]] * b
+    ring = HistoryRing(b, params[0].repetition_window, vocab, dev)
+    ring.sync([(i, object(), h, params[0].repetition_window) for i, h in enumerate(histories)])
+
+    def full() -> None:
+        batch = SamplingBatch.build(params, histories, uniforms, vocab, dev)
+        read_back(torch.stack(sample(logits, batch, ids, candidates=None)).long())
+
+    def candidates() -> None:
+        batch = SamplingBatch.from_ring(params, uniforms, ring, list(range(b)), dev)
+        read_back(torch.stack(sample(logits, batch, ids)).long())
+
+    return [dict(name="sampler full sort + host history", batch=b, ctx=0, ms=timed(full, args.iters, 2, dev)),
+            dict(name=f"sampler top-{TOP_CANDIDATES} + device history", batch=b, ctx=0,
+                 ms=timed(candidates, args.iters, 2, dev))]
+
+
 def bench_ours(model: Qwen3LLM, cfg: LLMConfig, args: argparse.Namespace, dev: torch.device,
                dtype: torch.dtype) -> list[dict]:
+    """The LLM rows at `args.context` (forward and engine step)."""
     out = [row for b in args.batches for row in bench_decode(model, cfg, b, args, dev, dtype)]
     out += bench_prefill(model, cfg, args, dev, dtype)
+    out += [row for b in args.engine_batches for row in bench_engine(model, cfg, b, args, dev, dtype)]
+    return out
+
+
+def bench_once(cfg: LLMConfig, args: argparse.Namespace, dev: torch.device, dtype: torch.dtype) -> list[dict]:
+    """The rows that do not depend on the context: the audio front end and sampling."""
+    out = [row for b in args.sampler_batches for row in bench_sampler(cfg.vocab_size, b, args, dev)]
     if args.frontend_batches:
         front = build_frontend(TINY_AUDIO if args.tiny else FULL_AUDIO, cfg.hidden_size, dev, dtype)
         out += [bench_frontend(front, n, args.frontend_start_unit, args.frontend_iters, dev)
                 for n in args.frontend_batches]
         del front
-    out += [row for b in args.engine_batches for row in bench_engine(model, cfg, b, args, dev, dtype)]
     return out
+
+
+def result_rows(rows: list[dict], args: argparse.Namespace) -> list[dict]:
+    """Issue 16's `rows`: {what, batch, context, median_ms, p99_ms} of the configuration that was run."""
+    mode = f" +{args.compile}" if args.compile else ""
+    names = {what: name.format(attention=args.decode_attention[0], mode=mode) for what, name in RESULT_ROWS.items()}
+    return [dict(what=what, batch=r["batch"], context=r["ctx"], median_ms=r["median_ms"], p99_ms=r["p99_ms"])
+            for what, name in names.items() for r in rows if r["name"] == name]
+
+
+def commit() -> str:
+    """The checkout's commit, `+dirty` when it has uncommitted changes."""
+    repo = Path(__file__).resolve().parents[1]
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True, text=True)
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo,
+                           capture_output=True, text=True)
+    return (head.stdout.strip() or "unknown") + ("+dirty" if dirty.stdout.strip() else "")
 
 
 def bench_hf(cfg: LLMConfig, state: dict, args: argparse.Namespace, dev: torch.device,
@@ -323,13 +388,16 @@ def bench_hf(cfg: LLMConfig, state: dict, args: argparse.Namespace, dev: torch.d
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action="store_true", help="tiny model on CPU (smoke test)")
     ap.add_argument("--batches", default="1,8,32,64")
     ap.add_argument("--hf-batches", default="1,8")
-    ap.add_argument("--context", type=int, default=SERVING_CONTEXT, help="retained KV positions per session")
-    ap.add_argument("--prefill-context", type=int, default=SERVING_CONTEXT)
+    ap.add_argument("--contexts", default=CONTEXTS, help="retained KV positions per session: the LLM rows at each")
+    ap.add_argument("--context", type=int, default=None, help="one context instead of --contexts")
+    ap.add_argument("--prefill-context", type=int, default=None, help="unit prefill context (default: the context)")
+    ap.add_argument("--sampler-batches", default="1,32", help="rows for the sampling rows ('' = none)")
+    ap.add_argument("--sampler-only", action="store_true", help="only the sampling rows (no model is built)")
     ap.add_argument("--frontend-batches", default="1,32,64", help="sessions' units per front-end call ('' = none)")
     ap.add_argument("--frontend-start-unit", type=int, default=24, help="units streamed before timing")
     ap.add_argument("--frontend-iters", type=int, default=12, help="timed front-end calls (consecutive units)")
@@ -353,19 +421,16 @@ def main() -> None:
     ap.add_argument("--decode-attention", default="matmul,sdpa",
                     help="decode attention variants for the decode rows; the first one is used elsewhere")
     ap.add_argument("--json", default=None)
-    args = ap.parse_args()
-    if args.tiny:
-        args.context, args.prefill_context, args.iters, args.hf_iters = 64, 128, 5, 3
-        args.batches, args.hf_batches, args.engine_batches, args.engine_units = "1,8", "1", "1,4", 2
-        args.frontend_batches, args.frontend_start_unit, args.frontend_iters = "1,4", 2, 2
-    args.batches = [int(b) for b in args.batches.split(",")]
-    args.engine_batches = [int(b) for b in args.engine_batches.split(",") if b]
-    args.frontend_batches = [int(b) for b in args.frontend_batches.split(",") if b]
-    args.decode_attention = args.decode_attention.split(",")
-    args.hf_batches = [int(b) for b in args.hf_batches.split(",") if b]
+    ap.add_argument("--results", default=None,
+                    help="write issue 16's JSON (commit, device, rows of what/batch/context/median_ms/p99_ms)")
+    args = parse(ap, sys.argv[1:] if argv is None else argv)
     dev = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     cfg = TINY if args.tiny else FULL
+    if args.sampler_only:
+        report([r for b in args.sampler_batches for r in bench_sampler(cfg.vocab_size, b, args, dev)], None, 0, 0,
+               args, dev)
+        return
     with torch.device(dev):
         model = Qwen3LLM(cfg).to(dtype).eval()
     dummy_init(model)
@@ -374,19 +439,47 @@ def main() -> None:
     if not args.no_fuse:
         model.fuse_projections()  # parameters become views of the fused weights: no extra memory
     n_params = sum(p.numel() for p in model.parameters())
-    elem = torch.finfo(dtype).bits // 8
-    rows = bench_ours(model, cfg, args, dev, dtype)
-    if not args.no_hf:
-        rows += bench_hf(cfg, model.state_dict(), args, dev, dtype)
+    rows = bench_once(cfg, args, dev, dtype)
+    for context in args.contexts:
+        args.context, args.prefill_context = context, args.prefill_context_arg or context
+        rows += bench_ours(model, cfg, args, dev, dtype)
+        if not args.no_hf:
+            rows += bench_hf(cfg, model.state_dict(), args, dev, dtype)
+    report(rows, cfg, n_params, torch.finfo(dtype).bits // 8, args, dev)
+
+
+def parse(ap: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    if "--tiny" in argv:  # smaller defaults; options given on the command line still win
+        ap.set_defaults(contexts="64,128", iters=5, hf_iters=3, batches="1,8", hf_batches="1", engine_batches="1,4",
+                        engine_units=2, frontend_batches="1,4", frontend_start_unit=2, frontend_iters=2,
+                        sampler_batches="1,4")
+    args = ap.parse_args(argv)
+    ints = lambda text: [int(b) for b in text.split(",") if b]  # noqa: E731 - a local parser
+    args.contexts = [args.context] if args.context else ints(args.contexts)
+    args.prefill_context_arg = args.prefill_context
+    args.batches, args.engine_batches = ints(args.batches), ints(args.engine_batches)
+    args.frontend_batches, args.hf_batches = ints(args.frontend_batches), ints(args.hf_batches)
+    args.sampler_batches = ints(args.sampler_batches)
+    args.decode_attention = args.decode_attention.split(",")
+    return args
+
+
+def report(rows: list[dict], cfg: LLMConfig | None, n_params: int, elem: int, args: argparse.Namespace,
+           dev: torch.device) -> None:
+    """Floors, the JSON files and the table."""
     for r in rows:
         positions = r["batch"] * r["ctx"]
-        is_llm = not r["name"].startswith("front end")  # the LLM floor says nothing about the encoder
-        r["floor_ms"] = floor_ms(cfg, n_params, elem, positions, args.bandwidth) if is_llm else None
+        # the LLM floor says nothing about the encoder or the sampler
+        is_llm = cfg is not None and not r["name"].startswith(("front end", "sampler"))
+        r["floor_ms"] = floor_ms(cfg, n_params, elem, positions, args.bandwidth) if is_llm else None  # type: ignore[arg-type]
         r["median_ms"], r["p99_ms"] = r.pop("ms")
+    device = str(torch.cuda.get_device_name() if dev.type == "cuda" else "cpu")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(device=str(torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"),
-                           params=n_params, rows=rows), f, indent=2)
+            json.dump(dict(device=device, params=n_params, rows=rows), f, indent=2)
+    if args.results:
+        with open(args.results, "w") as f:
+            json.dump(dict(commit=commit(), device=device, rows=result_rows(rows, args)), f, indent=2)
     print(f"{'what':44s} {'batch':>5s} {'ctx':>6s} {'median ms':>10s} {'p99 ms':>8s} {'floor ms':>9s} {'x floor':>8s}")
     for r in rows:
         floor = (f"{r['floor_ms']:9.3f} {r['median_ms'] / r['floor_ms']:8.2f}" if r["floor_ms"]

@@ -1,0 +1,26 @@
+"""bench/bench_stage0.py --tiny on CPU writes issue 16's results JSON (the H200 run writes the same file)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+WHATS = {"forward_decode", "engine_decode", "forward_prefill", "engine_prefill"}
+
+
+def test_tiny_bench_writes_the_results_json(tmp_path: Path) -> None:
+    out = tmp_path / "stage0.json"
+    small = ["--batches", "1", "--engine-batches", "1", "--engine-units", "1", "--frontend-batches", "",
+             "--sampler-batches", "1", "--iters", "1", "--warmup", "0", "--decode-attention", "sdpa"]
+    subprocess.run([sys.executable, str(REPO / "bench" / "bench_stage0.py"), "--tiny", "--no-hf", *small,
+                    "--results", str(out)], check=True, cwd=REPO, capture_output=True, timeout=300)
+    data = json.loads(out.read_text())
+    assert set(data) == {"commit", "device", "rows"} and data["device"] == "cpu" and data["commit"]
+    rows = data["rows"]
+    assert all(set(r) == {"what", "batch", "context", "median_ms", "p99_ms"} for r in rows)
+    # every kind at both contexts (--tiny's stand-ins for 2 k and the serving 8 k), nothing else
+    assert {(r["what"], r["context"]) for r in rows} == {(w, c) for w in WHATS for c in (64, 128)}
+    assert all(r["batch"] == 1 and 0 < r["median_ms"] <= r["p99_ms"] for r in rows)
