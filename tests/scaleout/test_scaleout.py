@@ -19,12 +19,12 @@ import pytest
 from gateway.runtime.base import Fence, SessionKey
 from gateway.runtime.stages import StagedTritonRuntime
 from tests.e2e.wire import UNIT0_MS, UNIT_MS, WAIT_S, collect_until, send_audio, silence, unit_decided
-from tests.gateway_ops.wire import Raw, eventually, http_get, metric, opened, resume
+from tests.gateway_ops.wire import Raw, eventually, http_get, metric, opened, raw, resume
 from tests.scaleout.cluster import Cluster, Gateway, Replica
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
-LEASE_S = 2.0  # a killed gateway's sessions are known dead this long after its last lease refresh
+LEASE_S = 3.0  # a killed gateway's sessions are known dead this long after its last lease refresh
 GATEWAY_ENV = {"DUPLEX_READY_CACHE_S": "0", "DUPLEX_REPLICA_RETRY_S": "1", "DUPLEX_DIRECTORY_LEASE_S": str(LEASE_S)}
 CLOSE_WAIT_S = 20.0
 
@@ -159,7 +159,15 @@ async def test_a_killed_gateway_takes_only_its_own_sessions(cluster: Cluster, cl
     on_b, created_b, _ = await open_on(gw_b, cluster, clients)
     await decides(on_a, 0)
     await decides(on_b, 0)
+    sid_a, token_a = created_a["session"]["id"], created_a["resume_token"]
     await asyncio.to_thread(gw_a.kill)
+
+    # Until A's lease runs out (refreshed every LEASE_S / 3, so at least 2 s from now) the directory still names A:
+    # B relays the resume, nobody answers, and the client sees its connection fail as if A had died under it.
+    async with raw(f"{gw_b.addr}", "/v1/realtime?resume=1") as early:
+        await early.send({"type": "session.resume", "session_id": sid_a, "resume_token": token_a,
+                          "last_received_server_event_seq": 0})
+        assert await early.closed() == (1011, "owner_gateway_lost") and early.events == []
 
     # Gateway B's session is untouched, and stays resumable (a drop, then a resume through B).
     await decides(on_b, 1)
@@ -172,7 +180,6 @@ async def test_a_killed_gateway_takes_only_its_own_sessions(cluster: Cluster, cl
 
     # A's session died with A: once A's lease has run out, a resume through B gets the protocol's final answer,
     # and a gateway's sweep closes its sequence on the replica, so the slot comes free without the idle timeout.
-    sid_a, token_a = created_a["session"]["id"], created_a["resume_token"]
     await asyncio.sleep(LEASE_S)
     stale, err = await resume(gw_b.addr, sid_a, token_a, 0)
     clients.append(stale)
