@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.stage0.config import DecodeRules, SpecialIds
+from engine.stage0.detok import IncrementalText
 
 
 @dataclass
@@ -61,6 +62,7 @@ class UnitDecoder:
         self.turn.units_generated += 1
         # A1 is decided now, before any step: an override while the turn is open feeds `<|turn_eos|>`
         self.close_turn_first = self.force_listen_override and not self.turn.current_turn_ended
+        self._text = IncrementalText(self.detokenize)  # the text of `unit_ids`, one short decode per token
 
     def turn_closed(self) -> None:
         """A1 done: the `<|turn_eos|>` was fed (not a TTS row)."""
@@ -93,7 +95,7 @@ class UnitDecoder:
             return self._stop(t)
         self.turn.current_turn_ended = False  # B6
         if self.j >= 1 and self.rules.max_speak_chars_per_unit > 0:
-            if len(self.detokenize([*self.unit_ids, t])) >= self.rules.max_speak_chars_per_unit:
+            if len(self._text.with_token(t)) >= self.rules.max_speak_chars_per_unit:
                 return self._stop(ids.chunk_eos, rejected=t)
         return Feed(token=t, j=self.j)
 
@@ -107,6 +109,7 @@ class UnitDecoder:
             row = TTSRow(token_id=token, hidden=hidden, is_turn_eos=self.end_of_turn)
             self.rows.append(row)
             self.unit_ids.append(token)
+            self._text.push(token)
         self.j += 1
         return row
 
@@ -120,4 +123,4 @@ class UnitDecoder:
 
     @property
     def text(self) -> str:
-        return self.detokenize(self.unit_ids)
+        return self._text.text
