@@ -22,8 +22,8 @@ from gateway.protocol.errors import Effect, ProtocolError
 if TYPE_CHECKING:
     from gateway.state import GatewayState
 
-# no close frame from the owner (it died mid-relay): the client sees the socket end as a transport loss would
-# look on one gateway, 1011, and resumes again (the resume then finds the owner's lease gone)
+# no close frame from the owner (it died mid-relay): the client sees the socket end as a lost server, 1011, and
+# resumes again (which then gets runtime_resume_failed until the owner's lease runs out, then session_resume_expired)
 OWNER_LOST = (1011, "owner_gateway_lost")
 FORWARDED_HEADERS = ("authorization",)
 
@@ -55,14 +55,16 @@ def _subprotocols(ws: WebSocket) -> list[Any]:
 
 
 async def relay_resume(ws: WebSocket, owner: str, opener: dict[str, Any], *, max_size: int | None = None) -> None:
-    """`ws` is accepted and its `session.resume` frame (`opener`) read; returns when either side has ended."""
+    """`ws` is accepted and its `session.resume` frame (`opener`) read; returns when either side has ended. An
+    owner that cannot be reached is `runtime_resume_failed` (retryable, §6.6 CL-3): the session, if the owner
+    still runs, stays detached there; if it died, its lease runs out and a later retry is told so."""
     headers = {h: ws.headers[h] for h in FORWARDED_HEADERS if h in ws.headers}
     try:
         upstream = await websockets.connect(owner_url(owner, ws), subprotocols=_subprotocols(ws) or None,
                                             additional_headers=headers, max_size=max_size, open_timeout=5)
-    except (OSError, websockets.WebSocketException, TimeoutError):
-        await _close(ws, *OWNER_LOST)
-        return
+    except (OSError, websockets.WebSocketException, TimeoutError) as exc:
+        raise ProtocolError("runtime_resume_failed", f"the gateway owning the session does not answer: "
+                            f"{exc.__class__.__name__}", effect=Effect.HANDSHAKE) from exc
     async with upstream:
         await upstream.send(json.dumps(opener))
         down = asyncio.create_task(_owner_to_client(upstream, ws), name="relay-down")

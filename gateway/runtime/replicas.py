@@ -7,10 +7,11 @@ room is its fullest stage's. Opens this gateway has sent but the replica has not
 so a burst of opens spreads instead of piling onto one stale figure. The session keeps that replica for its
 life (its KV lives there): every later operation and its events go to the same `StagedTritonRuntime`.
 
-Health: a replica whose metrics endpoint fails to answer (or that refuses an open as full while others have
-room) is skipped; one that cannot be reached is marked down for `retry_s`, then probed again. When a replica
-dies, its sessions' streams break and each of those sessions alone gets the runtime error the single-replica
-path gives (`runtime_dead`); the other replica's sessions never notice.
+Health: every placement probes the replicas: a replica whose metrics page does not answer, or which is not ready
+over the gRPC channel its sessions would use, is skipped for `retry_s`, then probed again; one that refuses an
+open as full (another gateway took the slot) passes the open to the next. When a replica dies, its sessions'
+streams break and each of those sessions alone gets the runtime error the single-replica path gives
+(`runtime_dead`); the other replica's sessions never notice.
 """
 
 from __future__ import annotations
@@ -112,12 +113,20 @@ class ReplicaRuntime:
 
     # ---- placement --------------------------------------------------------------------------------------
     async def _probe(self, replica: Replica) -> Occupancy | None:
+        """The replica's room, or None (and skipped for `retry_s`) unless both its metrics page answers and it is
+        ready over the gRPC channel the session would use. NOTE: after a replica was unreachable that channel
+        reconnects with gRPC's backoff, so metrics alone would route opens into a channel that still refuses."""
         if self._http is None:
             self._http = httpx.AsyncClient(timeout=self._probe_timeout_s)
+        page, ready = await asyncio.gather(self._http.get(replica.endpoint.metrics_url),
+                                           self._replica_readiness(replica), return_exceptions=True)
         try:
-            resp = await self._http.get(replica.endpoint.metrics_url)
-            resp.raise_for_status()
-            replica.last = parse_occupancy(resp.text)
+            if isinstance(page, BaseException):
+                raise page
+            page.raise_for_status()
+            if isinstance(ready, BaseException) or not ready.all_ready:
+                raise ValueError("not ready")
+            replica.last = parse_occupancy(page.text)
         except (httpx.HTTPError, ValueError):
             replica.down_until = self._clock() + self._retry_s
             replica.last = None

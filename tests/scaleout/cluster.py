@@ -9,11 +9,13 @@ engines) from one cache dir; the checkpoint is made once before the replicas sta
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -161,11 +163,20 @@ class Cluster:
             gw.proc.start()
             self.gateways.append(gw)
             started.append(gw)
-        # a gateway is ready once a replica is: wait for every replica too (they may still be warming up)
-        self._wait(lambda: all(r.ready() for r in self.replicas)
-                   and all(http_status(f"http://{g.addr}/ready") == 200 for g in started),
+        # a gateway is ready once one replica is: wait until each gateway reports every replica ready (its gRPC
+        # channel to a replica that was still starting reconnects with backoff, so this can lag the replica)
+        self._wait(lambda: all(self.sees_all_replicas(g) for g in started),
                    [g.proc for g in started] + [r.proc for r in self.replicas])
         return started
+
+    def sees_all_replicas(self, gw: Gateway) -> bool:
+        """The gateway's /ready names every replica's stage0 ready (gateway/runtime/replicas.py readiness)."""
+        try:
+            with urllib.request.urlopen(f"http://{gw.addr}/ready", timeout=2.0) as resp:
+                models = json.load(resp)["checks"]["models"]
+        except (OSError, ValueError, KeyError):
+            return False
+        return all(models.get(f"r{i}/stage0") is True for i in range(len(self.replicas)))
 
     def _wait(self, done, procs: list[Proc], timeout_s: float = READY_TIMEOUT_S) -> None:
         t0 = time.monotonic()

@@ -186,6 +186,18 @@ async def test_an_unreachable_replica_is_skipped_until_its_retry_time() -> None:
     assert down.sessions == {3}
 
 
+async def test_a_replica_not_ready_over_grpc_gets_no_session_though_its_metrics_answer() -> None:
+    clock = Clock()
+    reconnecting, up = FakeReplica(8), FakeReplica(2)
+    reconnecting.ready = False  # e.g. its gRPC channel still in reconnect backoff after a restart
+    rt = runtime(reconnecting, up, clock=clock)
+    await rt.open(key(1), FENCE, {})
+    assert up.sessions == {1} and reconnecting.calls == []
+    reconnecting.ready, clock.now = True, 5.0
+    await rt.open(key(2), FENCE, {})
+    assert reconnecting.sessions == {2}
+
+
 async def test_ready_while_any_replica_is_ready() -> None:
     a, b = FakeReplica(1), FakeReplica(1)
     rt = runtime(a, b)

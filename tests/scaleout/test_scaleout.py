@@ -19,7 +19,7 @@ import pytest
 from gateway.runtime.base import Fence, SessionKey
 from gateway.runtime.stages import StagedTritonRuntime
 from tests.e2e.wire import UNIT0_MS, UNIT_MS, WAIT_S, collect_until, send_audio, silence, unit_decided
-from tests.gateway_ops.wire import Raw, eventually, http_get, metric, opened, raw, resume
+from tests.gateway_ops.wire import Raw, eventually, http_get, metric, opened, resume
 from tests.scaleout.cluster import Cluster, Gateway, Replica
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
@@ -163,11 +163,11 @@ async def test_a_killed_gateway_takes_only_its_own_sessions(cluster: Cluster, cl
     await asyncio.to_thread(gw_a.kill)
 
     # Until A's lease runs out (refreshed every LEASE_S / 3, so at least 2 s from now) the directory still names A:
-    # B relays the resume, nobody answers, and the client sees its connection fail as if A had died under it.
-    async with raw(f"{gw_b.addr}", "/v1/realtime?resume=1") as early:
-        await early.send({"type": "session.resume", "session_id": sid_a, "resume_token": token_a,
-                          "last_received_server_event_seq": 0})
-        assert await early.closed() == (1011, "owner_gateway_lost") and early.events == []
+    # B tries to relay the resume, nobody answers: the protocol's retryable resume failure (§6.6 CL-3).
+    early, err = await resume(gw_b.addr, sid_a, token_a, 0)
+    clients.append(early)
+    assert err["type"] == "error" and err["error"]["code"] == "runtime_resume_failed", err
+    assert err["error"]["retryable"] is True and await early.closed() == (1011, "runtime_resume_failed")
 
     # Gateway B's session is untouched, and stays resumable (a drop, then a resume through B).
     await decides(on_b, 1)
