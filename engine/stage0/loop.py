@@ -24,7 +24,7 @@ from engine.stage0.recovery import StepRecovery
 from engine.stage0.runner import Row
 from engine.stage0.sampling import SamplingBatch, sample
 from engine.stage0.session import Phase, Session, UnitRecord, UnitRun
-from engine.stage0.slots import evict_span
+from engine.stage0.slots import compact, evict_span
 from engine.stage0.types import FrontEndError, TokenEvent, UnitDone
 
 if TYPE_CHECKING:
@@ -53,6 +53,7 @@ class StepLoop(StepRecovery):
 
     def step(self: Stage0Engine) -> bool:
         with self.lock:
+            compact(list(self.sessions.values()), self.slots, self.runner.kv)  # decode buckets by live sessions
             sessions = sorted(self.sessions.values(), key=lambda s: s.slot)
             for s in sessions:
                 try:

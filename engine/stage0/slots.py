@@ -1,10 +1,15 @@
-"""Session slot free-list and the KV window eviction with RoPE re-rotation (model.md §7.4)."""
+"""Session slot free-list, slot compaction and the KV window eviction with RoPE re-rotation (model.md §7.4)."""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.model.llm import Qwen3LLM, SlotKVCache
+
+if TYPE_CHECKING:
+    from engine.stage0.session import Session
 
 
 class SlotTable:
@@ -23,6 +28,35 @@ class SlotTable:
     @property
     def free(self) -> int:
         return len(self._free)
+
+    def lowest(self) -> int | None:
+        """The slot `take` would return, without taking it."""
+        return self._free[-1] if self._free else None
+
+
+def compact(sessions: list[Session], table: SlotTable, kv: SlotKVCache) -> None:
+    """Move the session in the highest slot into the lowest free slot while that one is lower.
+
+    Decode runs in the dense layout (row = slot), so its batch bucket, and the KV every decode step reads,
+    follow the highest live slot, not the number of live sessions: after sessions close, the live ones move
+    down (a copy of their retained KV, once per close) and the step runs at the smaller bucket. Call it on
+    the engine thread between steps, when every session's KV is complete up to `cached_len`.
+    """
+    while sessions and (low := table.lowest()) is not None:
+        s = max(sessions, key=lambda s: s.slot)
+        if s.slot < low:
+            return
+        assert table.take() == low
+        move_slot(kv, s.slot, low, s.cached_len)
+        table.give(s.slot)
+        s.slot = low
+
+
+@torch.no_grad()
+def move_slot(kv: SlotKVCache, src: int, dst: int, length: int) -> None:
+    """Copy positions [0, length) of slot `src` into slot `dst` (every layer's keys and values)."""
+    for cache in (*kv.k, *kv.v):
+        cache[dst, :, :length] = cache[src, :, :length]
 
 
 @torch.no_grad()

@@ -14,15 +14,17 @@ from tests.engine.test_stage0_helpers import unit_pcm
 
 
 class Fault:
-    """Makes the runner's forward raise whenever a row of slot `slot` is in the batch (while `on`)."""
+    """Makes the runner's forward raise whenever a row of session `sid` is in the batch (while `on`). Its slot
+    is looked up each time: the engine moves sessions into lower slots when others close."""
 
-    def __init__(self, engine: Stage0Engine, slot: int) -> None:
-        self.slot, self.on, self.raised = slot, True, 0
+    def __init__(self, engine: Stage0Engine, sid: str) -> None:
+        self.engine, self.sid, self.on, self.raised = engine, sid, True, 0
         self._forward = engine.runner.forward
         engine.runner.forward = self  # type: ignore[method-assign]
 
     def __call__(self, rows: list[Row]) -> list[Any]:
-        if self.on and any(r.slot == self.slot for r in rows):
+        s = self.engine.sessions.get(self.sid)
+        if self.on and s is not None and any(r.slot == s.slot for r in rows):
             self.raised += 1
             raise RuntimeError("injected forward failure")
         return self._forward(rows)
@@ -45,7 +47,7 @@ def test_a_failing_step_fails_only_its_units_and_the_engine_goes_on() -> None:
     engine.run_until_idle()
     a = engine.session("a")
     before = (a.cached_len, len(a.ledger), a.turn.current_turn_ended, a.turn.units_generated, len(a.history))
-    fault = Fault(engine, a.slot)  # every forward with a row of "a" raises: a deterministic failure
+    fault = Fault(engine, "a")  # every forward with a row of "a" raises: a deterministic failure
     for sid in ("a", "b"):
         engine.append(sid, Fence(1, 0, 2), unit_pcm(2, 1))
     engine.run_until_idle(max_steps=200)  # returns: the failure does not repeat step after step
@@ -92,7 +94,7 @@ def test_a_failure_after_the_forward_rolls_back_every_unit_of_the_step() -> None
 def test_a_prefix_that_cannot_be_fed_closes_only_its_session() -> None:
     engine, events = make_engine(sessions=2)
     _open(engine, "a")
-    Fault(engine, engine.session("a").slot)
+    Fault(engine, "a")
     engine.append("a", Fence(1, 0, 1), unit_pcm(5, 0))
     _open(engine, "b")
     engine.append("b", Fence(1, 0, 1), unit_pcm(5, 0))

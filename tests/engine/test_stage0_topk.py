@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.stage0 import DecodeRules, Fence
+from engine.stage0 import DecodeRules, Fence, TokenEvent
 from engine.stage0.penalty import HistoryRing
 from engine.stage0.sampling import SamplingBatch, SamplingParams
 from engine.stage0.topkp import candidate_draw, full_draw
-from tests.engine.test_stage0_engine import make_engine, params
+from tests.engine.test_stage0_engine import by_session, make_engine, params
 from tests.engine.test_stage0_helpers import unit_pcm
 
 V = 3000
@@ -111,3 +111,21 @@ def test_engine_ring_equals_each_session_history() -> None:
         assert ring.count[s.slot] == len(s.history) and torch.equal(got, want)
         total += len(s.history)
     assert total > 0
+
+
+def _tokens(sids: list[str]) -> dict[str, list[int]]:
+    engine, events = make_engine(sessions=3, rules=DecodeRules(force_listen_count=0))
+    for sid in sids:  # top_k 20: the candidate path (the engine tests' `params` draw over the whole vocabulary)
+        engine.open(sid, Fence(1, 0), params=SamplingParams(temperature=1.5, seed=int(sid[1:])))
+    for k in range(3):
+        for sid in sids:
+            engine.append(sid, Fence(1, 0, seq=k), unit_pcm(int(sid[1:]), k))
+        engine.run_until_idle()
+    return {sid: [e.token_id for e in by_session(events, sid) if isinstance(e, TokenEvent)] for sid in sids}
+
+
+def test_engine_batched_equals_solo_on_the_candidate_path() -> None:
+    batched = _tokens(["s0", "s1", "s2"])
+    for sid in batched:
+        assert _tokens([sid])[sid] == batched[sid]
+    assert sum(len(t) for t in batched.values()) > 12
