@@ -251,13 +251,14 @@ class StepLoop(StepRecovery):
                      for s, t in zip(rows, token, strict=True)]
             out = (to_device(torch.tensor(token, dtype=torch.long), logits.device), *out[1:])
         assert batch.slots is not None and batch.count is not None
-        ring.append(batch.slots, batch.count, out[0], out[2])  # B7 on the device, from the ids still there
+        # B7 on the device, from the ids still there; the host history below takes the same ids
+        ring.append(batch.slots, batch.count, out[0], out[2], [s.slot for s in rows])
         for s, t, d, a in zip(rows, token, draws, appended, strict=True):
             assert s.unit is not None and s.unit.decoder is not None
             s.stream.consume(d)
             if a:
                 s.history.append(t)
-                ring.advance(s.slot)
+            ring.settle(s.slot, s, len(s.history))
             self._act(s, s.unit.decoder.step(t))
 
     def _act(self: Stage0Engine, s: Session, action: Feed | Stop) -> None:

@@ -58,12 +58,16 @@ class HistoryRing:
         hist = torch.zeros(ring.shape[0], self.vocab + 1, dtype=torch.bool, device=ring.device)
         return hist.scatter_(1, cols, True)[:, :self.vocab]
 
-    def append(self, slots: torch.Tensor, count: torch.Tensor, token: torch.Tensor,
-               appended: torch.Tensor) -> None:
-        """Device-side B7: each row's token joins its ring where `appended` (no host sync). The host then
-        calls `advance` for those rows once the ids are read back."""
+    def append(self, slots: torch.Tensor, count: torch.Tensor, token: torch.Tensor, appended: torch.Tensor,
+               host_slots: list[int]) -> None:
+        """Device-side B7: each row's token joins its ring where `appended` (no host sync). The rows count as
+        stale until `settle` says the host history took the same ids: a step that raises in between leaves
+        them stale, and they reload."""
         pos = torch.remainder(count, self.capacity)
         self.ids[slots, pos] = torch.where(appended, token, self.ids[slots, pos])
+        for slot in host_slots:
+            self.owner[slot] = None
 
-    def advance(self, slot: int) -> None:
-        self.count[slot] += 1
+    def settle(self, slot: int, owner: object, length: int) -> None:
+        """The slot's ring now mirrors `owner`'s host history of `length` ids."""
+        self.owner[slot], self.count[slot] = owner, length

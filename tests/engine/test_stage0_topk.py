@@ -78,11 +78,12 @@ def test_history_ring_matches_host_history_through_appends_undo_growth_and_reuse
         slots = torch.tensor(list(hist))
         token = torch.randint(0, 40, (3,), generator=g)  # few ids: repeats inside the window
         appended = torch.rand(3, generator=g) > 0.3
-        ring.append(slots, torch.tensor([len(hist[s]) for s in hist]), token, appended)
+        ring.append(slots, torch.tensor([len(hist[s]) for s in hist]), token, appended, list(hist))
         for s, t, a in zip(list(hist), token.tolist(), appended.tolist(), strict=True):
             if a:
                 hist[s].append(t)
-                ring.advance(s)
+            if s != 2 or step % 9:  # now and then a row is left unsettled (its step raised): it reloads
+                ring.settle(s, owners[s], len(hist[s]))
         if step == 20:
             del hist[0][-4:]  # a failed step undoes its appends
         if step == 30:
