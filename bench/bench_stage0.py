@@ -318,6 +318,19 @@ def result_rows(rows: list[dict], args: argparse.Namespace) -> list[dict]:
             for what, name in names.items() for r in rows if r["name"] == name]
 
 
+def write_results(path: Path, rows: list[dict], device: str) -> None:
+    """Issue 16's JSON. Rows of an earlier run at the same commit on the same device are kept unless this run
+    measured them again, so the contexts may run as separate commands (each within a time limit)."""
+    head = commit()
+    old = json.loads(path.read_text()) if path.exists() else {}
+    fresh = {(r["what"], r["batch"], r["context"]) for r in rows}
+    kept = [r for r in old.get("rows", []) if (old.get("commit"), old.get("device")) == (head, device)
+            and (r["what"], r["batch"], r["context"]) not in fresh]
+    order = list(RESULT_ROWS)
+    rows = sorted(kept + rows, key=lambda r: (order.index(r["what"]), r["context"], r["batch"]))
+    path.write_text(json.dumps(dict(commit=head, device=device, rows=rows), indent=2) + "\n")
+
+
 def commit() -> str:
     """The checkout's commit, `+dirty` when it has uncommitted changes."""
     repo = Path(__file__).resolve().parents[1]
@@ -478,8 +491,7 @@ def report(rows: list[dict], cfg: LLMConfig | None, n_params: int, elem: int, ar
         with open(args.json, "w") as f:
             json.dump(dict(device=device, params=n_params, rows=rows), f, indent=2)
     if args.results:
-        with open(args.results, "w") as f:
-            json.dump(dict(commit=commit(), device=device, rows=result_rows(rows, args)), f, indent=2)
+        write_results(Path(args.results), result_rows(rows, args), device)
     print(f"{'what':44s} {'batch':>5s} {'ctx':>6s} {'median ms':>10s} {'p99 ms':>8s} {'floor ms':>9s} {'x floor':>8s}")
     for r in rows:
         floor = (f"{r['floor_ms']:9.3f} {r['median_ms'] / r['floor_ms']:8.2f}" if r["floor_ms"]

@@ -24,3 +24,19 @@ def test_tiny_bench_writes_the_results_json(tmp_path: Path) -> None:
     # every kind at both contexts (--tiny's stand-ins for 2 k and the serving 8 k), nothing else
     assert {(r["what"], r["context"]) for r in rows} == {(w, c) for w in WHATS for c in (64, 128)}
     assert all(r["batch"] == 1 and 0 < r["median_ms"] <= r["p99_ms"] for r in rows)
+
+
+def test_results_of_separate_runs_merge_at_the_same_commit(tmp_path: Path) -> None:
+    from bench.bench_stage0 import write_results
+
+    out = tmp_path / "stage0.json"
+
+    def row(what: str, context: int, ms: float) -> dict:
+        return dict(what=what, batch=1, context=context, median_ms=ms, p99_ms=ms)
+
+    write_results(out, [row("engine_decode", 8192, 3.0), row("forward_decode", 2048, 1.0)], "gpu")
+    write_results(out, [row("forward_decode", 8192, 2.0), row("forward_decode", 2048, 1.5)], "gpu")
+    got = [(r["what"], r["context"], r["median_ms"]) for r in json.loads(out.read_text())["rows"]]
+    assert got == [("forward_decode", 2048, 1.5), ("forward_decode", 8192, 2.0), ("engine_decode", 8192, 3.0)]
+    write_results(out, [row("forward_decode", 2048, 9.0)], "another gpu")  # another device: a fresh file
+    assert [r["median_ms"] for r in json.loads(out.read_text())["rows"]] == [9.0]
