@@ -5,9 +5,10 @@ front end, ours vs HF transformers vs floor, at 2 k and at the serving context (
 Full size (model.md §1.2, dummy weights N(0, 0.02), §9.5) on a GPU:
     python bench/bench_stage0.py --batches 1,8,32,64 --json out.json
     python bench/bench_stage0.py --compile max-autotune-no-cudagraphs --engine-batches 1,32 --json out.json
-The issue-16 figures for the default serving configuration (compiled graphs, merged unit close):
-    python bench/bench_stage0.py --compile default --batches 1,32 --engine-batches 1,32 \
-        --results bench/results/stage0-h200.json
+The issue-16 figures for the default serving configuration (compiled graphs, merged unit close), one command
+per context (runs at one commit merge into the file; R=bench/results/stage0-h200.json):
+    python bench/bench_stage0.py --compile default --batches 1,32 --engine-batches 1,32 --contexts 2048 --results $R
+    python bench/bench_stage0.py --compile default --batches 1,32 --engine-batches 1,32 --contexts 8192 --results $R
 Sampling alone over the full vocabulary (no model; CPU or GPU): the full-vocabulary sort with the history
 copied from the host vs the top-k candidates with the device history ring:
     python bench/bench_stage0.py --sampler-only --sampler-batches 1,32
