@@ -138,6 +138,9 @@ class TritonRuntime:
         try:
             if stream.broken is None:  # a dead stream's sequence holds nothing: Triton's idle timeout ends it
                 await stream.call("close", fence)
+        except RuntimeFailure as exc:
+            if exc.code != "session_not_found":  # already gone (a stage expired it): closed all the same
+                raise
         finally:
             self._streams.pop(key.correlation_id, None)
             await stream.aclose()

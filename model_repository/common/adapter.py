@@ -34,7 +34,7 @@ from .codec import (
 )
 from .occupancy import SessionGauge
 from .sessions import SessionTable
-from .settings import StageSettings, instance_device, load_factory
+from .settings import StageSettings, instance_device, load_factory, session_expiry_s
 from .workarounds import pin_object_dtype, report_fatal_signals
 
 _SENTINEL = object()
@@ -94,7 +94,7 @@ def decoupled_setup(args: dict[str, Any]) -> tuple[StageSettings, SessionTable]:
         raise pb_utils.TritonModelException(f"{args['model_name']}: must be decoupled (model_transaction_policy)")
     settings = StageSettings.from_model_config(model_config)
     settings = dataclasses.replace(settings, device=instance_device(settings.device, args))
-    return settings, SessionTable(settings.max_sessions, settings.session_idle_ttl_s)
+    return settings, SessionTable(settings.max_sessions, session_expiry_s(settings, model_config))
 
 
 class DecoupledStageModel:

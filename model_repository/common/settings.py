@@ -63,6 +63,17 @@ class StageSettings:
         )
 
 
+def session_expiry_s(settings: StageSettings, model_config: dict[str, Any]) -> float:
+    """When a stage forgets an idle session: when Triton drops its sequence (`max_sequence_idle_microseconds`),
+    not at the gateway's own idle TTL. Expiring at the gateway's TTL raced the gateway's close of that session
+    (the close found no session and the gateway kept retrying it)."""
+    micros = (model_config.get("sequence_batching") or {}).get("max_sequence_idle_microseconds")
+    try:
+        return max(settings.session_idle_ttl_s, int(micros) / 1e6) if micros else settings.session_idle_ttl_s
+    except (TypeError, ValueError):
+        return settings.session_idle_ttl_s
+
+
 def instance_device(device: str, args: dict[str, Any]) -> str:
     """The device this model instance runs on: Triton places each KIND_GPU instance on a GPU of its
     `instance_group` and passes it as `model_instance_kind` / `model_instance_device_id` in the

@@ -140,3 +140,25 @@ async def test_calls_on_a_broken_stream_fail_at_once_and_close_sends_nothing() -
     await asyncio.wait_for(rt.close(key, Fence(1, 0)), 1)  # nothing left to release on a dead stream
     assert [r["request_id"].split("-")[0] for r in client.requests] == ["open"]
     await rt.aclose()
+
+
+class ForgetfulClient(FakeClient):
+    """A close the pipeline answers with session_not_found: a stage already forgot the idle session."""
+
+    async def stream_infer(self, it):  # noqa: ANN001, ANN201
+        async for req in it:
+            self.requests.append(req)
+            rid = req["request_id"]
+            if rid.startswith("close"):
+                yield _Result(rid, {"type": "error", "code": "session_not_found", "message": "gone"}), None
+            yield _Result(rid, None, final=True), None
+
+
+async def test_close_of_a_session_the_pipeline_already_forgot_succeeds() -> None:
+    rt = TritonRuntime("unused:1", "duplex", ("duplex",), client=ForgetfulClient())
+    key = SessionKey("s", 7)
+    await rt.open(key, Fence(1, 0), {})
+    await asyncio.wait_for(rt.close(key, Fence(1, 0)), 1)
+    with pytest.raises(RuntimeFailure):
+        await rt.append(key, Fence(1, 0, 1), UnitSubmission(0, b"\0" * 4))
+    await rt.aclose()
