@@ -24,11 +24,26 @@ def test_locates_wheel_binary_and_stub(triton_install: TritonInstall) -> None:
     assert (triton_install.backend_dir / "python" / "libtriton_python.so").exists()
 
 
-def test_triton_ports_step_around_the_gateway() -> None:
-    ports = list(choose_triton_ports(8000).all().values())
-    assert 8000 not in ports and len(set(ports)) == 3
-    if not any(port_in_use(p) for p in (8001, 8002, 8003)):  # derived from --port when free, else picked free
-        assert ports == [8001, 8002, 8003]
+def _free_base() -> int:
+    """A gateway port whose three derived Triton ports are free right now (other servers share this machine)."""
+    for base in range(23_000, 60_000, 97):
+        if not any(port_in_use(p) for p in (base, base + 1, base + 2, base + 3)):
+            return base
+    raise AssertionError("no free block of four ports")
+
+
+def test_triton_ports_follow_the_gateway_port_when_free() -> None:
+    base = _free_base()
+    assert list(choose_triton_ports(base).all().values()) == [base + 1, base + 2, base + 3]
+
+
+def test_triton_ports_are_picked_free_when_a_derived_one_is_taken() -> None:
+    base = _free_base()
+    with socket.socket() as busy:
+        busy.bind(("0.0.0.0", base + 2))
+        busy.listen()
+        ports = list(choose_triton_ports(base).all().values())
+    assert base + 2 not in ports and base not in ports and len(set(ports)) == 3
     assert 8002 not in choose_triton_ports(8002).all().values()
 
 
