@@ -103,9 +103,9 @@ class TritonRuntime:
 
     def _get_client(self) -> Any:
         if self._client is None:
-            from tritonclient.grpc.aio import InferenceServerClient  # noqa: PLC0415 - created on the loop
+            from gateway.runtime.grpc_client import triton_client  # noqa: PLC0415 - created on the loop
 
-            self._client = InferenceServerClient(self._url)
+            self._client = triton_client(self._url)
         return self._client
 
     def _stream(self, key: SessionKey) -> _SequenceStream:
