@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from gateway.runtime.base import Readiness
+
 RECONNECT_BACKOFF_MS = (200, 2000)  # first / longest wait between reconnect attempts
 
 
@@ -34,3 +36,15 @@ def triton_client(url: str) -> Any:
     from tritonclient.grpc.aio import InferenceServerClient  # noqa: PLC0415
 
     return InferenceServerClient(url, channel_args=channel_args())
+
+
+async def probe_readiness(client: Any, models: tuple[str, ...]) -> Readiness:
+    """Server live/ready and each model ready; an unreachable Triton is "not ready", with the reason."""
+    try:
+        live = await client.is_server_live()
+        ready = await client.is_server_ready()
+        states = {m: bool(await client.is_model_ready(m)) for m in models}
+    except Exception as exc:  # noqa: BLE001 - any failure to answer means not ready
+        return Readiness(False, False, dict.fromkeys(models, False), (f"triton: {exc}",))
+    reasons = tuple(f"model {m} not ready" for m, ok in states.items() if not ok)
+    return Readiness(live, ready, states, reasons)

@@ -37,6 +37,7 @@ from gateway.runtime.base import (
     UnitDone,
     UnitSubmission,
 )
+from gateway.runtime.grpc_client import probe_readiness
 from gateway.runtime.triton_wire import STAGE_OUTPUTS, build_request, parse_event
 
 STAGE0, TTS, TOKEN2WAV = "stage0", "tts", "token2wav"
@@ -385,15 +386,7 @@ class StagedTritonRuntime:
             yield ev
 
     async def readiness(self) -> Readiness:
-        c = self._get_client()
-        try:
-            live = await c.is_server_live()
-            ready = await c.is_server_ready()
-            models = {m: bool(await c.is_model_ready(m)) for m in self._ready_models}
-        except Exception as exc:  # noqa: BLE001 - unreachable Triton is "not ready", with the reason
-            return Readiness(False, False, {m: False for m in self._ready_models}, (f"triton: {exc}",))
-        reasons = tuple(f"model {m} not ready" for m, ok in models.items() if not ok)
-        return Readiness(live, ready, models, reasons)
+        return await probe_readiness(self._get_client(), self._ready_models)
 
     async def aclose(self) -> None:
         for s in list(self._sessions.values()):

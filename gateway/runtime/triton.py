@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from gateway.runtime.base import Fence, Readiness, RuntimeEvent, RuntimeFailure, SessionKey, UnitSubmission
+from gateway.runtime.grpc_client import probe_readiness
 from gateway.runtime.triton_wire import build_request, parse_event
 
 
@@ -151,15 +152,7 @@ class TritonRuntime:
             yield ev
 
     async def readiness(self) -> Readiness:
-        c = self._get_client()
-        try:
-            live = await c.is_server_live()
-            ready = await c.is_server_ready()
-            models = {m: bool(await c.is_model_ready(m)) for m in self._ready_models}
-        except Exception as exc:  # noqa: BLE001 - unreachable Triton is "not ready", with the reason
-            return Readiness(False, False, {m: False for m in self._ready_models}, (f"triton: {exc}",))
-        reasons = tuple(f"model {m} not ready" for m, ok in models.items() if not ok)
-        return Readiness(live, ready, models, reasons)
+        return await probe_readiness(self._get_client(), self._ready_models)
 
     async def aclose(self) -> None:
         for s in list(self._streams.values()):
