@@ -8,7 +8,6 @@ tests/e2e/test_staged_serving.py.
 from __future__ import annotations
 
 import asyncio
-import json
 from typing import Any
 
 import numpy as np
@@ -26,33 +25,10 @@ from gateway.runtime.base import (
     UnitSubmission,
 )
 from gateway.runtime.stages import StagedTritonRuntime
+from tests.gateway.triton_results import Result
 
 HIDDEN_DIM = 4
 KEY = SessionKey("s", 7)
-
-
-class _Param:
-    def __init__(self, b: bool) -> None:
-        self.bool_param = b
-
-
-class _Resp:
-    def __init__(self, rid: str, final: bool) -> None:
-        self.id = rid
-        self.parameters = {"triton_final_response": _Param(final)}
-
-
-class _Result:
-    def __init__(self, rid: str, event: dict | None, final: bool = False, **arrays: np.ndarray) -> None:
-        self._resp, self._event, self._arrays = _Resp(rid, final), event, arrays
-
-    def get_response(self) -> _Resp:
-        return self._resp
-
-    def as_numpy(self, name: str) -> np.ndarray | None:
-        if name == "EVENT":
-            return None if self._event is None else np.array([[json.dumps(self._event).encode()]], dtype=np.object_)
-        return self._arrays.get(name)
 
 
 class StageClient:
@@ -87,29 +63,29 @@ class StageClient:
             unit = self.stage0_units = self.stage0_units + 1
             self.log.append(f"stage0:{unit} start")
             speak = unit % 2 == 0
-            out.put_nowait((_Result(rid, {"type": "decision", "action": "speak" if speak else "listen",
+            out.put_nowait((Result(rid, {"type": "decision", "action": "speak" if speak else "listen",
                                           "unit": unit}), None))
             if speak:
-                out.put_nowait((_Result(rid, {"type": "text", "text": f"t{unit}", "unit": unit}), None))
-                out.put_nowait((_Result(rid, {"type": "tts_input", "unit": unit, "is_turn_eos": [False],
+                out.put_nowait((Result(rid, {"type": "text", "text": f"t{unit}", "unit": unit}), None))
+                out.put_nowait((Result(rid, {"type": "tts_input", "unit": unit, "is_turn_eos": [False],
                                               "end_of_turn": False, "turn_start": unit == 0},
                                         TOKENS=np.array([[5]], np.int64),
                                         HIDDEN=np.ones((1, HIDDEN_DIM), np.float32)), None))
-            out.put_nowait((_Result(rid, {"type": "unit_done", "unit": unit, "is_listen": not speak,
+            out.put_nowait((Result(rid, {"type": "unit_done", "unit": unit, "is_listen": not speak,
                                           "end_of_turn": False, "metrics": {"thinker": {"tokens": 2}}}), None))
             self.log.append(f"stage0:{unit} end")
         elif op == "append" and model == "tts":
             self.log.append("tts start")
             await self.tts_gate.wait()
-            out.put_nowait((_Result(rid, {"type": "audio_tokens", "count": 2}, TOKENS=np.array([[1, 2]], np.int64)),
+            out.put_nowait((Result(rid, {"type": "audio_tokens", "count": 2}, TOKENS=np.array([[1, 2]], np.int64)),
                             None))
             self.log.append("tts end")
         elif op == "append" and model == "token2wav":
-            out.put_nowait((_Result(rid, {"type": "audio", "unit": 0, "seq": 0},
+            out.put_nowait((Result(rid, {"type": "audio", "unit": 0, "seq": 0},
                                     AUDIO=np.arange(480, dtype=np.int16)[None, :]), None))
         elif op == "close" and self.close_error is not None:
-            out.put_nowait((_Result(rid, {"type": "error", "code": self.close_error, "message": "gone"}), None))
-        out.put_nowait((_Result(rid, None, final=True), None))
+            out.put_nowait((Result(rid, {"type": "error", "code": self.close_error, "message": "gone"}), None))
+        out.put_nowait((Result(rid, None, final=True), None))
 
     async def is_server_live(self) -> bool:
         return True
@@ -204,8 +180,8 @@ async def test_a_failed_tts_call_reaches_the_session_as_a_stream_error() -> None
         async def _answer(self, req: dict[str, Any], out: asyncio.Queue) -> None:
             if req["model_name"] == "tts" and "append" in req["request_id"]:
                 rid = req["request_id"]
-                out.put_nowait((_Result(rid, {"type": "error", "code": "invalid_request", "message": "rows"}), None))
-                out.put_nowait((_Result(rid, None, final=True), None))
+                out.put_nowait((Result(rid, {"type": "error", "code": "invalid_request", "message": "rows"}), None))
+                out.put_nowait((Result(rid, None, final=True), None))
                 return
             await super()._answer(req, out)
 
@@ -239,7 +215,7 @@ async def test_a_stream_error_from_triton_ends_the_session_and_close_still_succe
                     yield None, RuntimeError("inference request for sequence 7 to model 'stage0' must specify "
                                              "the START flag on the first request of the sequence")
                     return
-                yield _Result(req["request_id"], None, final=True), None
+                yield Result(req["request_id"], None, final=True), None
 
     rt = StagedTritonRuntime("unused:1", client=Expired())
     await rt.open(KEY, Fence(1, 0), {})
@@ -258,9 +234,9 @@ async def test_an_open_refused_by_one_stage_closes_the_stages_that_opened() -> N
         async def _answer(self, req: dict[str, Any], out: asyncio.Queue) -> None:
             rid = req["request_id"]
             if rid.startswith("tts:open"):
-                out.put_nowait((_Result(rid, {"type": "error", "code": "runtime_backpressure", "message": "full"}),
+                out.put_nowait((Result(rid, {"type": "error", "code": "runtime_backpressure", "message": "full"}),
                                 None))
-                out.put_nowait((_Result(rid, None, final=True), None))
+                out.put_nowait((Result(rid, None, final=True), None))
                 return
             await super()._answer(req, out)
 

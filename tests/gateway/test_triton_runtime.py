@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 from typing import Any
 
 import numpy as np
@@ -20,30 +19,7 @@ from gateway.runtime.base import (
 )
 from gateway.runtime.triton import TritonRuntime
 from gateway.runtime.triton_wire import build_request
-
-
-class _Param:
-    def __init__(self, b: bool) -> None:
-        self.bool_param = b
-
-
-class _Resp:
-    def __init__(self, rid: str, final: bool) -> None:
-        self.id = rid
-        self.parameters = {"triton_final_response": _Param(final)}
-
-
-class _Result:
-    def __init__(self, rid: str, event: dict | None, audio: np.ndarray | None = None, final: bool = False) -> None:
-        self._resp, self._event, self._audio = _Resp(rid, final), event, audio
-
-    def get_response(self) -> _Resp:
-        return self._resp
-
-    def as_numpy(self, name: str) -> np.ndarray | None:
-        if name == "EVENT":
-            return None if self._event is None else np.array([[json.dumps(self._event).encode()]], dtype=np.object_)
-        return self._audio
+from tests.gateway.triton_results import Result
 
 
 class FakeClient:
@@ -58,14 +34,14 @@ class FakeClient:
             rid = req["request_id"]
             name = rid.split("-")[0]
             if name == "append":
-                yield _Result(rid, {"type": "decision", "action": "speak", "unit": 0}), None
-                yield _Result(rid, {"type": "audio", "unit": 0, "seq": 0},
-                              np.arange(480, dtype=np.int16)[None, :]), None
-                yield _Result(rid, {"type": "unit_done", "unit": 0, "is_listen": False, "end_of_turn": True,
+                yield Result(rid, {"type": "decision", "action": "speak", "unit": 0}), None
+                yield Result(rid, {"type": "audio", "unit": 0, "seq": 0},
+                             AUDIO=np.arange(480, dtype=np.int16)[None, :]), None
+                yield Result(rid, {"type": "unit_done", "unit": 0, "is_listen": False, "end_of_turn": True,
                                     "metrics": {"thinker": {"tokens": 2}}}), None
             if name == "update":
-                yield _Result(rid, {"type": "error", "code": "invalid_runtime_config", "message": "no"}), None
-            yield _Result(rid, None, final=True), None
+                yield Result(rid, {"type": "error", "code": "invalid_runtime_config", "message": "no"}), None
+            yield Result(rid, None, final=True), None
 
     async def is_server_live(self) -> bool:
         return True
@@ -123,7 +99,7 @@ class BreakingClient(FakeClient):
     async def stream_infer(self, it):  # noqa: ANN001, ANN201
         async for req in it:
             self.requests.append(req)
-            yield _Result(req["request_id"], None, final=True), None
+            yield Result(req["request_id"], None, final=True), None
             raise ConnectionError("socket closed")
 
 
@@ -150,8 +126,8 @@ class ForgetfulClient(FakeClient):
             self.requests.append(req)
             rid = req["request_id"]
             if rid.startswith("close"):
-                yield _Result(rid, {"type": "error", "code": "session_not_found", "message": "gone"}), None
-            yield _Result(rid, None, final=True), None
+                yield Result(rid, {"type": "error", "code": "session_not_found", "message": "gone"}), None
+            yield Result(rid, None, final=True), None
 
 
 async def test_close_of_a_session_the_pipeline_already_forgot_succeeds() -> None:
