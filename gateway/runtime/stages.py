@@ -38,7 +38,7 @@ from gateway.runtime.base import (
     UnitSubmission,
 )
 from gateway.runtime.grpc_client import probe_readiness
-from gateway.runtime.triton_wire import STAGE_OUTPUTS, build_request, parse_event
+from gateway.runtime.triton_wire import STAGE_OUTPUTS, build_request, typed_event
 
 STAGE0, TTS, TOKEN2WAV = "stage0", "tts", "token2wav"
 STAGES = (STAGE0, TTS, TOKEN2WAV)
@@ -306,7 +306,7 @@ class StagedTritonRuntime:
             if kind == "tts_input":
                 self._speak(s, fence, flow, ev, result)
                 return
-            parsed = parse_event(json.dumps(ev), None, fence.epoch)
+            parsed = typed_event(ev, None, fence.epoch)
             if isinstance(parsed, UnitDone):
                 flow.done_event = parsed
             elif not isinstance(parsed, dict):
@@ -343,7 +343,7 @@ class StagedTritonRuntime:
             if out.get("type") != "audio":
                 return
             flow.firsts.setdefault("code2wav", _ms_since(flow.started))
-            piece = parse_event(json.dumps(out), _array(res, "AUDIO", np.int16), fence.epoch)
+            piece = typed_event(out, _array(res, "AUDIO", np.int16), fence.epoch)
             if not isinstance(piece, dict):
                 s.order.emit(flow, piece)
 

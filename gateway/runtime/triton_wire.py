@@ -77,7 +77,11 @@ def unit_config(unit: UnitSubmission) -> dict[str, Any]:
 
 def parse_event(raw: bytes | str, audio: np.ndarray | None, epoch: int) -> RuntimeEvent | dict[str, Any]:
     """One EVENT (+AUDIO) -> a typed runtime event, or the raw dict for control/error events."""
-    ev = json.loads(raw)
+    return typed_event(json.loads(raw), audio, epoch)
+
+
+def typed_event(ev: dict[str, Any], audio: np.ndarray | None, epoch: int) -> RuntimeEvent | dict[str, Any]:
+    """`parse_event` for an EVENT already decoded."""
     kind = ev.get("type")
     if kind == "decision":
         return Decision(epoch, int(ev["unit"]), ev["action"], forced=bool(ev.get("forced", False)))
