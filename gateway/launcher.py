@@ -131,11 +131,19 @@ def _gateway_answers(url: str) -> bool:
         return False
 
 
-def _wait_gateway(proc: subprocess.Popen[bytes], url: str, require_ready: bool) -> None:
+def _wait_gateway(proc: subprocess.Popen[bytes], url: str, require_ready: bool,
+                  supervisor: TritonSupervisor | None = None) -> None:
+    """Wait for the gateway to answer (`require_ready`: to be ready, which needs Triton ready). Triton is
+    supervised meanwhile: a tritonserver that dies while the gateway starts is restarted (the gateway's /ready
+    could never turn 200 without it), and the time its restart takes does not count against the gateway."""
     t0 = time.monotonic()
     while not (http_ok(f"{url}/ready") if require_ready else _gateway_answers(url)):
         if proc.poll() is not None:
             raise LaunchError(f"the gateway exited with code {proc.returncode} during startup")
+        if supervisor is not None:
+            before = time.monotonic()
+            supervisor.check()
+            t0 += time.monotonic() - before
         if time.monotonic() - t0 > GATEWAY_READY_TIMEOUT_S:
             raise LaunchError(f"the gateway did not answer {url}/ready within {GATEWAY_READY_TIMEOUT_S:.0f}s")
         time.sleep(READY_POLL_S)
@@ -241,27 +249,33 @@ def _run(opts: ServeOptions, kids: _Children) -> None:
         wanted = {"gateway": opts.port, **wanted}
     check_ports_free(wanted)
     triton_url = opts.triton_url or f"127.0.0.1:{ports.grpc}"
+    supervisor = None
     if opts.only != "gateway":
         kids.server = _prepare_triton(opts, ports)
         _start_triton(kids.server)
+        # Both halves: from here on a dead tritonserver is restarted under the gateway, also while the gateway
+        # is still starting (a crash then used to leave /ready 503 until the launcher gave up and stopped all).
+        # `--only triton` (a container of its own) exits on Triton's death instead: its container's restart
+        # policy is the supervisor there.
+        supervisor = TritonSupervisor(kids.server, _say) if opts.only is None else None
     if opts.only != "triton" and _gateway_available():
         kids.gateway = subprocess.Popen(_gateway_cmd(opts), env=gateway_env(triton_url, profile), cwd=REPO_ROOT,
                                         start_new_session=True)
         base = f"http://{opts.host}:{opts.port}"
-        _wait_gateway(kids.gateway, base, require_ready=opts.only != "gateway")
+        _wait_gateway(kids.gateway, base, require_ready=opts.only != "gateway", supervisor=supervisor)
         _say(f"[serve] demo: {base}/  (Ctrl-C stops)")
     elif opts.only != "triton":
         _say(f"[serve] gateway.app is not present; Triton serves gRPC at {triton_url}. Ctrl-C stops.")
     else:
         _say(f"[serve] Triton serves gRPC at {opts.triton_host}:{ports.grpc}. Ctrl-C stops.")
     kids.started = True
-    _supervise(opts, kids)
+    _supervise(kids, supervisor)
 
 
-def _supervise(opts: ServeOptions, kids: _Children) -> None:
-    """Both halves: restart a dead tritonserver under the running gateway. `--only triton` (a container of
-    its own) exits on Triton's death instead: its container's restart policy is the supervisor there."""
-    supervisor = TritonSupervisor(kids.server, _say) if kids.server is not None and opts.only is None else None
+def _supervise(kids: _Children, supervisor: TritonSupervisor | None) -> None:
+    """Both halves (`supervisor` given): restart a dead tritonserver under the running gateway. `--only triton`
+    (a container of its own) exits on Triton's death instead: its container's restart policy is the supervisor
+    there."""
     while True:
         server = kids.server
         if supervisor is not None:

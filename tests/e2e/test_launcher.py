@@ -14,6 +14,8 @@ All use the torch-free loopback profile: the engines play no part here, and each
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -77,6 +79,10 @@ async def _not_ready(addr: str) -> bool:
     return (await http_get(addr, "/ready")).status_code == 503
 
 
+async def _logged(proc: Proc, line: str) -> bool:
+    return line in proc.log.read_text(errors="replace")
+
+
 async def _one_unit_decided(addr: str) -> None:
     c, _ = await opened(addr)
     await send_audio(c, fit_units(silence(0), 1), pace=0)
@@ -109,6 +115,8 @@ async def test_triton_crash_is_restarted_under_the_gateway(supervised: Stack) ->
     assert err["error"]["code"] == "runtime_dead", err
     await eventually(lambda: _not_ready(addr), DOWN_WAIT_S)
     await eventually(lambda: _ready(addr), BACK_WAIT_S, every_s=0.5)
+    # the gateway probes Triton itself, so it may turn ready a poll before the supervisor logs the restart
+    await eventually(lambda: _logged(launcher, "tritonserver is back"), DOWN_WAIT_S, every_s=0.1)
     new = supervised.tritonserver_pid()
     assert new is not None and new != old and launcher.alive()
     assert [p for p in children_of(launcher.popen.pid) if p != new] == gateway  # the same gateway process
@@ -117,6 +125,43 @@ async def test_triton_crash_is_restarted_under_the_gateway(supervised: Stack) ->
     cause = log[log.index("tritonserver killed by SIGKILL"):]
     assert "restarting tritonserver" in cause and "tritonserver is back" in cause, cause[:2000]
     await _one_unit_decided(addr)  # a real unit through the restarted server
+
+
+@pytest.mark.timeout(240)
+async def test_triton_crash_while_the_gateway_starts_is_restarted(e2e_cache: Path) -> None:
+    """Triton dies after it became ready but before the launcher saw the gateway ready (the gateway takes
+    seconds to import): the launcher restarts it then too, and `duplex serve` comes up with that same gateway
+    (it used to wait for a /ready that could not turn 200, give up after 60 s and stop everything)."""
+    port = free_port()
+    proc = _serve_proc(e2e_cache, port, "crash-during-start.log")
+    proc.start()
+    assert proc.popen is not None
+    try:
+        t0, triton = time.monotonic(), None
+        while triton is None and time.monotonic() - t0 < START_WAIT_S:
+            assert proc.alive(), proc.tail()
+            if "[triton] ready in" in proc.log.read_text(errors="replace"):
+                triton = _tritonserver_of(proc.popen.pid)
+            await asyncio.sleep(0.02)
+        assert triton is not None, proc.tail()
+        os.kill(triton, signal.SIGKILL)
+        assert "[serve] demo" not in proc.log.read_text(errors="replace"), "killed after startup: proves nothing"
+        gateway = [p for p in children_of(proc.popen.pid) if p != triton]
+        addr = f"127.0.0.1:{port}"
+        await eventually(lambda: _logged(proc, "[serve] demo"), BACK_WAIT_S, every_s=0.2)
+        assert await _ready(addr)
+        new = _tritonserver_of(proc.popen.pid)
+        assert new is not None and new != triton and proc.alive()
+        assert [p for p in children_of(proc.popen.pid) if p != new] == gateway  # the same gateway process
+        log = proc.log.read_text(errors="replace")
+        assert "tritonserver killed by SIGKILL" in log and "tritonserver is back (restart 1)" in log, log[-3000:]
+        await _one_unit_decided(addr)
+    finally:
+        kids = children_of(proc.popen.pid) if proc.popen is not None else []
+        proc.stop()
+        for pid in kids:  # tritonserver and the gateway run in process groups of their own
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
 
 
 @pytest.mark.timeout(120)
