@@ -38,6 +38,7 @@ DEFAULT_CHECKPOINT = "/checkpoints/MiniCPM-o-4_5"
 US_PER_S = 1_000_000
 # engine_options.stage0.scripted_decisions: a benchmark decision plan for random weights (ScriptPlan's fields)
 SCRIPT_PLAN_KEYS = ("listen_units", "speak_units", "text_ids_per_unit", "tail_listen_units")
+MPS_MODES = ("auto", "on", "off")
 
 
 class ProfileError(ValueError):
@@ -64,8 +65,13 @@ class DeployProfile:
     # "token2wav": [1]}: Triton starts `<model>_instances` instances on EACH listed GPU and tells each
     # instance its GPU (StageSettings.instance_device). A model left out may run on any visible GPU.
     gpus: dict[str, list[int]] = field(default_factory=dict)
+    # CUDA MPS for the stage processes (gateway/mps.py): auto (a private daemon where several share a GPU), on, off.
+    # YAML reads a bare on/off as true/false; both spellings are accepted.
+    mps: str = "auto"
 
     def __post_init__(self) -> None:
+        if isinstance(self.mps, bool):
+            object.__setattr__(self, "mps", "on" if self.mps else "off")
         checks = {
             "engine": _engine_module_exists(self.engine),
             "engine_options": isinstance(self.engine_options, dict) and set(self.engine_options) <= set(STAGES)
@@ -73,6 +79,7 @@ class DeployProfile:
             and _script_plan_ok(self.engine_options),
             "device": self.device.split(":")[0] in ("cpu", "cuda"),
             "gpus": _gpu_lists(self.gpus) and (not self.gpus or self.device == "cuda"),
+            "mps": self.mps in MPS_MODES and (self.mps != "on" or self.device.startswith("cuda")),
             "dtype": self.dtype in ("float32", "bfloat16", "float16"),
             "max_sessions": _positive_int(self.max_sessions),
             "kv_window": _positive_int(self.kv_window),
@@ -109,6 +116,7 @@ _HINTS = {
     "device": " (cpu, cuda or cuda:N)",
     "dtype": " (float32, bfloat16 or float16)",
     "sequence_idle_timeout_s": " (must be a number >= session_idle_ttl_s)",
+    "mps": f" ({', '.join(MPS_MODES)}; on needs device: cuda)",
     "gpus": f" (a mapping of {', '.join(MODELS)} to non-empty lists of distinct GPU ids >= 0; needs device: cuda)",
 }
 

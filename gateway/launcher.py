@@ -18,6 +18,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from gateway.mps import MpsDaemon, plan_mps, private_daemon, start_daemon
 from gateway.supervisor import TritonSupervisor
 from gateway.tritonserver import (  # noqa: F401 - re-exported for the launcher's callers
     DEFAULT_CACHE_DIR,
@@ -184,16 +185,19 @@ def check_checkpoint(checkpoint: Path) -> None:
         raise LaunchError(f"{config} is not a valid MiniCPM-o 4.5 config: {why}")
 
 
-def _prepare_triton(opts: ServeOptions, ports: TritonPorts) -> TritonServer:
+def _prepare_triton(opts: ServeOptions, ports: TritonPorts,
+                    extra_env: dict[str, str] | None = None) -> TritonServer:
     """Checkpoint, repository and the (not yet started) server; per gateway port, so two servers on one
-    host never rebuild each other's repository or share a log."""
+    host never rebuild each other's repository or share a log. `extra_env` (the MPS daemon's variables) is
+    part of the server's environment, so the supervisor's restarts get it too."""
     checkpoint = opts.checkpoint or ensure_tiny_checkpoint(opts.cache_dir)
     check_checkpoint(checkpoint)
     repository = opts.cache_dir / f"model_repository-{opts.port}"
     build_model_repository(opts, checkpoint, repository)
     install = locate_tritonserver(opts.cache_dir)
     return TritonServer(install, repository, PIPELINE_MODELS, ports,
-                        opts.cache_dir / "logs" / f"tritonserver-{opts.port}.log", host=opts.triton_host)
+                        opts.cache_dir / "logs" / f"tritonserver-{opts.port}.log", env=triton_env(install, extra_env),
+                        host=opts.triton_host)
 
 
 def _start_triton(server: TritonServer) -> None:
@@ -220,6 +224,7 @@ class _Children:
     Triton is still loading must not leave it running)."""
     server: TritonServer | None = None
     gateway: subprocess.Popen[bytes] | None = None
+    mps: MpsDaemon | None = None  # told to quit after tritonserver (its clients) has stopped
     started: bool = False  # everything asked for came up: a later failure exits 1, not 2
 
     def stop(self) -> None:
@@ -232,10 +237,24 @@ class _Children:
                 signal_group(gateway, signal.SIGKILL)
         if self.server is not None:
             self.server.stop()
+        mps, self.mps = self.mps, None
+        if mps is not None:
+            mps.quit()
 
 
 def _say(message: str) -> None:
     print(message, flush=True)
+
+
+def _start_mps(opts: ServeOptions, profile: dict[str, object], kids: _Children) -> None:
+    """The profile's MPS choice (gateway/mps.py), before the repository build: `mps: on` without MPS fails in one
+    line. The daemon joins `kids` before it starts, so the `finally` quits it even if a signal lands mid-start."""
+    plan = plan_mps(profile, os.environ)
+    if plan.note:
+        _say(plan.note)
+    kids.mps = private_daemon(plan, opts.cache_dir, opts.port, os.environ)
+    if kids.mps is not None and not start_daemon(kids.mps, plan, _say):
+        kids.mps = None
 
 
 def _run(opts: ServeOptions, kids: _Children) -> None:
@@ -251,7 +270,8 @@ def _run(opts: ServeOptions, kids: _Children) -> None:
     triton_url = opts.triton_url or f"127.0.0.1:{ports.grpc}"
     supervisor = None
     if opts.only != "gateway":
-        kids.server = _prepare_triton(opts, ports)
+        _start_mps(opts, profile, kids)
+        kids.server = _prepare_triton(opts, ports, kids.mps.env if kids.mps else None)
         _start_triton(kids.server)
         # Both halves: from here on a dead tritonserver is restarted under the gateway, also while the gateway
         # is still starting (a crash then used to leave /ready 503 until the launcher gave up and stopped all).
