@@ -7,9 +7,10 @@ call per session: collect → one ragged flow batch (any mix of code counts, `la
 → emit. Chunks are emitted as soon as their call finishes; the §6.6 left pad of a short unit goes out
 first. Per-voice base caches are built once and copied into the session's slot per turn (§6.8).
 `ragged=False` keeps the exact-shape buckets with per-session cache tensors (and the DiT graphs).
-`warm_up` builds the graphs at load by running synthetic turns through the engine itself (ragged rows
-are not bucketed, so it runs every batch size up to `warm_batch`); a later shape without a graph is a
-`misses` entry (counted, logged once).
+`warm_up` builds the graphs at load by running synthetic turns through the engine itself. With graphs
+the flow batch and each HiFT batch run at a row bucket (buckets.py: 1 2 4 8 16 24 32 48 64 …, padded
+with dummy rows whose results are dropped), so warm-up runs the buckets only, not every batch size; a
+later shape without a graph is a `misses` entry (counted, logged once).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 from engine.stage1.types import Fence
 from engine.token2wav.assets import Token2WavModels
 from engine.token2wav.batch import flow_bucket_key, group_by, hift_bucket_key
+from engine.token2wav.buckets import bucket_rows, row_buckets
 from engine.token2wav.config import StreamConfig
 from engine.token2wav.errors import (  # noqa: F401 - re-exported: the engine's public error types
     CapacityError,
@@ -38,7 +40,7 @@ from engine.token2wav.errors import (  # noqa: F401 - re-exported: the engine's 
 from engine.token2wav.graphs import GraphCache
 from engine.token2wav.pool import FlowPool, PoolConfig, PoolError
 from engine.token2wav.pooled import run_flow_pooled
-from engine.token2wav.ragged_graphs import RaggedSolver
+from engine.token2wav.ragged_graphs import MEL_INPUT, TOK_INPUT, RaggedSolver
 from engine.token2wav.stream import PendingCall, SessionStream, StreamInputError, new_session, run_flow_batch
 from engine.token2wav.voice import VoiceCache, build_voice_cache
 from engine.warmup import GraphMisses, Progress
@@ -108,8 +110,9 @@ class Token2WavEngine:
         device = models.flow.spk_embed_affine_layer.weight.device
         self.pool = (FlowPool(models.flow_cfg, self.cfg.stream, self.cfg.pool, device, dtype)
                      if self.cfg.ragged else None)
+        self.buckets = row_buckets(self.cfg.max_batch)
         self.solver = RaggedSolver(models.flow.decoder.estimator, self.cfg.use_cuda_graphs and self.cfg.ragged_graphs,
-                                   self.cfg.max_graphs)
+                                   self.cfg.max_graphs, self.buckets)
         self.voices: dict[str, VoiceCache] = {}
         self.sessions: dict[str, _Session] = {}
         self.misses = GraphMisses("token2wav")
@@ -118,18 +121,17 @@ class Token2WavEngine:
     # -- warm-up ------------------------------------------------------------------------------------
     def warm_up(self, voice_id: str, emit: Callable[[str], None] | None = None, warm_batch: int | None = None,
                 seed: int = 0) -> None:
-        """Build the graphs of every batch size 1..`warm_batch` (default max_batch): per size, that many
-        sessions speak `WARMUP_UNITS`-unit turns of random codes in lock step, until a turn builds no new
-        graph (at most `WARMUP_TURNS`). No-op without graphs."""
+        """Build the graphs of every row bucket up to the one of `warm_batch` (default max_batch): per
+        bucket, that many sessions speak `WARMUP_UNITS`-unit turns of random codes in lock step, until a
+        turn builds no new graph (at most `WARMUP_TURNS`). No-op without graphs."""
         if self.graphs.enabled or self.solver.enabled:
-            sizes = range(min(warm_batch or self.cfg.max_batch, self.cfg.max_batch), 0, -1)
+            top = bucket_rows(min(warm_batch or self.cfg.max_batch, self.cfg.max_batch), self.buckets)
+            sizes = self.warm_sizes(top)
             progress = Progress("token2wav", len(sizes), emit)
-            if self.pool is not None and self.solver.enabled:  # the shared K/V window at its largest first:
-                f = self.models.flow_cfg                        # growing it later would drop every graph
-                self.solver.kv_buffer((self.cfg.stream.n_timesteps, f.dit_depth, 2, sizes[0], f.dit_heads,
-                                       self.pool.est_width, 2 * f.dit_head_dim), self.pool.est_att)
+            if self.pool is not None and self.solver.enabled:
+                self._reserve(sizes[0])
             rng = np.random.default_rng(seed)
-            for b in sizes:  # largest first: the shared pool and the K/V buffer are sized once
+            for b in sizes:  # largest first: the shared pool and the static buffers are sized once
                 turns, grew = 0, True
                 while grew and turns < WARMUP_TURNS:
                     before = self.graph_count()
@@ -138,6 +140,23 @@ class Token2WavEngine:
                 progress.step(f"batch {b}: {turns} turns, {self.graph_count()} graphs")
             progress.done()
         self.misses.warm = True
+
+    def warm_sizes(self, top: int | None = None) -> tuple[int, ...]:
+        """The batch sizes warm-up runs, largest first: the row buckets up to `top` (default max_batch);
+        every size on the exact-shape path (`ragged=False`), whose flow batches are not padded."""
+        top = top or self.cfg.max_batch
+        return tuple(b for b in reversed(self.buckets) if b <= top) if self.pool is not None else tuple(range(top, 0, -1))
+
+    def _reserve(self, rows: int) -> None:
+        """The solver's shared buffers at their largest first (the K/V window: growing it later would drop
+        every graph; the conformer histories: a later growth would leave earlier graphs their own copy)."""
+        assert self.pool is not None
+        f, p, bucket = self.models.flow_cfg, self.pool, self.cfg.pool.cache_bucket
+        self.solver.kv_buffer((self.cfg.stream.n_timesteps, f.dit_depth, 2, rows, f.dit_heads, p.est_width,
+                               2 * f.dit_head_dim), p.est_att)
+        for position, cache in ((TOK_INPUT, p.tok_att), (MEL_INPUT, p.mel_att)):   # [S, L, H, T, 2dk]
+            s, layers, heads, cap, dk2 = cache.shape
+            self.solver.reserve("encode", position, layers * rows * heads * -(-cap // bucket) * bucket * dk2, cache)
 
     def _warm_turn(self, voice_id: str, b: int, rng: np.random.Generator) -> None:
         fence, vocab = Fence(0, 0), self.models.flow_cfg.vocab_size
@@ -303,7 +322,9 @@ class Token2WavEngine:
         inputs = [s.stream.hift_inputs(i.call) for _, s, i in work if i.call is not None]
         keys = [hift_bucket_key(x[0].shape[2], x[1].shape[2]) for x in inputs]
         for group in group_by(keys):
-            mel, src, ini, noise = (torch.cat([inputs[g][k] for g in group], dim=0) for k in range(4))
+            pad = bucket_rows(len(group), self.buckets) - len(group) if self.graphs.enabled else 0
+            mel, src, ini, noise = (torch.cat([inputs[g][k] for g in group] + [inputs[group[0]][k].new_zeros(
+                pad, *inputs[group[0]][k].shape[1:])], dim=0) for k in range(4))   # + dummy rows: zeros, dropped
             speech, source = self.graphs.vocoder(mel, src, ini, noise)
             for row, g in enumerate(group):
                 sid, s, item = work[g]

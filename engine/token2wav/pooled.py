@@ -9,6 +9,13 @@ Rows may differ in code count, `last`, prompt length and cache lengths. Per call
   3. trims: index bookkeeping only (SlotState.append)
 Noise per row is rand_noise[L_b : L_b + F_b] with L_b the row's own estimator length. Every index is
 planned on the host first and moved in ONE transfer, so no pageable copy stalls the GPU stream midway.
+
+With graphs the batch is padded to the solver's row bucket (buckets.py) by dummy rows: a fresh turn
+of la + 1 zero codes (one new token frame, `stride` mel frames) with no history, so no key dimension
+(N, F, C, Tg) grows. A dummy reads only slot-independent zeros and its own rows of the batch tensors
+(its conformer gather points at row 0's slot with every position masked; its estimator keys are the
+frames it writes this call), and nothing of it is written back: every write-back below takes the real
+rows only. Row-wise kernels keep a real row's result independent of the other rows (tested).
 """
 
 from __future__ import annotations
@@ -57,40 +64,45 @@ def _rows_cols(pos: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     return np.repeat(np.arange(len(pos)), [p.shape[0] for p in pos]), np.concatenate(pos)
 
 
-def _plan(pool: FlowPool, slots: Sequence[SlotState], calls: Sequence[PendingCall]) -> tuple[dict, dict]:
-    fcfg, pc, b = pool.fcfg, pool.pcfg, len(slots)
+def _plan(pool: FlowPool, slots: Sequence[SlotState], calls: Sequence[PendingCall], rows: int) -> tuple[dict, dict]:
+    """Index arrays of `rows` batch rows: the calls' rows, then `rows − len(calls)` dummy rows."""
+    fcfg, pc, n, pad = pool.fcfg, pool.pcfg, len(slots), rows - len(slots)
     la, stride = fcfg.pre_lookahead_len, fcfg.up_stride
-    m = np.array([len(c.tokens) for c in calls])
-    t_new = m - la * np.array([0 if c.last else 1 for c in calls])
+    last = np.array([c.last for c in calls] + [False] * pad)
+    m = np.array([len(c.tokens) for c in calls] + [la + 1] * pad)          # a dummy: one new token frame
+    t_new = m - la * ~last
     frames = stride * t_new
-    n_in = m + la * np.array([1 if c.last else 0 for c in calls])           # a last row gets 3 pad frames
-    tokens = np.zeros((b, round_up(int(n_in.max()), pc.token_bucket)), np.int64)
+    n_in = m + la * last                                                    # a last row gets 3 pad frames
+    tokens = np.zeros((rows, round_up(int(n_in.max()), pc.token_bucket)), np.int64)
     for i, c in enumerate(calls):
         tokens[i, : m[i]] = c.tokens
     fm = stride * (tokens.shape[1] - la)
-    tok_pos = [s.free_tok(int(t)) for s, t in zip(slots, t_new, strict=True)]
-    mel_pos = [s.free_mel(int(f)) for s, f in zip(slots, frames, strict=True)]
-    est_pos = [s.free_est(int(f)) for s, f in zip(slots, frames, strict=True)]
-    used = max(int(max(s.est.max(initial=0), p.max(initial=0))) for s, p in zip(slots, est_pos, strict=True))
+    tok_pos = [s.free_tok(int(t)) for s, t in zip(slots, t_new, strict=False)]
+    mel_pos = [s.free_mel(int(f)) for s, f in zip(slots, frames, strict=False)]
+    est_pos = [s.free_est(int(f)) for s, f in zip(slots, frames, strict=False)]
+    empty = np.zeros(0, np.int64)
+    est_hist = [s.est for s in slots] + [empty] * pad
+    est_rows = est_pos + [np.arange(stride)] * pad                          # a dummy's keys: its own new frames
+    used = max(int(max(h.max(initial=0), p.max(initial=0))) for h, p in zip(est_hist, est_rows, strict=True))
     tg = min(round_up(used + 2, pc.cache_bucket), pool.est_width)     # column tg − 1: trash for padded frames
-    est_len = np.array([s.est.shape[0] for s in slots])
+    est_len = np.array([h.shape[0] for h in est_hist])
     if int((est_len + frames).max()) > fcfg.noise_frames:
         raise ValueError(f"flow noise exhausted ({fcfg.noise_frames} frames)")
-    key_mask, wpos = np.zeros((b, tg), bool), np.full((b, fm), tg - 1, np.int64)
-    for i, s in enumerate(slots):
-        key_mask[i, s.est] = key_mask[i, est_pos[i]] = True
-        wpos[i, : frames[i]] = est_pos[i]
-    tok_idx, tok_valid = _left_padded([s.tok for s in slots], pc.cache_bucket)
-    mel_idx, mel_valid = _left_padded([s.mel for s in slots], pc.cache_bucket)
-    slot = np.array([s.slot for s in slots])
+    key_mask, wpos = np.zeros((rows, tg), bool), np.full((rows, fm), tg - 1, np.int64)
+    for i, (h, p) in enumerate(zip(est_hist, est_rows, strict=True)):
+        key_mask[i, h] = key_mask[i, p] = True
+        wpos[i, : frames[i]] = p
+    tok_idx, tok_valid = _left_padded([s.tok for s in slots] + [empty] * pad, pc.cache_bucket)
+    mel_idx, mel_valid = _left_padded([s.mel for s in slots] + [empty] * pad, pc.cache_bucket)
+    slot = np.array([s.slot for s in slots] + [slots[0].slot] * pad)        # dummies gather row 0's slot, masked
     (tr, tc), (mr, mc), (er, ec) = _rows_cols(tok_pos), _rows_cols(mel_pos), _rows_cols(est_pos)
     arrays = dict(slot=slot, m=m, t_new=t_new, frames=frames, tokens=tokens, key_mask=key_mask, wpos=wpos,
                   noise_at=np.minimum(est_len[:, None] + np.arange(fm)[None], fcfg.noise_frames - 1),
                   tok_idx=tok_idx, tok_valid=tok_valid, mel_idx=mel_idx, mel_valid=mel_valid,
                   tok_row=tr, tok_col=tc, tok_slot=slot[tr], mel_row=mr, mel_col=mc, mel_slot=slot[mr],
                   est_row=er, est_col=ec, est_slot=slot[er],
-                  tok_f=np.concatenate([np.arange(t) for t in t_new]),   # frame of each new K/V in its row
-                  mel_f=np.concatenate([np.arange(f) for f in frames]))
+                  tok_f=np.concatenate([np.arange(t) for t in t_new[:n]]),   # frame of each new K/V in its row
+                  mel_f=np.concatenate([np.arange(f) for f in frames[:n]]))
     return arrays, {"tg": tg, "frames": frames, "pos": (est_pos, tok_pos, mel_pos)}
 
 
@@ -103,37 +115,39 @@ def run_flow_pooled(models: Token2WavModels, pool: FlowPool, sessions: Sequence[
     slots = [s.slot for s in sessions]
     assert all(s is not None and s.pool is pool for s in slots), "run_flow_pooled: session without a slot"
     assert len({s.slot for s in slots}) == len(slots), "run_flow_pooled: one call per session per batch"   # type: ignore[union-attr]
-    arrays, host = _plan(pool, slots, calls)   # type: ignore[arg-type]
+    solver = solver or RaggedSolver(flow.decoder.estimator, enabled=False)
+    n, b = len(slots), solver.rows(len(slots))                             # real rows, batch rows (bucket)
+    arrays, host = _plan(pool, slots, calls, b)   # type: ignore[arg-type]
     d = to_device(arrays, pool.device)
-    b, tg, n_ts = len(slots), host["tg"], pool.scfg.n_timesteps
+    tg, n_ts = host["tg"], pool.scfg.n_timesteps
 
     # 1. conformer: [S, L, H, T, 2dk][slot, :, :, idx] → [B, C, L, H, 2dk] → [L, B, H, C, 2dk]
-    solver = solver or RaggedSolver(flow.decoder.estimator, enabled=False)
     hist = lambda t, idx: t[d["slot"][:, None], :, :, idx].permute(2, 0, 3, 1, 4)  # noqa: E731
     mu, enc_cnn, new_tok, new_mel = solver.encode(
         flow, d["tokens"], d["m"], d["t_new"], pool.enc_cnn.index_select(0, d["slot"]),
         hist(pool.tok_att, d["tok_idx"]), d["tok_valid"].bool(), hist(pool.mel_att, d["mel_idx"]),
         d["mel_valid"].bool())
-    pool.enc_cnn.index_copy_(0, d["slot"], enc_cnn)
+    pool.enc_cnn.index_copy_(0, d["slot"][:n], enc_cnn[:n])               # real rows only (a dummy shares row 0's slot)
     # new K/V [L, B, H, F, 2dk] → per new frame [N, L, H, 2dk] → pool[slot, :, :, position]
     pool.tok_att[d["tok_slot"], :, :, d["tok_col"]] = new_tok[:, d["tok_row"], :, d["tok_f"]]
     pool.mel_att[d["mel_slot"], :, :, d["mel_col"]] = new_mel[:, d["mel_row"], :, d["mel_f"]]
 
     # 2. estimator over each slot's physical window [0, tg)
     kv = solver.kv_buffer((n_ts, fcfg.dit_depth, 2, b, fcfg.dit_heads, tg, 2 * fcfg.dit_head_dim), pool.est_att)
-    for i, s in enumerate(slots):
+    for i, s in enumerate(slots):                                          # a dummy row attends to its own frames only
         kv[:, :, :, i].copy_(pool.est_att[s.slot, :, :, :, :, :tg])    # type: ignore[union-attr]
     k1 = fcfg.dit_conv_kernel - 1
     cnn_end = d["frames"][:, None] + torch.arange(k1, device=pool.device)[None]   # [B, k − 1]
     est_cnn = pool.est_cnn.index_select(0, d["slot"]).permute(1, 2, 3, 0, 4, 5)   # [n_ts, depth, 2, B, 2C, k − 1]
     noise = flow.decoder.rand_noise[0][:, d["noise_at"]].transpose(0, 1).contiguous()   # [B, 80, F]
     two = lambda x: torch.cat([x, x], dim=0)  # noqa: E731  (cond rows, then uncond rows)
+    spk = [s.voice.spk_proj for s in sessions]
     mel, new_cnn = solver.solve(
-        noise, mu, torch.cat([s.voice.spk_proj for s in sessions], dim=0),
+        noise, mu, torch.cat(spk + [spk[0].new_zeros(b - n, spk[0].shape[1])], dim=0),
         n_ts, fcfg.cfg_rate, est_cnn.reshape(n_ts, fcfg.dit_depth, 2 * b, *est_cnn.shape[4:]),
         kv.view(n_ts, fcfg.dit_depth, 2 * b, *kv.shape[4:]), two(d["key_mask"].bool()), two(d["wpos"]), two(cnn_end))
-    pool.est_cnn.index_copy_(0, d["slot"], new_cnn.view(n_ts, fcfg.dit_depth, 2, b, *new_cnn.shape[3:])
-                             .permute(3, 0, 1, 2, 4, 5))
+    pool.est_cnn.index_copy_(0, d["slot"][:n], new_cnn.view(n_ts, fcfg.dit_depth, 2, b, *new_cnn.shape[3:])
+                             [:, :, :, :n].permute(3, 0, 1, 2, 4, 5))
     # [n_ts, depth, 2, B, H, tg, 2hd][..., row, :, col] → [N, n_ts, depth, 2, H, 2hd] → pool[slot, ..., col]
     pool.est_att[d["est_slot"], :, :, :, :, d["est_col"]] = kv[:, :, :, d["est_row"], :, d["est_col"]]
 

@@ -2,14 +2,28 @@
 and the conformer encoder (`encode_ragged`; eager, its few hundred small kernels made batch 1
 launch-bound: 35 ms per chunk against 19 ms of GPU work on the H200).
 
-A graph is keyed by the batch's bucketed shapes (rows, frames, estimator window Tg, steps). The
-estimator K/V window is by far the largest input ([n_ts, depth, 2B, H, Tg, 2hd], ≈ 440 MiB per row at
-full size), so it is not copied in: every graph reads and writes it in ONE shared static buffer that
-the caller gathers the slots into (`kv_buffer`); the same shape always maps to the same prefix view,
-hence the same pointers. The small inputs are copied in; outputs (mel, cnn caches) are scratch that
-the caller copies into session storage before the next replay (§6.8). Growing the shared buffer drops
-every graph (they hold the old pointer). Warm-up runs rewrite the same new K/V (idempotent).
-On CPU, or when disabled, `solve` runs eagerly and `kv_buffer` is a fresh tensor.
+A graph is keyed by the batch's bucketed shapes (rows, frames, estimator window Tg, steps); the rows
+are bucketed too (`rows`, buckets.py), so graphs exist per row bucket, not per batch size. The
+estimator K/V window is by far the largest input ([n_ts, depth, 2B, H, Tg, 2hd]: n_ts · 128 KiB per
+frame and row in float32, 210 MiB per row at float16 and the full 672-frame window), so it is not
+copied in: every graph reads and writes it in ONE shared static buffer that the caller gathers the
+slots into (`kv_buffer`); the same shape always maps to the same prefix view, hence the same pointers.
+Growing the shared buffer drops every graph (they hold the old pointer). Warm-up runs rewrite the same
+new K/V (idempotent). The buffer starts zeroed, so a dummy row's masked keys are finite stale values.
+The other inputs are copied in at replay; their static copies are not per graph either: one flat
+buffer per (kind, input position), `_static`, viewed at each graph's shape (graphs replay one at a
+time and copy their inputs in first, so they can share it). That matters for the conformer history
+(≈ 10 MiB per row at full window, float16) and the estimator conv caches (0.6 MiB per row), which
+per graph came to GBs. Outputs (μ, new K/V, mel, cnn caches) are scratch in the shared graph pool that
+the caller copies into session storage before the next replay (§6.8).
+On CPU, or when disabled, `solve` runs eagerly, `rows(n)` is n and `kv_buffer` is a fresh tensor.
+
+Memory of a solver with graphs, per max_batch rows B (float16, full size, P ≤ 500):
+  K/V window buffer   B · n_ts · depth · 2 · H · W · 2hd · 2 B   = B · 210 MiB at W = 672
+  static inputs       B · (history ≈ 10 MiB + conv caches 0.6 MiB + small), once for all graphs
+  graph outputs       Σ over graphs of rows · (≈ 0.7 MiB encoder + 0.6 MiB solve): with buckets at
+                      B = 32 about 5 + 5 graphs per bucket over Σ buckets = 87 rows → ≈ 0.6 GiB
+                      (per batch size it was Σ 1..32 = 528 rows → ≈ 3.5 GiB)
 """
 
 from __future__ import annotations
@@ -19,6 +33,7 @@ from collections.abc import Callable
 
 import torch
 
+from engine.token2wav.buckets import bucket_rows
 from engine.token2wav.cfm import solve_ragged
 from engine.token2wav.dit import DiT
 from engine.token2wav.flow import Flow
@@ -26,13 +41,14 @@ from engine.token2wav.ragged import encode_ragged
 from engine.warmup import GraphMisses
 
 KV_INPUT = 4     # position of the K/V window in the solver's input tuple
+TOK_INPUT, MEL_INPUT = 4, 6   # positions of the conformer histories in the encoder's input tuple
 
 
 class _Graph:
     def __init__(self, fn: Callable[..., tuple[torch.Tensor, ...]], inputs: tuple[torch.Tensor, ...],
                  pool: object, shared: int | None) -> None:
         self.shared = shared                        # index of the input read in place (never copied), or None
-        self.inputs = tuple(t if i == shared else t.clone() for i, t in enumerate(inputs))
+        self.inputs = inputs                        # static inputs (RaggedSolver._static), filled
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -56,26 +72,50 @@ class _Graph:
 
 class RaggedSolver:
     """`solve_ragged` with the DiT and `encode_ragged`, eager or from graphs (at most `max_graphs`
-    of each, then eager)."""
+    of each, then eager). With graphs a batch of n rows runs at `rows(n)`, the smallest of `buckets`."""
 
-    def __init__(self, dit: DiT, enabled: bool, max_graphs: int = 32) -> None:
-        self.dit, self.max_graphs = dit, max_graphs
+    def __init__(self, dit: DiT, enabled: bool, max_graphs: int = 32, buckets: tuple[int, ...] = ()) -> None:
+        self.dit, self.max_graphs, self.buckets = dit, max_graphs, buckets
         self.enabled = enabled and torch.cuda.is_available() and next(dit.parameters()).is_cuda
         self.pool = torch.cuda.graph_pool_handle() if self.enabled else None
         self.graphs: dict[tuple, _Graph] = {}
         self.enc_graphs: dict[tuple, _Graph] = {}
         self._kv: torch.Tensor | None = None
+        self._arena: dict[tuple[str, int], torch.Tensor] = {}   # (kind, input position) → flat static storage
         self.misses = GraphMisses("token2wav")  # the engine shares one across its graph caches
+
+    def rows(self, n: int) -> int:
+        """Batch rows for n real rows: the row bucket with graphs (dummy rows pad it), n eagerly."""
+        return bucket_rows(n, self.buckets) if self.enabled and self.buckets else n
 
     def kv_buffer(self, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
         """Where the caller gathers the batch's estimator K/V window [n_ts, depth, 2, B, H, Tg, 2hd]."""
         if not self.enabled:
-            return like.new_empty(shape)
+            return like.new_zeros(shape)
         n = math.prod(shape)
         if self._kv is None or self._kv.numel() < n or self._kv.dtype != like.dtype:
-            self._kv = like.new_empty(n)
+            self._kv = like.new_zeros(n)        # zeroed: a dummy row's masked keys are never NaN garbage
             self.graphs.clear()
         return self._kv[:n].view(shape)
+
+    def reserve(self, kind: str, position: int, numel: int, like: torch.Tensor) -> None:
+        """Size the static storage of input `position` of `kind` ("solve" / "encode") for its largest
+        shape up front (warm-up): graphs captured before a later growth would keep the smaller one."""
+        if self.enabled:
+            self._grow(kind, position, numel, like)
+
+    def _grow(self, kind: str, position: int, numel: int, like: torch.Tensor) -> torch.Tensor:
+        flat = self._arena.get((kind, position))
+        if flat is None or flat.numel() < numel or flat.dtype != like.dtype or flat.device != like.device:
+            flat = self._arena[(kind, position)] = like.new_empty(numel)
+        return flat
+
+    def _static(self, kind: str, position: int, t: torch.Tensor) -> torch.Tensor:
+        """A graph's static copy of input `t`: a view of the shared flat storage of (kind, position),
+        with the strides `t.clone()` would have (the captured kernels see the layout of the eager run)."""
+        stride = torch.empty_like(t, device="meta").stride()
+        view = self._grow(kind, position, t.numel(), t).as_strided(t.shape, stride)
+        return view.copy_(t)
 
     def solve(self, noise: torch.Tensor, mu: torch.Tensor, spks: torch.Tensor, n_timesteps: int, cfg_rate: float,
               cnn: torch.Tensor, kv: torch.Tensor, key_mask: torch.Tensor, wpos: torch.Tensor, cnn_end: torch.Tensor
@@ -88,7 +128,7 @@ class RaggedSolver:
         if not self.enabled:
             return fn(*inputs)
         key = (n_timesteps, cfg_rate, *(tuple(t.shape) for t in inputs))
-        return self._replay(self.graphs, key, fn, inputs, KV_INPUT)  # type: ignore[return-value]
+        return self._replay(self.graphs, "solve", key, fn, inputs, KV_INPUT)  # type: ignore[return-value]
 
     def encode(self, flow: Flow, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """`encode_ragged(flow, *inputs)`; inputs are bucketed by the caller, so shapes repeat.
@@ -99,15 +139,16 @@ class RaggedSolver:
         if not self.enabled:
             return fn(*inputs)
         key = tuple(tuple(t.shape) for t in inputs)
-        return self._replay(self.enc_graphs, key, fn, inputs, None)
+        return self._replay(self.enc_graphs, "encode", key, fn, inputs, None)
 
-    def _replay(self, graphs: dict[tuple, _Graph], key: tuple, fn: Callable[..., tuple[torch.Tensor, ...]],
+    def _replay(self, graphs: dict[tuple, _Graph], kind: str, key: tuple, fn: Callable[..., tuple[torch.Tensor, ...]],
                 inputs: tuple[torch.Tensor, ...], shared: int | None) -> tuple[torch.Tensor, ...]:
         graph = graphs.get(key)
         if graph is None:
             full = len(graphs) >= self.max_graphs
-            self.misses.record("solve" if shared is not None else "encode", key, "eager" if full else "captured now")
+            self.misses.record(kind, key, "eager" if full else "captured now")
             if full:
                 return fn(*inputs)
-            graph = graphs[key] = _Graph(fn, inputs, self.pool, shared)
+            static = tuple(t if i == shared else self._static(kind, i, t) for i, t in enumerate(inputs))
+            graph = graphs[key] = _Graph(fn, static, self.pool, shared)
         return graph.run(inputs)

@@ -114,22 +114,22 @@ def _turn(eng: Token2WavEngine, sessions: int) -> None:
         eng.close(f"s{i}", fence)
 
 
-def test_token2wav_warm_up_runs_every_batch_size_and_counts_later_misses(
+def test_token2wav_warm_up_runs_every_row_bucket_and_counts_later_misses(
         models: Any, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811 - the fixture
     monkeypatch.setattr(ragged_graphs, "_Graph", _EagerGraph)
-    eng = Token2WavEngine(models, Token2WavEngineConfig(stream=StreamConfig(n_timesteps=2), max_batch=4,
+    eng = Token2WavEngine(models, Token2WavEngineConfig(stream=StreamConfig(n_timesteps=2), max_batch=5,
                                                         max_graphs=1000))
     eng.add_voice("a", make_voice(1))
     eng.solver.enabled = True
     lines: list[str] = []
-    eng.warm_up("a", lines.append, warm_batch=3)
+    eng.warm_up("a", lines.append, warm_batch=3)  # row buckets 1 2 4 5: 3 rows pad to 4, so it runs 4, 2, 1
     assert [line.split(":")[0] for line in lines[:3]] == [f"token2wav warm-up {i}/3" for i in (1, 2, 3)]
     assert eng.misses.warm and eng.graph_count() > 0
     assert eng.sessions == {} and len(eng.pool._free) == eng.cfg.pool.slots  # warm-up sessions are gone
-    for b in (1, 2, 3):  # turns like the warm-up's find their graphs
+    for b in (1, 2, 3, 4):  # turns like the warm-up's find their graphs (3 rows: bucket 4)
         _turn(eng, b)
     assert eng.misses.counts() == {}
-    _turn(eng, 4)  # a batch size the warm-up did not run
+    _turn(eng, 5)  # a row bucket the warm-up did not run
     assert sum(eng.misses.counts().values()) > 0
 
 

@@ -11,6 +11,7 @@ from typing import Any
 from engine.loader import load_checkpoint
 from engine.stage1.token2wav_engine import Token2WavEngine, Token2WavEngineConfig
 from engine.stage1.types import Fence
+from engine.token2wav.buckets import row_buckets
 from engine.token2wav.pool import PoolConfig
 
 from ..codec import RequestError, StageOutput, StageRequest
@@ -27,9 +28,10 @@ from .base import (
 from .options import check_config, seed_of, voice_of
 
 DEFAULT_VOICE = "default"
-# Ragged rows are not bucketed: each batch size has its own graphs (a warm-up turn builds ~5 shapes per
-# size and kind); room for twice that before a shape runs eager (counted as a miss either way).
-GRAPHS_PER_BATCH_SIZE = 10
+# Flow and HiFT rows are padded to row buckets (engine/token2wav/buckets.py: 7 at 32 sessions, 9 at 64), each
+# with its own graphs (a warm-up turn builds ~5 shapes per bucket and kind); room for twice that before a
+# shape runs eager (counted as a miss either way).
+GRAPHS_PER_BUCKET = 10
 
 OPTIONS = ("flow_dtype", "cuda_graphs")  # deploy profile `engine_options.token2wav` keys
 
@@ -49,7 +51,7 @@ class Token2WavBridge(EngineBridge):
         cuda = settings.device.startswith("cuda")
         cfg = Token2WavEngineConfig(max_batch=settings.max_sessions, use_cuda_graphs=cuda and opts.get("cuda_graphs", True),
                                     pool=PoolConfig(slots=settings.max_sessions),
-                                    max_graphs=GRAPHS_PER_BATCH_SIZE * settings.max_sessions)
+                                    max_graphs=GRAPHS_PER_BUCKET * len(row_buckets(settings.max_sessions)))
         self.engine = Token2WavEngine(ck.token2wav, cfg)
         self.voices = ck.voices()
         if not self.voices:
@@ -61,7 +63,7 @@ class Token2WavBridge(EngineBridge):
         self.opened: dict[str, tuple[str, int, bool]] = {}  # sid -> (voice, seed, a unit was submitted)
 
     def warm_up(self, emit: Callable[[str], None]) -> None:
-        """Every batch size's graphs, by synthetic turns in the default voice, before the stage is ready."""
+        """Every row bucket's graphs, by synthetic turns in the default voice, before the stage is ready."""
         self.engine.warm_up(self.default_voice, emit)
 
     def graph_misses(self) -> dict[str, int]:
