@@ -39,6 +39,7 @@ SYSTEM_PIPE_DIR = Path("/tmp/nvidia-mps")  # where CUDA looks for a daemon when 
 MAX_PIPE_DIR_CHARS = 80
 SHORT_DIR_ROOT = Path("/tmp")
 STAGES = ("stage0", "tts", "token2wav")
+NO_DAEMON = "cannot find mps control daemon"
 COMMAND_TIMEOUT_S = 10.0
 READY_TIMEOUT_S = 10.0
 POLL_S = 0.1
@@ -132,9 +133,10 @@ def _control(binary: Path, command: str, env: Mapping[str, str]) -> subprocess.C
 
 
 def _answers(binary: Path, pipe_dir: Path, environ: Mapping[str, str]) -> bool:
-    """A daemon listens on `pipe_dir` (the control client exits non-zero when it finds none)."""
+    """A daemon listens on `pipe_dir`. The control client says "Cannot find MPS control daemon process" when
+    none does; its exit code is checked too."""
     done = _control(binary, "get_server_list", {**environ, PIPE_ENV: str(pipe_dir)})
-    return done is not None and done.returncode == 0
+    return done is not None and done.returncode == 0 and NO_DAEMON not in (done.stdout + done.stderr).lower()
 
 
 @dataclass

@@ -47,7 +47,7 @@ else:
         record["stdin"].append(line)
         if not daemon.exists():
             print("Cannot find MPS control daemon process")
-            code = 1
+            code = int(os.environ.get("FAKE_MPS_NO_DAEMON_CODE", "1"))
         elif line == "quit":
             daemon.unlink()
 with open({record!r}, "a") as out:
@@ -201,6 +201,14 @@ def test_start_and_quit_with_a_private_pipe_dir(cache: Path, fake: FakeMps) -> N
     daemon.quit()
     assert fake.calls()[-1] == {"argv": [], "pipe": str(pipe), "log": str(log), "stdin": ["quit"]}
     assert not (pipe / "fake-daemon").exists()
+
+
+def test_no_daemon_is_told_by_what_the_client_says(cache: Path, fake: FakeMps) -> None:
+    """Whatever its exit code, a client that finds no daemon is not taken for one (no stale quit, no skipped wait)."""
+    fake.environ["FAKE_MPS_NO_DAEMON_CODE"] = "0"
+    daemon, _ = _started(fake, cache, 8129)
+    assert daemon is not None
+    assert fake.commands() == ["get_server_list", "-d", "get_server_list"]
 
 
 def test_a_leftover_daemon_is_stopped_first(cache: Path, fake: FakeMps) -> None:
