@@ -12,6 +12,7 @@ mask is causal within the slot.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
@@ -173,15 +174,16 @@ class SlotAttention(nn.Module):
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
                                               enable_gqa=self.n_kv != self.n_heads)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: SlotKVCache,
-                write_slot: torch.Tensor, write_pos: torch.Tensor, slot_ids: torch.Tensor | None,
-                mask: torch.Tensor, kv_limit: int, mode: str = "sdpa") -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, write_slot: torch.Tensor, write_pos: torch.Tensor,
+                slot_ids: torch.Tensor | None, mask: torch.Tensor, kv_limit: int, mode: str = "sdpa") -> torch.Tensor:
+        """k_cache, v_cache: this layer's `SlotKVCache` tensors. Passed in rather than looked up by
+        `self.layer`, so every layer runs the same code with no per-layer constant (`run_layer`)."""
         b, t, _ = x.shape
         q, k, v = self.project(x)
         q = apply_rope(q.transpose(1, 2), cos, sin)  # [B, heads, T, D]
         k = apply_rope(k.transpose(1, 2), cos, sin)  # [B, kvh, T, D]
-        keys, values = write_and_read_kv(kv.k[self.layer], kv.v[self.layer], k, v, write_slot, write_pos,
-                                         slot_ids, kv_limit)
+        keys, values = write_and_read_kv(k_cache, v_cache, k, v, write_slot, write_pos, slot_ids, kv_limit)
         out = self.attend(q, keys.to(q.dtype), values.to(q.dtype), mask, mode)  # [B, heads, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
 
@@ -238,3 +240,31 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, *attn_args: object) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), *attn_args)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+# ---------------------------------------------------------------- regional compilation
+# How a forward runs one layer: `run_layer` (eager) or a torch.compile of it (`compile_layers`).
+LayerFn = Callable[..., torch.Tensor]
+
+
+def run_layer(layer: nn.Module, *args: object) -> torch.Tensor:
+    """layer(*args). The unit of regional compilation: every decoder layer of a model runs this one code
+    object with its own weights and caches as inputs, so dynamo and inductor compile one layer once for
+    all layers (not a whole unrolled forward per shape)."""
+    return layer(*args)
+
+
+def mark_static_kv(kv: SlotKVCache) -> None:
+    """Tell dynamo the cache tensors never change size. With dynamic=True their sizes would become symbols
+    too, and equal sizes share one (duck shaping): a kv-head count equal to the batch pins the batch."""
+    import torch._dynamo
+
+    for t in (*kv.k, *kv.v):
+        torch._dynamo.mark_static(t)
+
+
+def compile_layers(mode: str | None = None, dynamic: bool | None = True) -> LayerFn:
+    """torch.compile of `run_layer`. dynamic=True: batch, query length and the attended-key span
+    (kv_limit) are symbolic from the first compile, so new buckets do not recompile (sizes 0 and 1 are
+    still specialised: a batch-1 shape compiles once more)."""
+    return torch.compile(run_layer, mode=mode, dynamic=dynamic)

@@ -21,6 +21,7 @@ from engine.config import LLMConfig
 from engine.model.layers import (
     DecoderLayer,
     GatedMLP,
+    LayerFn,
     RMSNorm,
     SlotAttention,
     SlotKVCache,
@@ -29,6 +30,7 @@ from engine.model.layers import (
     rope_cos_sin,
     rope_inv_freq,
     rotate_half,
+    run_layer,
     slot_layout,
 )
 
@@ -139,7 +141,7 @@ class Qwen3LLM(nn.Module):
 
     def forward(self, x: torch.Tensor, input_pos: torch.Tensor, slot_ids: torch.Tensor | None,
                 kv: SlotKVCache, valid: torch.Tensor | None = None,
-                kv_limit: int | None = None) -> torch.Tensor:
+                kv_limit: int | None = None, layer_fn: LayerFn | None = None) -> torch.Tensor:
         """One forward over ragged rows.
 
         x [B, T, H] input embeddings; input_pos [B, T] absolute positions = cache indices (padding: any
@@ -147,6 +149,7 @@ class Qwen3LLM(nn.Module):
         unused row must point at a position nobody reads, e.g. `kv.reserved_pos`); valid [B, T] bool
         (None: all valid). Padded queries write to the scratch slot's position 0 and read only their own
         row. kv_limit: a static bound on the positions any query reaches (defaults to the cache length).
+        layer_fn: runs each layer (`compile_layers()` for regional compilation; None: eager).
         Returns final-norm hidden [B, T, H].
         """
         b, t, _ = x.shape
@@ -160,9 +163,10 @@ class Qwen3LLM(nn.Module):
         mask = torch.zeros(visible.shape, dtype=torch.float32 if mode == "matmul" else x.dtype,
                            device=x.device).masked_fill_(~visible, float("-inf"))
         cos, sin = self.rope(lay.write_pos, x.dtype)
-        h = x
-        for layer in self.model.layers:
-            h = layer(h, cos, sin, kv, lay.write_slot, lay.write_pos, slot_ids, mask, lay.kv_limit, mode)
+        h, run = x, layer_fn or run_layer
+        for i, layer in enumerate(self.model.layers):
+            h = run(layer, h, cos, sin, kv.k[i], kv.v[i], lay.write_slot, lay.write_pos, slot_ids, mask,
+                    lay.kv_limit, mode)
         return self.model.norm(h)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

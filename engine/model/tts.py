@@ -21,11 +21,13 @@ from engine.config import TTSConfig
 from engine.model.layers import (
     DecoderLayer,
     GatedMLP,
+    LayerFn,
     RMSNorm,
     SlotAttention,
     SlotKVCache,
     rope_cos_sin,
     rope_inv_freq,
+    run_layer,
     slot_layout,
 )
 
@@ -108,19 +110,21 @@ class TTSModel(nn.Module):
 
     def forward(self, x: torch.Tensor, input_pos: torch.Tensor, slot_ids: torch.Tensor,
                 kv: TTSKVCache, valid: torch.Tensor | None = None,
-                kv_limit: int | None = None) -> torch.Tensor:
+                kv_limit: int | None = None, layer_fn: LayerFn | None = None) -> torch.Tensor:
         """One backbone forward over ragged rows.
 
         x [B, T, H] input embeddings; input_pos [B, T] absolute positions = cache indices (padding: any
         value); slot_ids [B] int64; valid [B, T] bool (None: all valid). Padded queries write to the
         scratch slot and attend to position 0 only. kv_limit: a static bound (> every valid position) on
-        the keys attended (defaults to the cache length). Returns final-norm hidden [B, T, H].
+        the keys attended (defaults to the cache length). layer_fn: runs each layer (`compile_layers()`
+        for regional compilation; None: eager). Returns final-norm hidden [B, T, H].
         """
         lay = slot_layout(input_pos, slot_ids, kv, valid, kv_limit)
         cos, sin = self.rope(lay.write_pos, x.dtype)
-        h = x
-        for layer in self.model.layers:  # bool mask [B, 1, T, L] straight to SDPA
-            h = layer(h, cos, sin, kv, lay.write_slot, lay.write_pos, slot_ids, lay.visible, lay.kv_limit)
+        h, run = x, layer_fn or run_layer
+        for i, layer in enumerate(self.model.layers):  # bool mask [B, 1, T, L] straight to SDPA
+            h = run(layer, h, cos, sin, kv.k[i], kv.v[i], lay.write_slot, lay.write_pos, slot_ids, lay.visible,
+                    lay.kv_limit)
         return self.model.norm(h)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

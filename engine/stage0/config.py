@@ -99,9 +99,11 @@ class Stage0Config:
     compile_mode: str | None = None
     # q/k/v and gate/up as one matmul each (`Qwen3LLM.fuse_projections`, applied to the model at engine start)
     fuse_projections: bool = True
-    # torch.compile `dynamic`: None compiles the first shape static and recompiles once with symbolic sizes
-    # (fast capture); False compiles every graph shape separately (slow capture, fastest kernels).
-    compile_dynamic: bool | None = None
+    # torch.compile `dynamic` of the compiled decoder layer (regional compilation, engine/stage0/graphs.py):
+    # True makes batch, length and span symbolic from the first compile (a few compiles for every bucket);
+    # None compiles the first shape static and recompiles with symbolic sizes; False compiles every graph
+    # shape separately (slow capture, fastest kernels).
+    compile_dynamic: bool | None = True
     # §3.6: defer `[terminator, </unit>]` and feed it in front of the next unit's prefill (one forward per
     # unit). UnitDone is emitted as soon as the terminator is known; the close is owed until then. Same ids
     # and hidden states as the separate close (tests/engine/test_stage0_merge.py), one forward fewer per unit.

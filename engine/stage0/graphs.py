@@ -12,8 +12,10 @@ the static output). All graphs of one set share a memory pool.
   (batch bucket, length bucket, span bucket). Dummy rows and padded positions write to the scratch slot.
 
 Off CUDA (or with `eager_replay=True`) `replay` calls the step function on the same static buffers, so CPU
-tests exercise the bucketing and copy-in/copy-out logic. `compile_mode` wraps the model forward in
-`torch.compile` before capture; modes that bring their own CUDA graphs are refused.
+tests exercise the bucketing and copy-in/copy-out logic. `compile_mode` runs the forward's decoder layers
+`torch.compile`d before capture (regional compilation: one layer compiled once for every layer, decode and
+prefill, with symbolic sizes: a few compiles for all buckets); modes that bring their own CUDA graphs are
+refused.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.model.layers import LayerFn, compile_layers, mark_static_kv
 from engine.model.llm import Qwen3LLM, SlotKVCache
 from engine.stage0.config import COMPILE_MODES
 from engine.stage0.hostio import to_device
@@ -57,22 +60,33 @@ def bucket(value: int, buckets: tuple[int, ...]) -> int:
     return min(fits)
 
 
-def compile_step(model: Qwen3LLM, mode: str | None, dynamic: bool | None = None) -> Callable[..., torch.Tensor]:
+def top_span_buckets(kv: SlotKVCache, spans: tuple[int, ...]) -> tuple[int, ...]:
+    """Attention spans up to `kv.reserved_pos`, which covers every token's key (no token is ever at the
+    reserved position). Not the cache length: a span of the whole cache is a contiguous slice, which a
+    compiled layer would compile separately."""
+    return tuple(sorted({b for b in spans if b < kv.reserved_pos} | {kv.reserved_pos}))
+
+
+def compile_step(mode: str | None, dynamic: bool | None = True) -> LayerFn | None:
+    """The layer function the graph sets pass to the forward: None (eager) or the decoder layer compiled
+    once for all layers (regional compilation, `compile_layers`); with dynamic=True the batch, length
+    and span are symbolic from the first compile, so the buckets share a few compiles."""
     if mode is None:
-        return model
+        return None
     if mode not in COMPILE_MODES:
         raise ValueError(f"compile mode {mode!r}: use one of {COMPILE_MODES} (the engine captures its own graphs)")
-    # dynamic=None: the first shape compiles static, a second shape recompiles once with symbolic sizes
-    return torch.compile(model, mode=mode, dynamic=dynamic)
+    return compile_layers(mode, dynamic)
 
 
 class StepGraphs:
     """Static steps keyed by shape, captured once into one pool."""
 
     def __init__(self, model: Qwen3LLM, kv: SlotKVCache, compile_mode: str | None = None,
-                 eager_replay: bool = False, compile_dynamic: bool | None = None) -> None:
+                 eager_replay: bool = False, compile_dynamic: bool | None = True) -> None:
         self.model, self.kv = model, kv
-        self.fn = compile_step(model, compile_mode, compile_dynamic)
+        self.layer_fn = compile_step(compile_mode, compile_dynamic)
+        if self.layer_fn is not None:
+            mark_static_kv(kv)
         self.device = kv.k[0].device
         self.dtype = next(model.parameters()).dtype
         self.eager_replay = eager_replay or self.device.type != "cuda"
@@ -86,18 +100,18 @@ class StepGraphs:
         return st
 
     def _recompile_room(self) -> contextlib.AbstractContextManager:
-        if self.fn is self.model:
+        if self.layer_fn is None:
             return contextlib.nullcontext()  # not compiled: leave torch._dynamo unimported
         cfg = torch._dynamo.config
         return cfg.patch(recompile_limit=max(cfg.recompile_limit, cfg.accumulated_recompile_limit))
 
     def _call(self, st: StaticStep) -> torch.Tensor:
-        return self.fn(st.x, st.pos, st.slots, self.kv, valid=st.valid, kv_limit=st.span)
+        return self.model(st.x, st.pos, st.slots, self.kv, valid=st.valid, kv_limit=st.span, layer_fn=self.layer_fn)
 
     @torch.no_grad()
     def _capture(self, key: tuple[int, ...], st: StaticStep) -> None:
         # a new shape may recompile (every shape with dynamic=False, and the decode and prefill sets share the
-        # forward's code object), so lift the per-code limit to the accumulated one while capturing; capture
+        # layer's code object), so lift the per-code limit to the accumulated one while capturing; capture
         # is the only place the compiled function runs
         with self._recompile_room():
             if self.eager_replay:
@@ -121,15 +135,15 @@ class StepGraphs:
 class DecodeGraphs(StepGraphs):
     def __init__(self, model: Qwen3LLM, kv: SlotKVCache, batch_buckets: tuple[int, ...],
                  kv_buckets: tuple[int, ...], compile_mode: str | None = None, eager_replay: bool = False,
-                 compile_dynamic: bool | None = None) -> None:
+                 compile_dynamic: bool | None = True) -> None:
         super().__init__(model, kv, compile_mode, eager_replay, compile_dynamic)
         self.batch_buckets = tuple(sorted({min(b, kv.slots) for b in batch_buckets} | {kv.slots}))
-        self.kv_buckets = tuple(sorted({b for b in kv_buckets if b < kv.max_len} | {kv.max_len}))
+        self.kv_buckets = top_span_buckets(kv, kv_buckets)
 
     @classmethod
     def create(cls, model: Qwen3LLM, kv: SlotKVCache, batch_buckets: tuple[int, ...],
                kv_buckets: tuple[int, ...] = (), enabled: bool = True, compile_mode: str | None = None,
-               eager_replay: bool = False, compile_dynamic: bool | None = None) -> DecodeGraphs | None:
+               eager_replay: bool = False, compile_dynamic: bool | None = True) -> DecodeGraphs | None:
         """None when disabled, or off CUDA unless `eager_replay` (tests)."""
         if not enabled or (kv.k[0].device.type != "cuda" and not eager_replay):
             return None
@@ -151,9 +165,9 @@ class DecodeGraphs(StepGraphs):
     def run(self, x: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, reach: int | None = None) -> torch.Tensor:
         """x [N, H] (device), pos [N] and slots [N] (host, distinct) → final-norm hidden [N, H] (owned).
 
-        reach: max(pos) + 1, the positions attention must span (default: the whole slot)."""
+        reach: max(pos) + 1, the positions attention must span (default: every token position of the slot)."""
         rows = bucket(int(slots.max()) + 1, self.batch_buckets)
-        span = bucket(self.kv.max_len if reach is None else reach, self.kv_buckets)
+        span = bucket(self.kv.reserved_pos if reach is None else reach, self.kv_buckets)
         st = self._step((rows, span))
         st.check(rows, 1, x.dtype)
         dense_pos = torch.full((rows,), self.kv.reserved_pos, dtype=torch.long)
@@ -171,17 +185,17 @@ class DecodeGraphs(StepGraphs):
 class PrefillGraphs(StepGraphs):
     def __init__(self, model: Qwen3LLM, kv: SlotKVCache, batch_buckets: tuple[int, ...],
                  len_buckets: tuple[int, ...], kv_buckets: tuple[int, ...], compile_mode: str | None = None,
-                 eager_replay: bool = False, compile_dynamic: bool | None = None) -> None:
+                 eager_replay: bool = False, compile_dynamic: bool | None = True) -> None:
         super().__init__(model, kv, compile_mode, eager_replay, compile_dynamic)
         self.batch_buckets = tuple(sorted({min(b, kv.slots) for b in batch_buckets}))
         self.len_buckets = tuple(sorted(set(len_buckets)))
-        self.kv_buckets = tuple(sorted({b for b in kv_buckets if b < kv.max_len} | {kv.max_len}))
+        self.kv_buckets = top_span_buckets(kv, kv_buckets)
 
     @classmethod
     def create(cls, model: Qwen3LLM, kv: SlotKVCache, batch_buckets: tuple[int, ...],
                len_buckets: tuple[int, ...], kv_buckets: tuple[int, ...] = (), enabled: bool = True,
                compile_mode: str | None = None, eager_replay: bool = False,
-               compile_dynamic: bool | None = None) -> PrefillGraphs | None:
+               compile_dynamic: bool | None = True) -> PrefillGraphs | None:
         if not enabled or not batch_buckets or not len_buckets or (
                 kv.k[0].device.type != "cuda" and not eager_replay):
             return None

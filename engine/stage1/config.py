@@ -17,9 +17,10 @@ class TTSEngineConfig:
     # samples per unit; the last one is discarded, so a unit without EOS returns max_new_tokens - 1 codes
     max_new_tokens: int = 26
     use_cuda_graphs: bool = True
-    # torch.compile the single-code step before graph capture (CUDA only; compiles per bucket). Needed
-    # for P4 on an H200 (one unit 31 ms vs 65 ms graph-only at batch 1); fused kernels round differently
-    # from eager, so exact graph == eager (I10) holds for the uncompiled graph only.
+    # torch.compile the single-code step's decoder layers before graph capture (regional compilation: a
+    # couple of compiles for all buckets; on CPU the warm-up compiles ahead, no graphs). Needed for P4 on
+    # an H200 (one unit 31 ms vs 65 ms graph-only at batch 1, whole-step compile); fused kernels round
+    # differently from eager, so exact graph == eager (I10) holds for the uncompiled graph only.
     compile_step: bool = False
     batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
     # condition-row counts (n + 1) with a captured prefill graph; longer units prefill eagerly

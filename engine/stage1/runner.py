@@ -7,10 +7,11 @@ stepping (their extra KV lies past the unit's end and is overwritten before it i
 engine trims after the single copy-out.
 
 On CUDA the step replays a graph per (batch bucket, kv bucket) and the prefill one per (batch bucket,
-row bucket, kv bucket), padded with scratch-slot rows; with `compile_step` the step is torch.compile'd
-before capture (fewer, fused kernels). `warm_up` builds all of them at load (the stage is ready only
-after); later, a shape that finds no graph is a `misses` entry (counted, logged once). On CPU both run
-eagerly through the same functions.
+row bucket, kv bucket), padded with scratch-slot rows; with `compile_step` the step's decoder layers
+run torch.compile'd before capture (fewer, fused kernels; regional compilation: one layer compiled once
+for all layers and all buckets, `compile_layers`). `warm_up` builds all of them at load (the stage is
+ready only after); later, a shape that finds no graph is a `misses` entry (counted, logged once). On CPU
+both run without graphs through the same functions (the step's layers compiled with `compile_step`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.model.layers import LayerFn, compile_layers, mark_static_kv
 from engine.model.tts import TTSKVCache, TTSModel
 from engine.stage1.config import TTSEngineConfig
 from engine.stage1.sampling import tts_sample
@@ -28,7 +30,8 @@ from engine.warmup import GraphMisses, Progress
 
 
 def _allow_recompiles(limit: int) -> None:
-    """One compiled step per (batch bucket, kv bucket): raise dynamo's per-function recompile cap.
+    """Room for the compiled layer's few shapes (and another engine's in the same process): raise
+    dynamo's per-function recompile cap.
 
     NOTE: dynamo's config is process-global; this only ever raises the cap.
     """
@@ -50,7 +53,9 @@ class TTSRunner:
         self.model, self.cfg = model, cfg
         self.device = model.emb_text.weight.device
         self.vocab = model.cfg.num_audio_tokens
-        self.kv = TTSKVCache.allocate(model.cfg, cfg.max_sessions, cfg.max_turn_positions,
+        # one spare position past the largest kv bucket: a span of the whole cache is a contiguous slice,
+        # which the compiled layer would compile separately
+        self.kv = TTSKVCache.allocate(model.cfg, cfg.max_sessions, cfg.max_turn_positions + 1,
                                       dtype=dtype, device=self.device)
         on_cuda = self.device.type == "cuda"
         self.use_graphs = cfg.use_cuda_graphs and on_cuda
@@ -58,14 +63,14 @@ class TTSRunner:
         self._graphs: dict[tuple[int, ...], _Graph] = {}
         self._pool: object | None = None
         self.misses = GraphMisses("tts")
-        self._step_fn = self._step
-        if cfg.compile_step and on_cuda:  # fuse the ~45 small kernels per layer; graphs replay the result
-            _allow_recompiles(len(cfg.batch_buckets) * 8)
-            # NOTE: automatic dynamic shapes, not one static compile per (batch, kv) bucket: warm-up builds all
-            # 36 buckets of a 32-session profile, and 36 static compiles (~30-60 s each) would keep the stage
-            # unready for over half an hour; dynamo makes the batch and kv span symbolic after the first
-            # changes (about 6 compiles in all, seen on CPU). Graphs still replay per bucket.
-            self._step_fn = torch.compile(self._step, fullgraph=True, dynamic=None)
+        self._layer_fn: LayerFn | None = None
+        if cfg.compile_step:  # fuse the ~45 small kernels per layer; graphs replay the result
+            _allow_recompiles(8)
+            # NOTE: regional compilation: one decoder layer is compiled once and runs all layers, with the
+            # batch and kv span symbolic from the start, so warm-up compiles twice (batch 1 and batch > 1)
+            # rather than the whole step per (batch, kv) shape. Graphs still replay per bucket.
+            self._layer_fn = compile_layers(dynamic=True)
+            mark_static_kv(self.kv)
 
     # -- the two functions shared by eager and graph paths ----------------------------------------
     def _prefill(self, cond: torch.Tensor, st: UnitState, kv_limit: int) -> None:
@@ -89,7 +94,8 @@ class TTSRunner:
         window = st.samples.gather(1, t + torch.arange(w, device=t.device))  # samples t-w .. t-1
         x = self.model.embed_codes(code)[:, None]  # [B, 1, H]
         pos = (st.start + st.n_rows + st.t)[:, None]  # [B, 1]
-        h = self.model(x, pos, st.slot, self.kv, valid=st.valid[:, None], kv_limit=kv_limit)
+        h = self.model(x, pos, st.slot, self.kv, valid=st.valid[:, None], kv_limit=kv_limit,
+                       layer_fn=self._layer_fn)
         out = self._sample(self.model.logits(h[:, 0]), window, st, st.u.gather(1, t)[:, 0])
         st.samples.scatter_(1, t + w, out[:, None])
         st.t.add_(1)
@@ -134,7 +140,7 @@ class TTSRunner:
             self.misses.record("step", key, "captured now")
             st = self._bucket_state(bucket)
             st.make_padding(self.kv.scratch)
-            self._capture(key, lambda: self._step_fn(st, kv_limit), lambda: st.t.fill_(1))
+            self._capture(key, lambda: self._step(st, kv_limit), lambda: st.t.fill_(1))
         return self._graphs[key]
 
     def _prefill_graph(self, bucket: int, rows: int, kv_limit: int) -> _Graph:
@@ -159,18 +165,30 @@ class TTSRunner:
     @torch.inference_mode()
     def warm_up(self, emit: Callable[[str], None] | None = None) -> None:
         """Build (compile, then capture) every step and prefill graph that a batch of at most `max_batch`
-        sessions can use: batch buckets x kv buckets, x row buckets for the prefill. No-op off CUDA."""
+        sessions can use: batch buckets x kv buckets, x row buckets for the prefill. Off CUDA there are no
+        graphs: with `compile_step` the step is compiled ahead on the same buckets, otherwise a no-op."""
+        top = self.cfg.batch_bucket(self.cfg.max_batch)
+        batches = sorted((b for b in self.cfg.batch_buckets if b <= top), reverse=True)  # largest first: the
+        kv_limits = self.kv_buckets()  # shared graph pool is sized once
         if self.use_graphs:
-            batches = [b for b in self.cfg.batch_buckets if b <= self.cfg.batch_bucket(self.cfg.max_batch)]
-            kv_limits = self.kv_buckets()
             progress = Progress("tts", len(batches) * len(kv_limits) * (1 + len(self.cfg.row_buckets)), emit)
-            for b in sorted(batches, reverse=True):  # largest first: the shared pool is sized once
+            for b in batches:
                 for kv_limit in kv_limits:
                     self._step_graph(b, kv_limit)
                     progress.step(f"step graph batch {b} kv {kv_limit}")
                     for rows in self.cfg.row_buckets:
                         self._prefill_graph(b, rows, kv_limit)
                         progress.step(f"prefill graph batch {b} rows {rows} kv {kv_limit}")
+            progress.done()
+        elif self.cfg.compile_step:
+            progress = Progress("tts", len(batches) * len(kv_limits), emit)
+            for b in batches:
+                st = self._bucket_state(b)
+                st.make_padding(self.kv.scratch)  # pad rows write to the scratch slot only
+                for kv_limit in kv_limits:
+                    st.t.fill_(1)
+                    self._step(st, kv_limit)
+                    progress.step(f"compiled step batch {b} kv {kv_limit}")
             progress.done()
         self.misses.warm = True
 
@@ -220,5 +238,5 @@ class TTSRunner:
             if step is not None:
                 step.graph.replay()
             else:
-                self._step_fn(st, step_limit)
+                self._step(st, step_limit)
         return st.samples[:b, w:].clone()

@@ -6,6 +6,8 @@ capture real graphs, with and without torch.compile, and are skipped here.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -44,7 +46,7 @@ def _check_prefill(device: str, compile_mode: str | None = None, eager_replay: b
     eager_kv = _copy(kv)
     graphs = PrefillGraphs.create(model, kv, (1, 2, 4), (2, 13, 20), (32,), compile_mode=compile_mode,
                                   eager_replay=eager_replay)
-    assert graphs is not None and set(graphs.kv_buckets) == {32, kv.max_len}
+    assert graphs is not None and set(graphs.kv_buckets) == {32, kv.reserved_pos}  # every token's span
     gen = torch.Generator().manual_seed(1)
     for slots, lengths in (([1], [11]), ([2, 0, 3], [13, 11, 2])):  # unit; merged close + unit, unit, close
         embeds = [torch.randn(n, TINY.hidden_size, generator=gen).to(device) for n in lengths]
@@ -159,21 +161,23 @@ def test_config_refuses_compile_modes_with_their_own_graphs() -> None:
 
 
 def test_engine_compiles_before_capture(monkeypatch: pytest.MonkeyPatch) -> None:
-    """compile_mode wraps the forward that the graph sets capture (a recording stand-in for torch.compile)."""
+    """compile_mode compiles the decoder layer that the captured forwards run (a recording stand-in for
+    torch.compile)."""
     calls: list[tuple] = []
 
-    def fake_compile(model: Qwen3LLM, mode: str, dynamic: bool | None) -> object:
+    def fake_compile(run_layer: Callable[..., torch.Tensor], mode: str, dynamic: bool | None) -> object:
         def fn(*args: object, **kwargs: object) -> torch.Tensor:
             calls.append((mode, dynamic))
-            return model(*args, **kwargs)
+            return run_layer(*args, **kwargs)
         return fn
 
     monkeypatch.setattr(torch, "compile", fake_compile)
     engine, _ = make_engine(eager_replay_graphs=True, compile_mode="max-autotune-no-cudagraphs",
                             compile_dynamic=False, **{**SMALL, "decode_batch_buckets": (1,)},
                             prefill_batch_buckets=(1,))
-    captured = len(calls)
-    assert captured == len(engine.runner.graphs.steps) + len(engine.runner.prefill_graphs.steps)
+    captured = len(calls)  # regional compilation: the compiled layer runs every layer of each captured step
+    steps = len(engine.runner.graphs.steps) + len(engine.runner.prefill_graphs.steps)
+    assert captured == steps * TINY.num_hidden_layers
     assert set(calls) == {("max-autotune-no-cudagraphs", False)}
 
 
