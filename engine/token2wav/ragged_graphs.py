@@ -14,16 +14,16 @@ The other inputs are copied in at replay; their static copies are not per graph 
 buffer per (kind, input position), `_static`, viewed at each graph's shape (graphs replay one at a
 time and copy their inputs in first, so they can share it). That matters for the conformer history
 (≈ 10 MiB per row at full window, float16) and the estimator conv caches (0.6 MiB per row), which
-per graph came to GBs. Outputs (μ, new K/V, mel, cnn caches) are scratch in the shared graph pool that
-the caller copies into session storage before the next replay (§6.8).
+per graph came to GBs. Outputs (μ, new K/V, mel, cnn caches) are scratch that the caller copies into
+session storage before the next replay (§6.8); they too live in one shared buffer per (kind, output
+position), so the replay of any graph of that kind overwrites them (not only of the same graph).
 On CPU, or when disabled, `solve` runs eagerly, `rows(n)` is n and `kv_buffer` is a fresh tensor.
 
 Memory of a solver with graphs, per max_batch rows B (float16, full size, P ≤ 500):
   K/V window buffer   B · n_ts · depth · 2 · H · W · 2hd · 2 B   = B · 210 MiB at W = 672
   static inputs       B · (history ≈ 10 MiB + conv caches 0.6 MiB + small), once for all graphs
-  graph outputs       Σ over graphs of rows · (≈ 0.7 MiB encoder + 0.6 MiB solve): with buckets at
-                      B = 32 about 5 + 5 graphs per bucket over Σ buckets = 87 rows → ≈ 0.6 GiB
-                      (per batch size it was Σ 1..32 = 528 rows → ≈ 3.5 GiB)
+  graph outputs       B · (≈ 0.7 MiB encoder + 0.6 MiB solve), once for all graphs; they were pinned per
+                      graph: ~5 + 5 graphs per batch size over Σ 1..32 = 528 rows → ≈ 3.5 GiB at B = 32
 """
 
 from __future__ import annotations
@@ -150,5 +150,23 @@ class RaggedSolver:
             if full:
                 return fn(*inputs)
             static = tuple(t if i == shared else self._static(kind, i, t) for i, t in enumerate(inputs))
-            graph = graphs[key] = _Graph(fn, static, self.pool, shared)
+            graph = graphs[key] = _Graph(self._static_outputs(kind, fn), static, self.pool, shared)
         return graph.run(inputs)
+
+    def _static_outputs(self, kind: str, fn: Callable[..., tuple[torch.Tensor, ...]]
+                        ) -> Callable[..., tuple[torch.Tensor, ...]]:
+        """`fn` that copies its results into shared static storage per (kind, output position) and returns
+        those views: the graph's own results become intermediates, free for the next capture, instead of
+        outputs pinned in the graph pool per graph. The storage is taken at the first call, an eager run
+        before the capture (`_Graph`)."""
+        outs: list[torch.Tensor] = []
+
+        def run(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            res = fn(*xs)
+            if not outs:
+                outs.extend(self._static(f"{kind} out", i, r) for i, r in enumerate(res))
+            else:
+                for o, r in zip(outs, res, strict=True):
+                    o.copy_(r)
+            return tuple(outs)
+        return run
