@@ -9,6 +9,15 @@ mixed prompt lengths (P = 0.5x / 1x / 1.5x the prompt), mixed code counts (28, 1
 mixed cache lengths (rows 0, 1, 3 calls into their turn). `--tiny`: CPU smoke run at tiny dims.
 
     python bench/bench_token2wav.py [--tiny] [--iters 30] [--batches 1,8,32] [--out result.json]
+
+`--warm-up 32` instead builds the engine as the Triton bridge does for max_sessions = 32 (slot pool,
+row buckets, graph cap) with one voice of the prompt size, runs `Token2WavEngine.warm_up` and reports
+the graphs it built (per kind and row count), the seconds, the device memory after building the pool and
+after warm-up (`mem_get_info`, allocator allocated / reserved / peak) and the big buffers' bytes; then one
+turn of every batch size 1..32 must find its graphs (`misses` stays empty). One size per process gives
+clean device figures:
+
+    python bench/bench_token2wav.py --flow-dtype fp16 --warm-up 32 --out warm32.json
 """
 
 from __future__ import annotations
@@ -26,8 +35,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from engine.stage1.token2wav_engine import WARMUP_UNITS, Token2WavEngine, Token2WavEngineConfig  # noqa: E402
+from engine.stage1.types import Fence  # noqa: E402
 from engine.token2wav.assets import TINY_HIFT, Token2WavModels  # noqa: E402
 from engine.token2wav.batch import group_by, hift_bucket_key  # noqa: E402
+from engine.token2wav.buckets import row_buckets  # noqa: E402
 from engine.token2wav.config import TINY_FLOW, FlowConfig, HiFTConfig, StreamConfig  # noqa: E402
 from engine.token2wav.flow import Flow  # noqa: E402
 from engine.token2wav.graphs import GraphCache  # noqa: E402
@@ -165,6 +177,64 @@ def bench_pooled(models, vcs, scfg, batch: int, graphs: GraphCache, timer: Timer
         return result
 
 
+GRAPHS_PER_BUCKET = 10   # as model_repository/common/bridges/token2wav_bridge.py
+
+
+def _device_memory(device: torch.device) -> dict:
+    if device.type != "cuda":
+        return {}
+    torch.cuda.synchronize()
+    free, total = torch.cuda.mem_get_info()
+    return {"device_used_gib": (total - free) / 2**30, "allocated_gib": torch.cuda.memory_allocated() / 2**30,
+            "reserved_gib": torch.cuda.memory_reserved() / 2**30,
+            "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30}
+
+
+def bench_warm_up(models: Token2WavModels, voice: VoicePack, max_batch: int, device: torch.device) -> dict:
+    """The bridge's engine for `max_batch` sessions: warm-up graphs, seconds, memory; then a live turn of
+    every batch size 1..max_batch, which must find its graphs."""
+    buckets = row_buckets(max_batch)
+    cfg = Token2WavEngineConfig(max_batch=max_batch, use_cuda_graphs=device.type == "cuda",
+                                pool=PoolConfig(slots=max_batch), max_graphs=GRAPHS_PER_BUCKET * len(buckets))
+    before = _device_memory(device)
+    eng = Token2WavEngine(models, cfg)
+    eng.add_voice("v", voice)
+    after_pool = _device_memory(device)
+    lines: list[str] = []
+    t0 = time.perf_counter()
+    eng.warm_up("v", lambda line: (lines.append(line), print(line, flush=True)))
+    warm_s = time.perf_counter() - t0
+    after = _device_memory(device)
+    kinds = {"solve": (eng.solver.graphs, 2), "encode": (eng.solver.enc_graphs, 0),
+             "hift": (eng.graphs.hift_graphs, 0)}   # (table, the key entry whose first dim is the row count)
+    graphs = {k: sorted({key[i][0] for key in table}) for k, (table, i) in kinds.items()}
+    nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+    out = {"max_batch": max_batch, "buckets": list(buckets), "warm_sizes": list(eng.warm_sizes()),
+           "graphs": eng.graph_count(), "graphs_by_kind": {k: len(t) for k, (t, _) in kinds.items()},
+           "graph_rows_by_kind": graphs, "warm_up_s": warm_s, "memory_before": before,
+           "memory_after_pool": after_pool, "memory_after_warm_up": after,
+           "pool_gib": nbytes(eng.pool.tensors()) / 2**30 if eng.pool is not None else 0,
+           "kv_buffer_gib": nbytes([eng.solver._kv] if eng.solver._kv is not None else []) / 2**30,
+           "static_io_gib": nbytes(eng.solver._arena.values()) / 2**30, "progress": lines}
+    fence, rng = Fence(1, 0), np.random.default_rng(5)
+    t0 = time.perf_counter()
+    for n in range(1, max_batch + 1):
+        sids = [f"live{i}" for i in range(n)]
+        for i, sid in enumerate(sids):
+            eng.open(sid, fence, "v", seed=i)
+        for unit in range(WARMUP_UNITS):
+            for sid in sids:
+                eng.submit(sid, fence, unit, rng.integers(0, models.flow_cfg.vocab_size, 25).tolist(),
+                           end_of_turn=unit == WARMUP_UNITS - 1)
+        while eng.pending():
+            eng.step()
+        for sid in sids:
+            eng.close(sid, fence)
+    out["live_turns_s"], out["misses_after_live_turns"] = time.perf_counter() - t0, eng.misses.counts()
+    out["memory_after_live_turns"] = _device_memory(device)
+    return out
+
+
 def fp16_accuracy(tiny: bool, device: torch.device, p_tok: int, scfg: StreamConfig, calls: int = 3) -> dict:
     """Mel and PCM of `calls` stream calls with the fp16 flow against the fp32 flow (same seeded
     weights, voice and codes; HiFT fp32 in both): what the fp16 option costs in accuracy."""
@@ -265,6 +335,8 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="print a torch.profiler table per run")
     ap.add_argument("--flow-dtype", choices=("fp32", "fp16"), default="fp32")
     ap.add_argument("--tf32", action="store_true", help="allow TF32 matmuls (changes fp32 numerics)")
+    ap.add_argument("--warm-up", type=int, default=0, metavar="MAX_SESSIONS",
+                    help="only the engine warm-up at this many sessions: graphs, seconds, memory")
     args = ap.parse_args()
     PROFILE["on"] = args.profile
     device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
@@ -279,6 +351,15 @@ def main() -> None:
     p_tok = voice.prompt_tokens.shape[0]
     vcs = [vc] + [build_voice_cache(models.flow, make_voice(max(2, int(p_tok * f)), models.flow_cfg.vocab_size, 1 + j),
                                     scfg) for j, f in enumerate((0.5, 1.5))]
+    if args.warm_up:
+        del vc, vcs
+        results = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "tiny": args.tiny,
+                   "flow_dtype": args.flow_dtype, "prompt_frames": 2 * p_tok,
+                   "warm_up": bench_warm_up(models, voice, args.warm_up, device)}
+        if args.out:
+            Path(args.out).write_text(json.dumps(results, indent=2))
+        print(json.dumps(results))
+        return
     timer = Timer(device)
     results: dict = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                      "tiny": args.tiny, "prompt_frames": vc.prompt_frames, "n_timesteps": scfg.n_timesteps,
