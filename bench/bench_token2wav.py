@@ -215,7 +215,7 @@ def bench_warm_up(models: Token2WavModels, voice: VoicePack, max_batch: int, dev
            "memory_after_pool": after_pool, "memory_after_warm_up": after,
            "pool_gib": nbytes(eng.pool.tensors()) / 2**30 if eng.pool is not None else 0,
            "kv_buffer_gib": nbytes([eng.solver._kv] if eng.solver._kv is not None else []) / 2**30,
-           "static_io_gib": nbytes(eng.solver._arena.values()) / 2**30, "progress": lines}
+           "static_io_gib": (eng.solver.io.nbytes() + eng.graphs.io.nbytes()) / 2**30, "progress": lines}
     fence, rng = Fence(1, 0), np.random.default_rng(5)
     t0 = time.perf_counter()
     for n in range(1, max_batch + 1):

@@ -2,6 +2,8 @@
 
 Replay is copy-in → replay → slice-out. Static outputs are scratch: callers copy them into session
 storage before the next replay (`solve_chunk` copies caches at once; HiFT outputs are cloned here).
+Static inputs and outputs are shared by the graphs of a kind (static_io.py: the HiFT noise input alone
+is 1 MiB per row), so the replay of ANY graph of a kind overwrites that kind's outputs.
 On CPU, or when disabled, both runners call the eager modules. Graphs share one memory pool.
 """
 
@@ -14,13 +16,14 @@ import torch
 from engine.token2wav.dit import DiT
 from engine.token2wav.encoder import UpsampleConformerEncoder
 from engine.token2wav.hift import HiFT
+from engine.token2wav.static_io import StaticIO
 from engine.warmup import GraphMisses
 
 
 class _Graph:
     def __init__(self, fn: Callable[..., tuple[torch.Tensor, ...]], inputs: tuple[torch.Tensor, ...],
                  pool: object) -> None:
-        self.inputs = tuple(t.clone() for t in inputs)
+        self.inputs = inputs                        # static inputs (StaticIO), filled
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -51,6 +54,7 @@ class GraphCache:
         self.dit_graphs: dict[tuple, _Graph] = {}
         self.hift_graphs: dict[tuple, _Graph] = {}
         self.enc_graphs: dict[tuple, _Graph] = {}
+        self.io = StaticIO()                    # static inputs / outputs, shared by the graphs of a kind
         self.misses = GraphMisses("token2wav")  # the engine shares one across its graph caches
 
     def _get(self, table: dict[tuple, _Graph], fn: Callable, inputs: tuple[torch.Tensor, ...],
@@ -62,7 +66,7 @@ class GraphCache:
             kind = "dit" if table is self.dit_graphs else "hift" if table is self.hift_graphs else "encoder"
             self.misses.record(kind, key, "eager" if full else "captured now")
             if not full:
-                graph = table[key] = _Graph(fn, inputs, self.pool)
+                graph = table[key] = _Graph(self.io.outputs(kind, fn), self.io.inputs(kind, inputs), self.pool)
         return graph
 
     def estimator(self, x: torch.Tensor, mu: torch.Tensor, t: torch.Tensor, spks: torch.Tensor,

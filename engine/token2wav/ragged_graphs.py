@@ -10,13 +10,11 @@ copied in: every graph reads and writes it in ONE shared static buffer that the 
 slots into (`kv_buffer`); the same shape always maps to the same prefix view, hence the same pointers.
 Growing the shared buffer drops every graph (they hold the old pointer). Warm-up runs rewrite the same
 new K/V (idempotent). The buffer starts zeroed, so a dummy row's masked keys are finite stale values.
-The other inputs are copied in at replay; their static copies are not per graph either: one flat
-buffer per (kind, input position), `_static`, viewed at each graph's shape (graphs replay one at a
-time and copy their inputs in first, so they can share it). That matters for the conformer history
-(≈ 10 MiB per row at full window, float16) and the estimator conv caches (0.6 MiB per row), which
-per graph came to GBs. Outputs (μ, new K/V, mel, cnn caches) are scratch that the caller copies into
-session storage before the next replay (§6.8); they too live in one shared buffer per (kind, output
-position), so the replay of any graph of that kind overwrites them (not only of the same graph).
+The other inputs are copied in at replay; their static copies are not per graph either but shared by
+the graphs of a kind (static_io.py). That matters for the conformer history (≈ 10 MiB per row at full
+window, float16) and the estimator conv caches (0.6 MiB per row), which per graph came to GBs. Outputs
+(μ, new K/V, mel, cnn caches) are scratch that the caller copies into session storage before the next
+replay (§6.8); they too are shared per kind, so the replay of ANY graph of that kind overwrites them.
 On CPU, or when disabled, `solve` runs eagerly, `rows(n)` is n and `kv_buffer` is a fresh tensor.
 
 Memory of a solver with graphs, per max_batch rows B (float16, full size, P ≤ 500):
@@ -38,6 +36,7 @@ from engine.token2wav.cfm import solve_ragged
 from engine.token2wav.dit import DiT
 from engine.token2wav.flow import Flow
 from engine.token2wav.ragged import encode_ragged
+from engine.token2wav.static_io import StaticIO
 from engine.warmup import GraphMisses
 
 KV_INPUT = 4     # position of the K/V window in the solver's input tuple
@@ -48,7 +47,7 @@ class _Graph:
     def __init__(self, fn: Callable[..., tuple[torch.Tensor, ...]], inputs: tuple[torch.Tensor, ...],
                  pool: object, shared: int | None) -> None:
         self.shared = shared                        # index of the input read in place (never copied), or None
-        self.inputs = inputs                        # static inputs (RaggedSolver._static), filled
+        self.inputs = inputs                        # static inputs (StaticIO), filled
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -81,7 +80,7 @@ class RaggedSolver:
         self.graphs: dict[tuple, _Graph] = {}
         self.enc_graphs: dict[tuple, _Graph] = {}
         self._kv: torch.Tensor | None = None
-        self._arena: dict[tuple[str, int], torch.Tensor] = {}   # (kind, input position) → flat static storage
+        self.io = StaticIO()                    # static inputs / outputs, shared by the graphs of a kind
         self.misses = GraphMisses("token2wav")  # the engine shares one across its graph caches
 
     def rows(self, n: int) -> int:
@@ -102,20 +101,7 @@ class RaggedSolver:
         """Size the static storage of input `position` of `kind` ("solve" / "encode") for its largest
         shape up front (warm-up): graphs captured before a later growth would keep the smaller one."""
         if self.enabled:
-            self._grow(kind, position, numel, like)
-
-    def _grow(self, kind: str, position: int, numel: int, like: torch.Tensor) -> torch.Tensor:
-        flat = self._arena.get((kind, position))
-        if flat is None or flat.numel() < numel or flat.dtype != like.dtype or flat.device != like.device:
-            flat = self._arena[(kind, position)] = like.new_empty(numel)
-        return flat
-
-    def _static(self, kind: str, position: int, t: torch.Tensor) -> torch.Tensor:
-        """A graph's static copy of input `t`: a view of the shared flat storage of (kind, position),
-        with the strides `t.clone()` would have (the captured kernels see the layout of the eager run)."""
-        stride = torch.empty_like(t, device="meta").stride()
-        view = self._grow(kind, position, t.numel(), t).as_strided(t.shape, stride)
-        return view.copy_(t)
+            self.io.reserve(kind, position, numel, like)
 
     def solve(self, noise: torch.Tensor, mu: torch.Tensor, spks: torch.Tensor, n_timesteps: int, cfg_rate: float,
               cnn: torch.Tensor, kv: torch.Tensor, key_mask: torch.Tensor, wpos: torch.Tensor, cnn_end: torch.Tensor
@@ -149,24 +135,6 @@ class RaggedSolver:
             self.misses.record(kind, key, "eager" if full else "captured now")
             if full:
                 return fn(*inputs)
-            static = tuple(t if i == shared else self._static(kind, i, t) for i, t in enumerate(inputs))
-            graph = graphs[key] = _Graph(self._static_outputs(kind, fn), static, self.pool, shared)
+            graph = graphs[key] = _Graph(self.io.outputs(kind, fn), self.io.inputs(kind, inputs, shared), self.pool,
+                                         shared)
         return graph.run(inputs)
-
-    def _static_outputs(self, kind: str, fn: Callable[..., tuple[torch.Tensor, ...]]
-                        ) -> Callable[..., tuple[torch.Tensor, ...]]:
-        """`fn` that copies its results into shared static storage per (kind, output position) and returns
-        those views: the graph's own results become intermediates, free for the next capture, instead of
-        outputs pinned in the graph pool per graph. The storage is taken at the first call, an eager run
-        before the capture (`_Graph`)."""
-        outs: list[torch.Tensor] = []
-
-        def run(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            res = fn(*xs)
-            if not outs:
-                outs.extend(self._static(f"{kind} out", i, r) for i, r in enumerate(res))
-            else:
-                for o, r in zip(outs, res, strict=True):
-                    o.copy_(r)
-            return tuple(outs)
-        return run
