@@ -214,7 +214,6 @@ def bench_warm_up(models: Token2WavModels, voice: VoicePack, max_batch: int, dev
            "graph_rows_by_kind": graphs, "warm_up_s": warm_s, "memory_before": before,
            "memory_after_pool": after_pool, "memory_after_warm_up": after,
            "pool_gib": nbytes(eng.pool.tensors()) / 2**30 if eng.pool is not None else 0,
-           "kv_buffer_gib": nbytes([eng.solver._kv] if eng.solver._kv is not None else []) / 2**30,
            "static_io_gib": (eng.solver.io.nbytes() + eng.graphs.io.nbytes()) / 2**30, "progress": lines}
     fence, rng = Fence(1, 0), np.random.default_rng(5)
     t0 = time.perf_counter()

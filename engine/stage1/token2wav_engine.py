@@ -148,12 +148,10 @@ class Token2WavEngine:
         return tuple(b for b in reversed(self.buckets) if b <= top) if self.pool is not None else tuple(range(top, 0, -1))
 
     def _reserve(self, rows: int) -> None:
-        """The solver's shared buffers at their largest first (the K/V window: growing it later would drop
-        every graph; the conformer histories: a later growth would leave earlier graphs their own copy)."""
+        """The solver's shared conformer-history inputs at their largest first (a later growth would leave
+        the graphs captured before it their own copy)."""
         assert self.pool is not None
-        f, p, bucket = self.models.flow_cfg, self.pool, self.cfg.pool.cache_bucket
-        self.solver.kv_buffer((self.cfg.stream.n_timesteps, f.dit_depth, 2, rows, f.dit_heads, p.est_width,
-                               2 * f.dit_head_dim), p.est_att)
+        p, bucket = self.pool, self.cfg.pool.cache_bucket
         for position, cache in ((TOK_INPUT, p.tok_att), (MEL_INPUT, p.mel_att)):   # [S, L, H, T, 2dk]
             s, layers, heads, cap, dk2 = cache.shape
             self.solver.reserve("encode", position, layers * rows * heads * -(-cap // bucket) * bucket * dk2, cache)

@@ -69,13 +69,14 @@ def solve_chunk(estimator: EstimatorFn | Callable, noise: torch.Tensor, mu: torc
 
 def solve_ragged(estimator: Callable[..., tuple[torch.Tensor, torch.Tensor]], noise: torch.Tensor,
                  mu: torch.Tensor, spks: torch.Tensor, n_timesteps: int, cfg_rate: float, cnn_cache: torch.Tensor,
-                 kv: torch.Tensor, key_mask: torch.Tensor, wpos: torch.Tensor, cnn_end: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+                 kv: Callable[[int], torch.Tensor], key_mask: torch.Tensor, wpos: torch.Tensor, cnn_end: torch.Tensor,
+                 store: Callable[[int, torch.Tensor], None]) -> tuple[torch.Tensor, torch.Tensor]:
     """Ragged streaming solve (`DiT.forward_ragged`): rows are right-padded to F frames.
 
-    noise, mu [B, 80, F]; spks [B, 80]; cnn_cache [n_ts, depth, 2B, 2C, k − 1];
-    kv [n_ts, depth, 2B, H, Tg, 2hd] is written in place (new K/V at `wpos` [2B, F]);
-    key_mask [2B, Tg]; cnn_end [2B, k − 1] → (mel [B, 80, F], new cnn caches [n_ts, depth, 2B, 2C, k − 1]).
+    noise, mu [B, 80, F]; spks [B, 80]; cnn_cache [n_ts, depth, 2B, 2C, k − 1]; `kv(step)` gives the
+    step's K/V window [depth, 2B, H, Tg, 2hd], which the step writes its new K/V into (at `wpos` [2B, F])
+    and `store(step, window)` then keeps; key_mask [2B, Tg]; cnn_end [2B, k − 1]
+    → (mel [B, 80, F], new cnn caches [n_ts, depth, 2B, 2C, k − 1]).
     """
     b = mu.shape[0]
     mu_in = torch.cat([mu, torch.zeros_like(mu)], dim=0)                      # [2B, 80, F]
@@ -84,8 +85,11 @@ def solve_ragged(estimator: Callable[..., tuple[torch.Tensor, torch.Tensor]], no
     x = noise
     new_cnn = torch.empty_like(cnn_cache)
     for step, (t, dt) in enumerate(euler_steps(cosine_t_span(n_timesteps, mu.device, mu.dtype))):
+        window = kv(step)
         v, cnn = estimator(torch.cat([x, x], dim=0), mu_in, t.expand(2 * b), spks_in, cond_in,
-                           cnn_cache[step], kv[step], key_mask, wpos, cnn_end)
+                           cnn_cache[step], window, key_mask, wpos, cnn_end)
+        store(step, window)
+        del window                           # one step's window alive at a time (its memory serves the next)
         new_cnn[step].copy_(cnn)
         x = x + dt * ((1.0 + cfg_rate) * v[:b] - cfg_rate * v[b:])
     return x, new_cnn

@@ -3,18 +3,20 @@
 Rows may differ in code count, `last`, prompt length and cache lengths. Per call:
   1. conformer: one gather of every slot's history in logical order, left-padded (ragged.py) → μ and
      the new K/V, written by one index_put straight into free positions of each slot
-  2. estimator: each slot's physical window [0, Tg) is copied once into the batch tensor (the DiT has
-     no positions, so frames stay where they are); each Euler step scatters its new K/V into that
-     tensor and attends under a per-row key mask; one index_put writes the new frames into the slots
+  2. estimator: per Euler step, each slot's physical window [0, Tg) of that step is gathered into a
+     one-step batch tensor (the DiT has no positions, so frames stay where they are); the step scatters
+     its new K/V into it, attends under a per-row key mask, and one index_put writes the step's new
+     frames back into the slots (padded frames into column Tg − 1, which no slot uses). All of it runs
+     inside the solve (graph), so the window buffer is one step, not n_ts steps, of the batch
   3. trims: index bookkeeping only (SlotState.append)
 Noise per row is rand_noise[L_b : L_b + F_b] with L_b the row's own estimator length. Every index is
 planned on the host first and moved in ONE transfer, so no pageable copy stalls the GPU stream midway.
 
 With graphs the batch is padded to the solver's row bucket (buckets.py) by dummy rows: a fresh turn
 of la + 1 zero codes (one new token frame, `stride` mel frames) with no history, so no key dimension
-(N, F, C, Tg) grows. A dummy reads only slot-independent zeros and its own rows of the batch tensors
-(its conformer gather points at row 0's slot with every position masked; its estimator keys are the
-frames it writes this call), and nothing of it is written back: every write-back below takes the real
+(N, F, C, Tg) grows. A dummy's gathers point at row 0's slot with every position masked (its only
+estimator key is column Tg − 1, which it writes itself), and the only thing it writes back is that
+unused column of row 0's slot, like row 0's own padded frames; every other write-back takes the real
 rows only. Row-wise kernels keep a real row's result independent of the other rows (tested).
 """
 
@@ -81,10 +83,10 @@ def _plan(pool: FlowPool, slots: Sequence[SlotState], calls: Sequence[PendingCal
     mel_pos = [s.free_mel(int(f)) for s, f in zip(slots, frames, strict=False)]
     est_pos = [s.free_est(int(f)) for s, f in zip(slots, frames, strict=False)]
     empty = np.zeros(0, np.int64)
-    est_hist = [s.est for s in slots] + [empty] * pad
-    est_rows = est_pos + [np.arange(stride)] * pad                          # a dummy's keys: its own new frames
-    used = max(int(max(h.max(initial=0), p.max(initial=0))) for h, p in zip(est_hist, est_rows, strict=True))
+    used = max(int(max(s.est.max(initial=0), p.max(initial=0))) for s, p in zip(slots, est_pos, strict=True))
     tg = min(round_up(used + 2, pc.cache_bucket), pool.est_width)     # column tg − 1: trash for padded frames
+    est_hist = [s.est for s in slots] + [empty] * pad
+    est_rows = est_pos + [np.full(stride, tg - 1)] * pad                   # a dummy's only key: the trash column
     est_len = np.array([h.shape[0] for h in est_hist])
     if int((est_len + frames).max()) > fcfg.noise_frames:
         raise ValueError(f"flow noise exhausted ({fcfg.noise_frames} frames)")
@@ -95,15 +97,14 @@ def _plan(pool: FlowPool, slots: Sequence[SlotState], calls: Sequence[PendingCal
     tok_idx, tok_valid = _left_padded([s.tok for s in slots] + [empty] * pad, pc.cache_bucket)
     mel_idx, mel_valid = _left_padded([s.mel for s in slots] + [empty] * pad, pc.cache_bucket)
     slot = np.array([s.slot for s in slots] + [slots[0].slot] * pad)        # dummies gather row 0's slot, masked
-    (tr, tc), (mr, mc), (er, ec) = _rows_cols(tok_pos), _rows_cols(mel_pos), _rows_cols(est_pos)
+    (tr, tc), (mr, mc) = _rows_cols(tok_pos), _rows_cols(mel_pos)
     arrays = dict(slot=slot, m=m, t_new=t_new, frames=frames, tokens=tokens, key_mask=key_mask, wpos=wpos,
                   noise_at=np.minimum(est_len[:, None] + np.arange(fm)[None], fcfg.noise_frames - 1),
                   tok_idx=tok_idx, tok_valid=tok_valid, mel_idx=mel_idx, mel_valid=mel_valid,
                   tok_row=tr, tok_col=tc, tok_slot=slot[tr], mel_row=mr, mel_col=mc, mel_slot=slot[mr],
-                  est_row=er, est_col=ec, est_slot=slot[er],
                   tok_f=np.concatenate([np.arange(t) for t in t_new[:n]]),   # frame of each new K/V in its row
                   mel_f=np.concatenate([np.arange(f) for f in frames[:n]]))
-    return arrays, {"tg": tg, "frames": frames, "pos": (est_pos, tok_pos, mel_pos)}
+    return arrays, {"frames": frames, "pos": (est_pos, tok_pos, mel_pos)}
 
 
 @torch.inference_mode()
@@ -119,7 +120,7 @@ def run_flow_pooled(models: Token2WavModels, pool: FlowPool, sessions: Sequence[
     n, b = len(slots), solver.rows(len(slots))                             # real rows, batch rows (bucket)
     arrays, host = _plan(pool, slots, calls, b)   # type: ignore[arg-type]
     d = to_device(arrays, pool.device)
-    tg, n_ts = host["tg"], pool.scfg.n_timesteps
+    n_ts = pool.scfg.n_timesteps
 
     # 1. conformer: [S, L, H, T, 2dk][slot, :, :, idx] → [B, C, L, H, 2dk] → [L, B, H, C, 2dk]
     hist = lambda t, idx: t[d["slot"][:, None], :, :, idx].permute(2, 0, 3, 1, 4)  # noqa: E731
@@ -132,10 +133,7 @@ def run_flow_pooled(models: Token2WavModels, pool: FlowPool, sessions: Sequence[
     pool.tok_att[d["tok_slot"], :, :, d["tok_col"]] = new_tok[:, d["tok_row"], :, d["tok_f"]]
     pool.mel_att[d["mel_slot"], :, :, d["mel_col"]] = new_mel[:, d["mel_row"], :, d["mel_f"]]
 
-    # 2. estimator over each slot's physical window [0, tg)
-    kv = solver.kv_buffer((n_ts, fcfg.dit_depth, 2, b, fcfg.dit_heads, tg, 2 * fcfg.dit_head_dim), pool.est_att)
-    for i, s in enumerate(slots):                                          # a dummy row attends to its own frames only
-        kv[:, :, :, i].copy_(pool.est_att[s.slot, :, :, :, :, :tg])    # type: ignore[union-attr]
+    # 2. estimator over each slot's physical window [0, tg), read and written in place (one step at a time)
     k1 = fcfg.dit_conv_kernel - 1
     cnn_end = d["frames"][:, None] + torch.arange(k1, device=pool.device)[None]   # [B, k − 1]
     est_cnn = pool.est_cnn.index_select(0, d["slot"]).permute(1, 2, 3, 0, 4, 5)   # [n_ts, depth, 2, B, 2C, k − 1]
@@ -145,11 +143,9 @@ def run_flow_pooled(models: Token2WavModels, pool: FlowPool, sessions: Sequence[
     mel, new_cnn = solver.solve(
         noise, mu, torch.cat(spk + [spk[0].new_zeros(b - n, spk[0].shape[1])], dim=0),
         n_ts, fcfg.cfg_rate, est_cnn.reshape(n_ts, fcfg.dit_depth, 2 * b, *est_cnn.shape[4:]),
-        kv.view(n_ts, fcfg.dit_depth, 2 * b, *kv.shape[4:]), two(d["key_mask"].bool()), two(d["wpos"]), two(cnn_end))
+        pool.est_att, two(d["key_mask"].bool()), two(d["wpos"]), two(cnn_end), d["slot"])
     pool.est_cnn.index_copy_(0, d["slot"][:n], new_cnn.view(n_ts, fcfg.dit_depth, 2, b, *new_cnn.shape[3:])
                              [:, :, :, :n].permute(3, 0, 1, 2, 4, 5))
-    # [n_ts, depth, 2, B, H, tg, 2hd][..., row, :, col] → [N, n_ts, depth, 2, H, 2hd] → pool[slot, ..., col]
-    pool.est_att[d["est_slot"], :, :, :, :, d["est_col"]] = kv[:, :, :, d["est_row"], :, d["est_col"]]
 
     # 3. trims (bookkeeping) and per-row outputs
     est_pos, tok_pos, mel_pos = host["pos"]

@@ -4,29 +4,35 @@ launch-bound: 35 ms per chunk against 19 ms of GPU work on the H200).
 
 A graph is keyed by the batch's bucketed shapes (rows, frames, estimator window Tg, steps); the rows
 are bucketed too (`rows`, buckets.py), so graphs exist per row bucket, not per batch size. The
-estimator K/V window is by far the largest input ([n_ts, depth, 2B, H, Tg, 2hd]: n_ts · 128 KiB per
-frame and row in float32, 210 MiB per row at float16 and the full 672-frame window), so it is not
-copied in: every graph reads and writes it in ONE shared static buffer that the caller gathers the
-slots into (`kv_buffer`); the same shape always maps to the same prefix view, hence the same pointers.
-Growing the shared buffer drops every graph (they hold the old pointer). Warm-up runs rewrite the same
-new K/V (idempotent). The buffer starts zeroed, so a dummy row's masked keys are finite stale values.
+estimator K/V is by far the largest state ([S, n_ts, depth, 2, H, W, 2hd], pool.py: n_ts · 128 KiB per
+frame and slot in float32, 210 MiB per slot at float16 and the full W = 672). Every solve graph reads
+and writes the pool tensor itself, in place (its pointer never changes): per Euler step it gathers the
+rows' windows [0, Tg) into a one-step batch tensor (a graph-pool intermediate, reused step to step),
+the step scatters its new K/V into it and attends under a per-row key mask, and an index_put writes
+every frame's new K/V back at `wpos` (padded frames and dummy rows into column Tg − 1, which no slot
+uses and no key mask reads before a call writes it). Warm-up runs rewrite the same K/V (idempotent).
+Before, the caller copied all n_ts steps of every row's window into one shared buffer first: B · 210
+MiB at float16, 13 GiB at 64 rows; now the window is B · 42 MiB, and only while a solve runs.
 The other inputs are copied in at replay; their static copies are not per graph either but shared by
 the graphs of a kind (static_io.py). That matters for the conformer history (≈ 10 MiB per row at full
 window, float16) and the estimator conv caches (0.6 MiB per row), which per graph came to GBs. Outputs
 (μ, new K/V, mel, cnn caches) are scratch that the caller copies into session storage before the next
 replay (§6.8); they too are shared per kind, so the replay of ANY graph of that kind overwrites them.
-On CPU, or when disabled, `solve` runs eagerly, `rows(n)` is n and `kv_buffer` is a fresh tensor.
+On CPU, or when disabled, `solve` and `encode` run eagerly and `rows(n)` is n.
 
-Memory of a solver with graphs, per max_batch rows B (float16, full size, P ≤ 500):
-  K/V window buffer   B · n_ts · depth · 2 · H · W · 2hd · 2 B   = B · 210 MiB at W = 672
-  static inputs       B · (history ≈ 10 MiB + conv caches 0.6 MiB + small), once for all graphs
-  graph outputs       B · (≈ 0.7 MiB encoder + 0.6 MiB solve), once for all graphs; they were pinned per
-                      graph: ~5 + 5 graphs per batch size over Σ 1..32 = 528 rows → ≈ 3.5 GiB at B = 32
+Token2Wav memory at full size, float16 flow, P ≤ 500 (W = 672 estimator frames):
+  per session (pool slot, pool.py)   estimator K/V 210 MiB + conformer K/V 9 MiB + conv caches 0.6 MiB
+  per batch row (max_batch)          static inputs ≈ 10.6 MiB + outputs ≈ 1.4 MiB (flow) + ≈ 1.3 MiB (HiFT,
+                                     float32) + the solve's one-step window 42 MiB while it runs
+  per graph                          the captured graph only (inputs, outputs, K/V window are shared)
+  fixed                              weights, CUDA context, the graph pool's intermediates (largest bucket)
+At 32 sessions: 7.0 GiB of slots + ≈ 1.7 GiB per-row buffers + fixed; at 64: 14.0 + ≈ 3.5 GiB + fixed.
+Before the buckets: 32 batch sizes × ~11 graphs each held their own static inputs and outputs (the
+conformer history ≈ 10 MiB per row and graph) and a 32 × 210 MiB K/V window buffer: 42.1 GB measured.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import torch
@@ -39,7 +45,7 @@ from engine.token2wav.ragged import encode_ragged
 from engine.token2wav.static_io import StaticIO
 from engine.warmup import GraphMisses
 
-KV_INPUT = 4     # position of the K/V window in the solver's input tuple
+KV_INPUT = 4     # position of the pool's estimator K/V in the solver's input tuple (read and written in place)
 TOK_INPUT, MEL_INPUT = 4, 6   # positions of the conformer histories in the encoder's input tuple
 
 
@@ -62,11 +68,32 @@ class _Graph:
         for i, (dst, src) in enumerate(zip(self.inputs, inputs, strict=True)):
             if i == self.shared:
                 if dst.data_ptr() != src.data_ptr() or dst.shape != src.shape:
-                    raise RuntimeError("ragged graph: the K/V window must come from kv_buffer")
+                    raise RuntimeError("ragged graph: the pool's estimator K/V must be passed in place")
                 continue
             dst.copy_(src)
         self.graph.replay()
         return self.outputs
+
+
+def step_window(est: torch.Tensor, slot: torch.Tensor, tg: int, wpos: torch.Tensor
+                ) -> tuple[Callable[[int], torch.Tensor], Callable[[int, torch.Tensor], None]]:
+    """(load, store) of one Euler step's K/V window over pool slots: est [S, n_ts, depth, 2, H, W, 2hd],
+    slot [B], wpos [B, F] (the new frames' columns, the same for the cond and uncond rows)."""
+    depth, b = est.shape[2], slot.shape[0]
+    d_idx = torch.arange(depth, device=slot.device)[:, None, None]
+    c_idx = torch.arange(2, device=slot.device)[None, :, None]
+    r_idx = torch.arange(b, device=slot.device)[:, None]
+
+    def load(step: int) -> torch.Tensor:
+        # [S, depth, 2, H, tg, 2hd][slot, d, c] → [depth, 2, B, H, tg, 2hd] → [depth, 2B, H, tg, 2hd]
+        window = est[:, step, :, :, :, :tg][slot[None, None, :], d_idx, c_idx]
+        return window.view(depth, 2 * b, *window.shape[3:])
+
+    def store(step: int, window: torch.Tensor) -> None:
+        # [depth, 2, B, H, tg, 2hd][:, :, row, :, col] → [B, F, depth, 2, H, 2hd] → pool[slot, step, ..., col]
+        new = window.view(depth, 2, b, *window.shape[2:])[:, :, r_idx, :, wpos]
+        est[:, step][slot[:, None], :, :, :, wpos] = new
+    return load, store
 
 
 class RaggedSolver:
@@ -79,23 +106,12 @@ class RaggedSolver:
         self.pool = torch.cuda.graph_pool_handle() if self.enabled else None
         self.graphs: dict[tuple, _Graph] = {}
         self.enc_graphs: dict[tuple, _Graph] = {}
-        self._kv: torch.Tensor | None = None
         self.io = StaticIO()                    # static inputs / outputs, shared by the graphs of a kind
         self.misses = GraphMisses("token2wav")  # the engine shares one across its graph caches
 
     def rows(self, n: int) -> int:
         """Batch rows for n real rows: the row bucket with graphs (dummy rows pad it), n eagerly."""
         return bucket_rows(n, self.buckets) if self.enabled and self.buckets else n
-
-    def kv_buffer(self, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
-        """Where the caller gathers the batch's estimator K/V window [n_ts, depth, 2, B, H, Tg, 2hd]."""
-        if not self.enabled:
-            return like.new_zeros(shape)
-        n = math.prod(shape)
-        if self._kv is None or self._kv.numel() < n or self._kv.dtype != like.dtype:
-            self._kv = like.new_zeros(n)        # zeroed: a dummy row's masked keys are never NaN garbage
-            self.graphs.clear()
-        return self._kv[:n].view(shape)
 
     def reserve(self, kind: str, position: int, numel: int, like: torch.Tensor) -> None:
         """Size the static storage of input `position` of `kind` ("solve" / "encode") for its largest
@@ -104,13 +120,18 @@ class RaggedSolver:
             self.io.reserve(kind, position, numel, like)
 
     def solve(self, noise: torch.Tensor, mu: torch.Tensor, spks: torch.Tensor, n_timesteps: int, cfg_rate: float,
-              cnn: torch.Tensor, kv: torch.Tensor, key_mask: torch.Tensor, wpos: torch.Tensor, cnn_end: torch.Tensor
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-        def fn(x: torch.Tensor, m: torch.Tensor, s: torch.Tensor, c: torch.Tensor, k: torch.Tensor,
-               mask: torch.Tensor, w: torch.Tensor, e: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            return solve_ragged(self.dit.forward_ragged, x, m, s, n_timesteps, cfg_rate, c, k, mask, w, e)
+              cnn: torch.Tensor, est_att: torch.Tensor, key_mask: torch.Tensor, wpos: torch.Tensor,
+              cnn_end: torch.Tensor, slot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`solve_ragged` over the pool's estimator K/V `est_att` [S, n_ts, depth, 2, H, W, 2hd], read and
+        written in place: per step, rows' windows [0, Tg) of slots `slot` [B] are gathered into a one-step
+        buffer and the step's new K/V (every frame at `wpos`, padded ones at Tg − 1) scattered back."""
+        def fn(x: torch.Tensor, m: torch.Tensor, s: torch.Tensor, c: torch.Tensor, est: torch.Tensor,
+               mask: torch.Tensor, w: torch.Tensor, e: torch.Tensor, rows: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+            load, store = step_window(est, rows, mask.shape[1], w[: rows.shape[0]])
+            return solve_ragged(self.dit.forward_ragged, x, m, s, n_timesteps, cfg_rate, c, load, mask, w, e, store)
 
-        inputs = (noise, mu, spks, cnn, kv, key_mask, wpos, cnn_end)
+        inputs = (noise, mu, spks, cnn, est_att, key_mask, wpos, cnn_end, slot)
         if not self.enabled:
             return fn(*inputs)
         key = (n_timesteps, cfg_rate, *(tuple(t.shape) for t in inputs))
