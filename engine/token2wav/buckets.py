@@ -3,15 +3,15 @@
 A CUDA graph is captured per shape, and the row count was the one key dimension that took every value
 1..max_batch (32 sizes × ~11 graphs at 32 sessions: 352 graphs, 99 s of warm-up, GBs of static buffers).
 A batch of n rows now runs at the smallest bucket >= n; the extra rows are dummies whose results are
-dropped and whose writes never reach a session (pooled.py, Token2WavEngine._run_hift).
+dropped and whose writes never reach a session's state (pooled.py, Token2WavEngine._run_hift).
 
 The buckets: powers of two up to 16, then every 8 up to 32, then every 16, and max_batch itself:
   max_batch 32 → 1 2 4 8 16 24 32 (7)     max_batch 64 → 1 2 4 8 16 24 32 48 64 (9)
 Below 16 rows the DiT solve is bound by launches and weight reads, not by rows (22 ms at batch 1 against
 82 ms at batch 32 on the H200, docs/deploy.md), so a padded row there costs little and doubling is
 enough; above 16 the cost grows with the rows, so the steps are finer: at most 7 padded rows of 24
-(29 %) up to 32, at most 15 of 48 (31 %) above. A dummy row copies no cache window and writes nothing
-back; it only adds its share of the solve's arithmetic.
+(29 %) up to 32, at most 15 of 48 (31 %) above. A dummy row costs its share of the solve's arithmetic
+and of the K/V window gather; it writes no session's state back (pooled.py).
 """
 
 from __future__ import annotations
