@@ -255,16 +255,30 @@ def run_layer(layer: nn.Module, *args: object) -> torch.Tensor:
 
 
 def mark_static_kv(kv: SlotKVCache) -> None:
-    """Tell dynamo the cache tensors never change size. With dynamic=True their sizes would become symbols
-    too, and equal sizes share one (duck shaping): a kv-head count equal to the batch pins the batch."""
+    """Tell dynamo the cache tensors never change size (with dynamic=True their sizes would be symbols too:
+    more guards, and kernels that index the cache with symbolic strides)."""
     import torch._dynamo
 
     for t in (*kv.k, *kv.v):
         torch._dynamo.mark_static(t)
 
 
+def compile_symbolic(fn: Callable[..., torch.Tensor], mode: str | None = None,
+                     dynamic: bool | None = True) -> Callable[..., torch.Tensor]:
+    """torch.compile(fn) for a few compiles over many shape buckets. dynamic=True: every size (batch,
+    query length, the attended-key span kv_limit) is symbolic from the first compile (sizes 0 and 1 still
+    specialise: a batch-1 shape compiles once more). Traced without duck shaping, which gives equal sizes
+    one symbol: a batch equal to the head dim or to heads x length would pin the batch to that value."""
+    import torch.fx.experimental._config as fx_config
+
+    compiled = torch.compile(fn, mode=mode, dynamic=dynamic)
+
+    def call(*args: object) -> torch.Tensor:
+        with fx_config.patch(use_duck_shape=False):
+            return compiled(*args)
+    return call
+
+
 def compile_layers(mode: str | None = None, dynamic: bool | None = True) -> LayerFn:
-    """torch.compile of `run_layer`. dynamic=True: batch, query length and the attended-key span
-    (kv_limit) are symbolic from the first compile, so new buckets do not recompile (sizes 0 and 1 are
-    still specialised: a batch-1 shape compiles once more)."""
-    return torch.compile(run_layer, mode=mode, dynamic=dynamic)
+    """Regional compilation: `run_layer` compiled once for all layers (`compile_symbolic`)."""
+    return compile_symbolic(run_layer, mode, dynamic)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.model.layers import LayerFn, compile_layers, mark_static_kv
+from engine.model.layers import LayerFn, compile_layers, compile_symbolic, mark_static_kv
 from engine.model.tts import TTSKVCache, TTSModel
 from engine.stage1.config import TTSEngineConfig
 from engine.stage1.sampling import tts_sample
@@ -64,13 +64,16 @@ class TTSRunner:
         self._pool: object | None = None
         self.misses = GraphMisses("tts")
         self._layer_fn: LayerFn | None = None
+        self._head_fn: Callable[..., torch.Tensor] = self._head
         if cfg.compile_step:  # fuse the ~45 small kernels per layer; graphs replay the result
             _allow_recompiles(8)
             # NOTE: regional compilation: one decoder layer is compiled once and runs all layers, with the
-            # batch and kv span symbolic from the start, so warm-up compiles twice (batch 1 and batch > 1)
+            # batch and kv span symbolic from the start, so warm-up compiles it twice (batch 1 and batch > 1)
             # rather than the whole step per (batch, kv) shape. Graphs still replay per bucket.
             self._layer_fn = compile_layers(dynamic=True)
             mark_static_kv(self.kv)
+            # logits + sampling (~30 small kernels), compiled apart the same way: two more small compiles
+            self._head_fn = compile_symbolic(self._head)
 
     # -- the two functions shared by eager and graph paths ----------------------------------------
     def _prefill(self, cond: torch.Tensor, st: UnitState, kv_limit: int) -> None:
@@ -96,9 +99,13 @@ class TTSRunner:
         pos = (st.start + st.n_rows + st.t)[:, None]  # [B, 1]
         h = self.model(x, pos, st.slot, self.kv, valid=st.valid[:, None], kv_limit=kv_limit,
                        layer_fn=self._layer_fn)
-        out = self._sample(self.model.logits(h[:, 0]), window, st, st.u.gather(1, t)[:, 0])
+        out = self._head_fn(h[:, 0], window, st, st.u.gather(1, t)[:, 0])
         st.samples.scatter_(1, t + w, out[:, None])
         st.t.add_(1)
+
+    def _head(self, hidden: torch.Tensor, window: torch.Tensor, st: UnitState, u: torch.Tensor) -> torch.Tensor:
+        """Final-norm hidden [B, H] → codes [B]: logits, then `_sample`."""
+        return self._sample(self.model.logits(hidden), window, st, u)
 
     def _sample(self, logits: torch.Tensor, window: torch.Tensor, st: UnitState, u: torch.Tensor) -> torch.Tensor:
         """Each row with its own session's temperature and penalty (`UnitState`), so no row affects another."""
