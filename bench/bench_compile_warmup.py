@@ -10,7 +10,8 @@ listed (a compile or recompile shows up there).
 
     python bench/bench_compile_warmup.py --checkpoint /tmp/ckpt --max-sessions 32    # H200, full size
     python bench/bench_compile_warmup.py --tiny --max-sessions 32                    # CPU: tiny dims
-    ... --baseline     # the whole forward / step compiled, as before regional compilation (comparison)
+    ... --baseline     # the whole forward / step compiled, as before regional compilation (comparison;
+                       # the before figures in bench/RESULTS.md were taken on the code before that change)
 
 On CPU there are no graphs: the TTS warm-up compiles its step per bucket, Stage0 replays eagerly
 (`eager_replay`), both through inductor's CPU backend (needs a C compiler). Inductor's cache
@@ -92,7 +93,7 @@ def tts_build(model: TTSModel, args: argparse.Namespace) -> Callable[[Callable[[
         if args.baseline:  # the whole step, as compiled before regional compilation
             import torch._dynamo
             torch._dynamo.config.recompile_limit = 64
-            runner._layer_fn = None
+            runner._layer_fn, runner._head_fn = None, runner._head
             runner._step = torch.compile(runner._step, fullgraph=True, dynamic=None)  # type: ignore[method-assign]
         runner.warm_up(emit)
     return build
