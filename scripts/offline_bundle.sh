@@ -40,6 +40,8 @@ PACKAGES=(
   tritonclient python-rapidjson urllib3 grpcio protobuf numpy onnxruntime flatbuffers packaging
   silero-vad soundfile cffi pycparser soxr prometheus_client PyYAML safetensors tokenizers pillow
   nvidia-pytriton
+  # diagnosis on the GPU host (5 MB): the CUDA-graph tests (pytest) and stack dumps of a stage under load
+  pytest pluggy iniconfig Pygments pytest-asyncio pytest-timeout py-spy
 )
 PIP_PIN="pip==25.3"
 PY_TAG="cp${PY_VERSION/./}"

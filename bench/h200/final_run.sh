@@ -14,6 +14,10 @@ bash $R setup ckpt serve || exit 1
 grep -h "MPS" /tmp/duplex-serve/serve.log | head -3
 grep -hE "warm-up (done|finished)" /tmp/duplex-serve/logs/tritonserver*.log | cut -c1-200
 nvidia-smi --query-compute-apps=pid,used_memory,name --format=csv | tee "$OUT/mem.txt"
+# what the host does while the sweep runs: top every 5 s; py-spy stacks of every stage stub during N=16
+top -b -d 5 -n 30 -w 250 > "$OUT/top.txt" 2>&1 &
+( sleep 55; for _ in 1 2 3; do for p in $(pgrep -f triton_python_backend_stub); do
+    /tmp/duplex-venv/bin/py-spy dump --pid "$p" >> "$OUT/py-spy.txt" 2>&1; done; sleep 4; done ) &
 bash $R load
 DUPLEX_LOADGEN_CACHE="$(realpath "$FIXTURES")" /tmp/duplex-venv/bin/python bench/load_realtime.py \
   --url ws://127.0.0.1:8000 --sessions 8 --duration "$DURATION" --cancel-every 5 --profile "$PROFILE" \
