@@ -5,7 +5,7 @@ time (`--max-speed`) in 200 ms appends, sends `response.cancel` at random while 
 one of five ways: `session.close`; a dropped socket and a `session.resume` on a new one, then a close; going
 quiet until the idle TTL expires it; a dropped socket never resumed (the disconnect grace frees it); or a
 `runtime_dead` close when Triton is killed. Refusals (`resource_exhausted`, `runtime_unavailable`) are retried.
-Halfway through, tritonserver is SIGKILLed; `duplex serve` restarts it (gateway/supervisor.py).
+Halfway through, tritonserver is SIGKILLed; `duplex serve` restarts it (serve/supervisor.py).
 
 Sampled every `--sample-every` s: gateway, tritonserver and backend-stub RSS; admission slots in use (the
 gateway's `duplex_sessions`) vs sessions the users hold; /dev/shm regions of the Python backend; /ready.
@@ -130,7 +130,7 @@ class Server:
 
 
 def start_server(args: argparse.Namespace, profile: Path, log: Path) -> Server:
-    cmd = [sys.executable, "-m", "gateway.cli", "serve", "--port", str(args.port), "--profile", str(profile),
+    cmd = [sys.executable, "-m", "serve.cli", "serve", "--port", str(args.port), "--profile", str(profile),
            "--max-sessions", str(args.max_sessions or 2 * args.sessions), "--cache-dir", str(args.cache_dir)]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "DUPLEX_READY_CACHE_S": "0"}
     with open(log, "ab") as out:

@@ -30,9 +30,9 @@ sys.path[:0] = [str(REPO), str(REPO / "build")]
 from make_model_repository import DeployProfile, build_repository  # noqa: E402
 from make_tiny_checkpoint import build_tiny_checkpoint  # noqa: E402
 
-from gateway.launcher import DEFAULT_CACHE_DIR, TritonServer, locate_tritonserver  # noqa: E402
 from gateway.runtime.base import Fence, RuntimeFailure, SessionKey, UnitDone, UnitSubmission  # noqa: E402
 from gateway.runtime.stages import STAGES, StagedTritonRuntime  # noqa: E402
+from serve.launcher import DEFAULT_CACHE_DIR, TritonServer, locate_tritonserver  # noqa: E402
 
 CRASH_MARKS = ("corrupted size", "Reference count error", "not healthy", "double linked list", "fastbin",
                "malloc()", "Segmentation fault", "double free")
@@ -44,7 +44,7 @@ UNIT_TIMEOUT_S = 120.0
 def _free_ports() -> Any:
     import socket  # noqa: PLC0415
 
-    from gateway.launcher import TritonPorts  # noqa: PLC0415
+    from serve.launcher import TritonPorts  # noqa: PLC0415
 
     socks = [socket.socket() for _ in range(3)]
     for s in socks:

@@ -65,7 +65,7 @@ class DeployProfile:
     # "token2wav": [1]}: Triton starts `<model>_instances` instances on EACH listed GPU and tells each
     # instance its GPU (StageSettings.instance_device). A model left out may run on any visible GPU.
     gpus: dict[str, list[int]] = field(default_factory=dict)
-    # CUDA MPS for the stage processes (gateway/mps.py): auto (a private daemon where several share a GPU), on, off.
+    # CUDA MPS for the stage processes (serve/mps.py): auto (a private daemon where several share a GPU), on, off.
     # YAML reads a bare on/off as true/false; both spellings are accepted.
     mps: str = "auto"
 

@@ -4,7 +4,7 @@
 
 The file is sent as a continuous client sends a microphone (200 ms appends at 16 kHz), followed by an
 explicit commit (unless --no-commit) and then real-time silence, so the model keeps its units while it
-answers. Entry point for gateway/cli.py: `talk_main(argv) -> int`.
+answers. Entry point for serve/cli.py: `talk_main(argv) -> int`.
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@
 #   - a .pth line to the host's torch site-packages, written AFTER the wheels: the venv's own
 #     site-packages come first, so the Triton stub sees numpy 1.26 (the 2.51 stub needs numpy 1.x)
 #     and torch from the host (the stub ignores PYTHONPATH; it reads the venv leading PATH),
-#   - a .pth line to REPO (default: this script's repo) and a `duplex` script, so `engine`,
-#     `gateway` and `model_repository` import in the gateway and in the stub without a build step.
+#   - a .pth line to REPO (default: this script's repo) and a `duplex` script, so `engine`, `gateway`,
+#     `serve` and `model_repository` import in the gateway and in the stub without a build step.
 # Then `VENV/bin/duplex serve ...` runs as usual. Re-running replaces the venv.
 set -euo pipefail
 
@@ -47,7 +47,7 @@ echo "$torch_site" > "$SITE/_duplex_host_torch.pth"
 cat > "$VENV/bin/duplex" <<EOF
 #!$VENV/bin/python
 import sys
-from gateway.cli import main
+from serve.cli import main
 sys.exit(main())
 EOF
 chmod +x "$VENV/bin/duplex"

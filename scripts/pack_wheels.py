@@ -8,7 +8,7 @@ Every output wheel is written with ZIP_STORED: the bundle is one xz archive, and
 files far better than it recompresses deflated ones (numpy: 18 MB wheel -> 9.5 MB). A trimmed wheel
 gets the local version `+trim` so nobody mistakes it for the upstream file; RECORD is rewritten.
 
-The Triton rule keeps what `duplex serve` runs (gateway/tritonserver.py): bin/tritonserver, the Python
+The Triton rule keeps what `duplex serve` runs (serve/tritonserver.py): bin/tritonserver, the Python
 backend, the stub of ONE Python version, and the closure of the ELF `NEEDED` libraries that live in
 `nvidia_pytriton.libs` (read with `readelf -d`). `pytriton/__init__.py` is replaced by a stub: the
 launcher only imports `pytriton` to find the folder, and the real one imports the whole PyTriton client.

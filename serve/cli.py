@@ -10,7 +10,7 @@ SUBCOMMANDS = ("serve", "talk")
 
 
 def _serve(argv: list[str]) -> int:
-    from gateway.launcher import (  # noqa: PLC0415
+    from serve.launcher import (  # noqa: PLC0415
         DEFAULT_CACHE_DIR,
         REPO_ROOT,
         ServeOptions,

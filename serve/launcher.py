@@ -1,8 +1,8 @@
 """`duplex serve`: checkpoint -> model repository -> tritonserver -> gateway, and clean shutdown.
 
 The Triton half (locating the binary, the Python backend stub, ports, readiness) is
-gateway/tritonserver.py; its public names are re-exported here for callers of the launcher.
-This module imports neither torch nor `engine` (the gateway rule); it only manages processes.
+serve/tritonserver.py; its public names are re-exported here for callers of the launcher.
+This module imports neither torch nor `engine` (it runs in the gateway image too); it only manages processes.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from gateway.mps import MpsDaemon, plan_mps, private_daemon, start_daemon
-from gateway.supervisor import TritonSupervisor
-from gateway.tritonserver import (  # noqa: F401 - re-exported for the launcher's callers
+from serve.mps import MpsDaemon, plan_mps, private_daemon, start_daemon
+from serve.supervisor import TritonSupervisor
+from serve.tritonserver import (  # noqa: F401 - re-exported for the launcher's callers
     DEFAULT_CACHE_DIR,
     LOG_TAIL_LINES,
     PROGRESS_EVERY_S,
@@ -158,7 +158,7 @@ def _raise_stop(signum: int, _frame: object) -> None:
     raise _Stop(signal.Signals(signum).name)
 
 
-# Run in a child interpreter: the launcher itself never imports `engine` (the gateway rule).
+# Run in a child interpreter: the launcher itself never imports `engine` (it runs in the gateway image too).
 _CHECK_CONFIG = """
 import sys
 try:
@@ -247,7 +247,7 @@ def _say(message: str) -> None:
 
 
 def _start_mps(opts: ServeOptions, profile: dict[str, object], kids: _Children) -> None:
-    """The profile's MPS choice (gateway/mps.py), before the repository build: `mps: on` without MPS fails in one
+    """The profile's MPS choice (serve/mps.py), before the repository build: `mps: on` without MPS fails in one
     line. The daemon joins `kids` before it starts, so the `finally` quits it even if a signal lands mid-start."""
     plan = plan_mps(profile, os.environ)
     if plan.note:

@@ -10,7 +10,7 @@ tritonserver, told to `quit` when `duplex serve` ends. It changes no GPU setting
 is). A daemon the operator already runs (CUDA_MPS_PIPE_DIRECTORY set, or the system-wide one in
 /tmp/nvidia-mps) is used as it is and nothing is started.
 
-This module imports neither torch nor `engine` (the gateway rule); it only manages processes.
+This module imports neither torch nor `engine` (it runs in the gateway image too); it only manages processes.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gateway.tritonserver import LaunchError
+from serve.tritonserver import LaunchError
 
 MODES = ("auto", "on", "off")
 CONTROL = "nvidia-cuda-mps-control"

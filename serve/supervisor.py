@@ -6,7 +6,7 @@ While Triton is down the gateway stays up: its `/ready` answers 503 and new sess
 lines, never the model table), removes the Python backend's /dev/shm regions that a killed server cannot
 remove itself, and starts a fresh server on the same ports; the gateway's gRPC channel reconnects to it.
 
-This module imports neither torch nor `engine` (the gateway rule); it only manages processes.
+This module imports neither torch nor `engine` (it runs in the gateway image too); it only manages processes.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from gateway.tritonserver import LaunchError, TritonServer
+from serve.tritonserver import LaunchError, TritonServer
 
 Say = Callable[[str], None]
 

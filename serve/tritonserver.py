@@ -6,7 +6,7 @@ backends. The Python backend wants its stub next to `libtriton_python.so`, and t
 Debian's libpython3.11) must find torch and the project through PYTHONPATH, so we lay out a private
 backend folder under the cache dir and hand the server a prepared environment.
 
-This module imports neither torch nor `engine` (the gateway rule); it only manages processes.
+This module imports neither torch nor `engine` (it runs in the gateway image too); it only manages processes.
 """
 
 from __future__ import annotations

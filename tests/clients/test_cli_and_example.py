@@ -64,7 +64,7 @@ async def test_barge_in_example(gateway_url: str, runtime: ReactiveRuntime, tmp_
 
 
 def test_duplex_console_script_dispatches_talk(capsys) -> None:
-    from gateway.cli import main
+    from serve.cli import main
 
     assert main(["talk", "--wav", "/nonexistent/question.wav", "--url", "http://127.0.0.1:9"]) == 1
     assert main([]) == 2 and "talk" in capsys.readouterr().out

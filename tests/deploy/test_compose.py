@@ -139,16 +139,16 @@ def test_dockerfile_cmd_is_the_compose_command() -> None:
 
 def _serve_options(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> Any:
     """Run the real `duplex` CLI on argv with `serve` replaced by a recorder; return its ServeOptions."""
-    import gateway.cli
-    import gateway.launcher
+    import serve.cli
+    import serve.launcher
 
     seen: list[Any] = []
-    monkeypatch.setattr(gateway.launcher, "serve", lambda opts: seen.append(opts) or 0)
+    monkeypatch.setattr(serve.launcher, "serve", lambda opts: seen.append(opts) or 0)
     assert argv[:2] == ["duplex", "serve"], f"container command must be `duplex serve ...`, got {argv[:2]}"
     try:
-        code = gateway.cli.main(argv[1:])
+        code = serve.cli.main(argv[1:])
     except SystemExit as exc:  # argparse rejected a flag
-        pytest.fail(f"`{' '.join(argv)}` is not accepted by gateway/cli.py (exit {exc.code}); issue 9 needs "
+        pytest.fail(f"`{' '.join(argv)}` is not accepted by serve/cli.py (exit {exc.code}); issue 9 needs "
                     "--only, --triton-host, --triton-{http,grpc,metrics}-port and --triton-url")
     assert code == 0 and len(seen) == 1
     return seen[0]

@@ -39,7 +39,8 @@ def test_excluded_names_are_real_pins() -> None:
 
 
 def test_gateway_imports_nothing_the_gateway_image_leaves_out() -> None:
-    """Import every gateway module with the excluded distributions' modules blocked (as in the image)."""
+    """Import every gateway and serve module (the image runs `duplex serve --only gateway`) with the excluded
+    distributions' modules blocked (as in the image)."""
     excluded = {_norm(n) for n in dockerfile_arg("gateway", "GATEWAY_EXCLUDE").split()}
     excluded |= {_norm(n) for n in _pins(NODEPS)} - {_norm(n) for n in dockerfile_arg("gateway", "GATEWAY_NODEPS").split()}
     blocked = sorted({top for top, dists in metadata.packages_distributions().items()
@@ -53,9 +54,10 @@ def test_gateway_imports_nothing_the_gateway_image_leaves_out() -> None:
                 if name.split(".")[0] in BLOCKED:
                     raise ImportError(f"{{name}} is not installed in the gateway image")
         sys.meta_path.insert(0, Block())
-        import gateway
-        for mod in pkgutil.walk_packages(gateway.__path__, "gateway."):
-            importlib.import_module(mod.name)
+        import gateway, serve
+        for pkg in (gateway, serve):
+            for mod in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + "."):
+                importlib.import_module(mod.name)
         print("ok", len(sys.modules))
     """)
     done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120,
@@ -80,5 +82,5 @@ def test_build_context_keeps_secrets_and_local_state_out() -> None:
     ignored = {ln.strip().rstrip("/") for ln in (REPO / ".dockerignore").read_text().splitlines()
                if ln.strip() and not ln.startswith("#")}
     assert {".env", ".git", ".venv", ".cache", "checkpoints"} <= ignored
-    needed = {"gateway", "engine", "model_repository", "build", "deploy", "requirements", "pyproject.toml"}
+    needed = {"gateway", "serve", "engine", "model_repository", "build", "deploy", "requirements", "pyproject.toml"}
     assert not needed & ignored, f"the images need {sorted(needed & ignored)}"

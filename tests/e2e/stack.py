@@ -1,4 +1,4 @@
-"""The real stack as subprocesses: `python -m gateway.cli serve ...` (tritonserver + gateway), or its two halves.
+"""The real stack as subprocesses: `python -m serve.cli serve ...` (tritonserver + gateway), or its two halves.
 
 Every process runs in its own process group and is killed with it (SIGTERM, then SIGKILL) at teardown, pass or
 fail. Ports are chosen free on loopback (Triton's three too: the launcher's 8001-8003 defaults would collide
@@ -153,7 +153,7 @@ class Stack:
 
     def _argv(self, only: str | None) -> list[str]:
         http, grpc, metrics = self.triton_ports
-        argv = [sys.executable, "-m", "gateway.cli", "serve", "--port", str(self.port), "--profile", str(self.profile),
+        argv = [sys.executable, "-m", "serve.cli", "serve", "--port", str(self.port), "--profile", str(self.profile),
                 "--max-sessions", str(self.max_sessions), "--cache-dir", str(self.cache_dir),
                 "--triton-http-port", str(http), "--triton-grpc-port", str(grpc), "--triton-metrics-port", str(metrics)]
         if only == "gateway":

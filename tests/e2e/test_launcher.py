@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.tritonserver import SHM_DIR, mapped_shm_regions, process_listens_on
+from serve.tritonserver import SHM_DIR, mapped_shm_regions, process_listens_on
 from tests.e2e.stack import REPO_ROOT, Proc, Stack, children_of, cmdline, free_port, http_status
 from tests.e2e.wire import WAIT_S, collect_until, fit_units, send_audio, silence
 from tests.gateway_ops.wire import eventually, http_get, opened
@@ -65,7 +65,7 @@ def _tritonserver_of(launcher_pid: int) -> int | None:
 
 
 def _serve_proc(cache: Path, port: int, log_name: str, *extra: str, profile: Path = LOOPBACK) -> Proc:
-    argv = [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port), "--profile", str(profile),
+    argv = [sys.executable, "-m", "serve.cli", "serve", "--port", str(port), "--profile", str(profile),
             "--cache-dir", str(cache), *extra]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "DUPLEX_READY_CACHE_S": "0"}
     return Proc(argv, cache / "logs" / log_name, env)
@@ -220,7 +220,7 @@ def test_bad_config_json_fails_before_triton(tmp_path: Path) -> None:
     ckpt.mkdir()
     (ckpt / "config.json").write_text(json.dumps({"architectures": ["MiniCPMO"], "hidden_size": "big"}))
     t0 = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "gateway.cli", "serve", "--port", str(free_port()),
+    done = subprocess.run([sys.executable, "-m", "serve.cli", "serve", "--port", str(free_port()),
                            "--checkpoint", str(ckpt), "--cache-dir", str(tmp_path / "cache")],
                           capture_output=True, text=True, cwd=REPO_ROOT, timeout=120, check=False)
     assert done.returncode == 2, done.stderr

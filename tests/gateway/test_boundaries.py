@@ -1,4 +1,4 @@
-"""ARCHITECTURE.md: the gateway never imports torch or `engine`."""
+"""ARCHITECTURE.md: the gateway never imports torch or `engine`, nor `serve` (the process manager that starts it)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,11 @@ import sys
 import gateway
 
 
-def test_gateway_imports_neither_torch_nor_engine() -> None:
-    mods = [m.name for m in pkgutil.walk_packages(gateway.__path__, "gateway.")
-            if m.name not in ("gateway.launcher", "gateway.cli")]  # the launcher helper's own modules
+def test_gateway_imports_neither_torch_nor_engine_nor_serve() -> None:
+    mods = [m.name for m in pkgutil.walk_packages(gateway.__path__, "gateway.")]
     code = ("import importlib, sys\n"
             f"for m in {mods!r}: importlib.import_module(m)\n"
-            "bad = sorted(n for n in sys.modules if n == 'torch' or n.startswith(('torch.', 'engine')))\n"
+            "bad = sorted(n for n in sys.modules if n in ('torch', 'serve') or n.startswith(('torch.', 'engine', 'serve.')))\n"
             "print(','.join(bad))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "", out.stdout

@@ -1,4 +1,4 @@
-"""`duplex serve` and CUDA MPS (gateway/mps.py): when it starts a private daemon, with which environment, that
+"""`duplex serve` and CUDA MPS (serve/mps.py): when it starts a private daemon, with which environment, that
 tritonserver gets it, and that the daemon is told to quit however the launcher ends.
 
 No GPU here: a stand-in `nvidia-cuda-mps-control` on PATH behaves like the real client (`-d` starts a
@@ -19,10 +19,10 @@ from typing import Any
 
 import pytest
 
-from gateway import mps
-from gateway.launcher import load_profile
-from gateway.mps import CONTROL, LOG_ENV, PIPE_ENV, MpsDaemon, plan_mps, private_daemon, start_daemon
-from gateway.tritonserver import LaunchError, TritonInstall, TritonPorts, TritonServer, free_port, triton_env
+from serve import mps
+from serve.launcher import load_profile
+from serve.mps import CONTROL, LOG_ENV, PIPE_ENV, MpsDaemon, plan_mps, private_daemon, start_daemon
+from serve.tritonserver import LaunchError, TritonInstall, TritonPorts, TritonServer, free_port, triton_env
 
 REPO = Path(__file__).resolve().parents[2]
 PROFILES = REPO / "deploy" / "profiles"
@@ -277,7 +277,7 @@ def _mps_profile(tmp_path: Path, value: str = "on") -> Path:
 
 @pytest.fixture
 def serve_cmd(tmp_path: Path, cache: Path) -> list[str]:
-    return [sys.executable, "-m", "gateway.cli", "serve", "--profile", str(_mps_profile(tmp_path)),
+    return [sys.executable, "-m", "serve.cli", "serve", "--profile", str(_mps_profile(tmp_path)),
             "--cache-dir", str(cache), "--port", str(free_port())]
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.tritonserver import (
+from serve.tritonserver import (
     TritonInstall,
     TritonPorts,
     TritonServer,

@@ -19,7 +19,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gateway.launcher import ensure_tiny_checkpoint
+from serve.launcher import ensure_tiny_checkpoint
 from tests.e2e.stack import (
     POLL_S,
     READY_TIMEOUT_S,
@@ -122,7 +122,7 @@ class Cluster:
         return env
 
     def _serve(self, port: int, *extra: str) -> list[str]:
-        return [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port), "--profile", str(self.profile),
+        return [sys.executable, "-m", "serve.cli", "serve", "--port", str(port), "--profile", str(self.profile),
                 "--cache-dir", str(self.cache_dir), *extra]
 
     def start_replicas(self, n: int, *, wait: bool = True) -> None:

@@ -23,7 +23,7 @@ if BUILD_DIR not in sys.path:
 from make_model_repository import REPO_ROOT, DeployProfile, build_repository  # noqa: E402
 from make_tiny_checkpoint import build_tiny_checkpoint  # noqa: E402
 
-from gateway.launcher import (  # noqa: E402
+from serve.launcher import (  # noqa: E402
     DEFAULT_CACHE_DIR,
     TritonInstall,
     TritonPorts,

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from gateway.launcher import TritonServer
 from model_repository.common import bridges
+from serve.launcher import TritonServer
 from tests.engine.test_frames import image_bytes
 from tests.triton.test_bridges import pcm, send, settings
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from clients.triton_example import FIRST_UNIT_SAMPLES, UNIT_SAMPLES, Reply, TritonSession
-from gateway.launcher import TritonServer
+from serve.launcher import TritonServer
 
 from .talk import Run, StageSession, run_session, session_config, spoken_pcm
 

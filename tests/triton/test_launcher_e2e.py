@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.launcher import LaunchError, TritonInstall, TritonServer, choose_triton_ports, port_in_use
+from serve.launcher import LaunchError, TritonInstall, TritonServer, choose_triton_ports, port_in_use
 
 from .conftest import free_ports, start_server
 
@@ -89,7 +89,7 @@ def test_failing_model_load_error_is_surfaced(triton_install: TritonInstall, tor
 
 
 def _duplex(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "gateway.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "serve.cli", *args], capture_output=True, text=True,
                           cwd=REPO, timeout=120, check=False)
 
 

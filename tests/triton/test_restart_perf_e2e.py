@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from clients.triton_example import FIRST_UNIT_SAMPLES, TritonSession, TritonUnavailable
-from gateway.launcher import TritonInstall
+from serve.launcher import TritonInstall
 
 from .conftest import ALL_MODELS, free_ports, start_server
 

@@ -24,7 +24,7 @@ SERVE_READY_S = 240.0
 
 def test_duplex_serve_starts_serves_and_stops_cleanly(tmp_path: Path, tiny_checkpoint: Path) -> None:
     port, triton = free_ports().http, free_ports()
-    proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "serve.cli", "serve", "--port", str(port),
                              "--checkpoint", str(tiny_checkpoint), "--cache-dir", str(tmp_path / "cache"),
                              "--triton-http-port", str(triton.http), "--triton-grpc-port", str(triton.grpc),
                              "--triton-metrics-port", str(triton.metrics)],

@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 
 from bench.loadgen.stages import means, scrape
-from gateway.launcher import TritonInstall, TritonServer
 from gateway.runtime.base import AudioPiece, Decision, Fence, SessionKey, UnitDone, UnitSubmission
 from gateway.runtime.stages import STAGES, StagedTritonRuntime
+from serve.launcher import TritonInstall, TritonServer
 
 from .conftest import REPO_ROOT, DeployProfile, build_repository, start_server
 

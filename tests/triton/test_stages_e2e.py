@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from clients.triton_example import FIRST_UNIT_SAMPLES, UNIT_SAMPLES, TritonSession
-from gateway.launcher import TritonServer
+from serve.launcher import TritonServer
 
 pytestmark = pytest.mark.e2e
 LOUD, QUIET = 0.1, 0.0

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from clients.triton_example import FIRST_UNIT_SAMPLES, UNIT_SAMPLES, TritonSession
-from gateway.launcher import TritonInstall, TritonServer
+from serve.launcher import TritonInstall, TritonServer
 
 from .conftest import start_server
 from .talk import pipelined, run_session, session_config
