@@ -3,14 +3,25 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, Protocol
-
-if TYPE_CHECKING:
-    from engine.stage0.script import ScriptPlan  # script.py imports this module
+from typing import Literal, Protocol
 
 CLOSE_POSITIONS = 2  # `[terminator, </unit>]` (§3.6)
 # torch.compile modes that leave graph capture to the engine (the others capture CUDA graphs themselves)
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
+
+
+@dataclass(frozen=True)
+class ScriptPlan:
+    """The cycle of a `scripted_decisions` session (model.md §9.5; engine/stage0/script.py plays it)."""
+
+    listen_units: int = 10
+    speak_units: int = 5
+    text_ids_per_unit: int = 4
+    tail_listen_units: int = 5
+
+    @property
+    def cycle(self) -> int:
+        return self.listen_units + self.speak_units + self.tail_listen_units
 
 
 class TextTokenizer(Protocol):

@@ -228,16 +228,3 @@ class Stage0Engine(StepLoop):
             raise StaleFenceError(f"{s.session_id}: {fence} is stale (current {s.fence})")
         if fence.epoch > s.fence.epoch:
             raise InvalidFenceError(f"{s.session_id}: epoch {fence.epoch} was never adopted")
-
-    def _prefix_embeds(self, prompt: str, ref_audio: torch.Tensor | None) -> torch.Tensor:
-        """System prefix (§3.2) → [P, H]."""
-        ref = None
-        if ref_audio is not None:
-            ref = self.frontend.encode_reference(ref_audio).to(self.runner.device, self.runner.dtype)
-            if ref.dim() != 2 or ref.shape[1] != self.model.cfg.hidden_size:
-                raise FrontEndError(f"reference audio embeddings have shape {tuple(ref.shape)}")
-        if ref is None and not self.config.empty_ref_audio_markers:
-            return self.runner.embed(self.tokenizer.encode(f"<|im_start|>system\n{prompt}<|im_end|>"))
-        head = self.runner.embed(self.tokenizer.encode(f"<|im_start|>system\n{prompt}\n<|audio_start|>"))
-        tail = self.runner.embed(self.tokenizer.encode("<|audio_end|><|im_end|>"))
-        return torch.cat([head, *([ref] if ref is not None else []), tail])

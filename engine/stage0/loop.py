@@ -14,7 +14,6 @@ import dataclasses
 import threading
 import time
 import traceback
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -27,23 +26,20 @@ from engine.stage0.session import Phase, Session, UnitRecord, UnitRun
 from engine.stage0.slots import compact, evict_span
 from engine.stage0.types import FrontEndError, TokenEvent, UnitDone
 
-if TYPE_CHECKING:
-    from engine.stage0.engine import Stage0Engine
-
 
 class StepLoop(StepRecovery):
-    def has_work(self: Stage0Engine) -> bool:
+    def has_work(self) -> bool:
         with self.lock:
             return any(s.phase is not Phase.IDLE or s.queue for s in self.sessions.values())
 
-    def serve(self: Stage0Engine, stop: threading.Event, idle_wait_s: float = 0.005) -> None:
+    def serve(self, stop: threading.Event, idle_wait_s: float = 0.005) -> None:
         """The engine thread's loop: step while there is work, else sleep until a request arrives."""
         while not stop.is_set():
             if not self.step():
                 self.wake.wait(idle_wait_s)
                 self.wake.clear()
 
-    def run_until_idle(self: Stage0Engine, max_steps: int = 100_000) -> int:
+    def run_until_idle(self, max_steps: int = 100_000) -> int:
         steps = 0
         while self.step():
             steps += 1
@@ -51,7 +47,7 @@ class StepLoop(StepRecovery):
                 raise RuntimeError("engine did not become idle")
         return steps
 
-    def step(self: Stage0Engine) -> bool:
+    def step(self) -> bool:
         with self.lock:
             compact(list(self.sessions.values()), self.slots, self.runner.kv)  # decode buckets by live sessions
             sessions = sorted(self.sessions.values(), key=lambda s: s.slot)
@@ -68,7 +64,7 @@ class StepLoop(StepRecovery):
         with self.lock:
             sessions = [s for s in sessions if self.sessions.get(s.session_id) is s]  # closed meanwhile: gone
             self._encode_frames(sessions)
-            work = [(s, row) for s in sessions if (row := self._guarded_schedule(s)) is not None]
+            work = [(s, row) for s in sessions if (row := self._guarded_schedule(s, self._schedule)) is not None]
             if not work:
                 return False
             hidden, failed = self._forward(work)
@@ -87,7 +83,7 @@ class StepLoop(StepRecovery):
             return True
 
     # ---- schedule ---------------------------------------------------------------------------------
-    def _schedule(self: Stage0Engine, s: Session) -> Row | None:
+    def _schedule(self, s: Session) -> Row | None:
         """This step's row of `s` (after `_prepare`), or None when it has nothing to feed."""
         ids, unit = self.ids, s.unit
         if s.phase is Phase.PREFIX:
@@ -112,7 +108,7 @@ class StepLoop(StepRecovery):
             return Row(s.slot, s.cached_len, self.runner.embed([unit.terminator, ids.unit_close]))
         return None
 
-    def _prepare(self: Stage0Engine, s: Session) -> None:
+    def _prepare(self, s: Session) -> None:
         """Phase changes due before this step's row: a new prefix, an owed close, the next unit."""
         if s.phase is Phase.IDLE and s.pending_prompt is not None:
             s.prompt, s.pending_prompt = s.pending_prompt, None
@@ -124,7 +120,7 @@ class StepLoop(StepRecovery):
         if s.phase is Phase.IDLE and s.queue:
             self._start_unit(s)
 
-    def _encode_audio(self: Stage0Engine, sessions: list[Session]) -> None:
+    def _encode_audio(self, sessions: list[Session]) -> None:
         """The audio of every unit prefilled this step through the front end in one batch."""
         batch = getattr(self.frontend, "encode_units", None)
         runs = [(s.frontend_state, s.unit) for s in sessions if s.phase is Phase.PREFILL and s.unit is not None
@@ -139,7 +135,7 @@ class StepLoop(StepRecovery):
         for (_, unit), audio in zip(runs, encoded, strict=True):
             unit.audio_embeds = audio
 
-    def _encode_frames(self: Stage0Engine, sessions: list[Session]) -> None:
+    def _encode_frames(self, sessions: list[Session]) -> None:
         """Every camera frame of the units prefilled this step, through the vision encoder in one batch."""
         batch = self.frontend.encode_frames if hasattr(self.frontend, "encode_frames") else None
         units = [s.unit for s in sessions if s.phase is Phase.PREFILL and s.unit is not None
@@ -160,7 +156,7 @@ class StepLoop(StepRecovery):
         for u in units:
             u.frame_embeds, encoded = encoded[:len(u.job.frames)], encoded[len(u.job.frames):]
 
-    def _start_unit(self: Stage0Engine, s: Session) -> None:
+    def _start_unit(self, s: Session) -> None:
         job = s.queue.popleft()
         if s.pending_params is not None:
             s.params, s.pending_params = s.pending_params, None
@@ -170,7 +166,7 @@ class StepLoop(StepRecovery):
                          params=params, turn_before=dataclasses.replace(s.turn), history_len=len(s.history))
         s.phase = Phase.PREFILL
 
-    def _unit_embeds(self: Stage0Engine, s: Session) -> torch.Tensor:
+    def _unit_embeds(self, s: Session) -> torch.Tensor:
         """`<unit>` + frame blocks + audio embeddings → [T, H] (§3.3)."""
         assert s.unit is not None
         job, cfg, h = s.unit.job, self.config, self.model.cfg.hidden_size
@@ -196,7 +192,7 @@ class StepLoop(StepRecovery):
         return torch.cat(parts)
 
     # ---- postprocess ------------------------------------------------------------------------------
-    def _postprocess(self: Stage0Engine, sessions: list[Session], hidden: dict[str, torch.Tensor]) -> None:
+    def _postprocess(self, sessions: list[Session], hidden: dict[str, torch.Tensor]) -> None:
         with_logits = [s for s in sessions if s.phase in (Phase.PREFILL, Phase.TURN_EOS, Phase.FEED)]
         logits = {}
         if with_logits:
@@ -214,7 +210,7 @@ class StepLoop(StepRecovery):
         if to_sample:
             self._sample(to_sample, torch.stack([logits[s.session_id] for s in to_sample]))
 
-    def _advance(self: Stage0Engine, s: Session, h: torch.Tensor) -> bool:
+    def _advance(self, s: Session, h: torch.Tensor) -> bool:
         """After a forward with logits; True when the next step needs a sampled id."""
         unit = s.unit
         assert unit is not None
@@ -236,7 +232,7 @@ class StepLoop(StepRecovery):
         self._act(s, unit.decoder.step(None))
         return False
 
-    def _sample(self: Stage0Engine, rows: list[Session], logits: torch.Tensor) -> None:
+    def _sample(self, rows: list[Session], logits: torch.Tensor) -> None:
         params, ring = [s.unit_params for s in rows], self.history_ring
         ring.sync([(s.slot, s, s.history, p.repetition_window) for s, p in zip(rows, params, strict=True)])
         batch = SamplingBatch.from_ring(params, [s.stream.peek(2) for s in rows], ring, [s.slot for s in rows],
@@ -261,7 +257,7 @@ class StepLoop(StepRecovery):
             ring.settle(s.slot, s, len(s.history))
             self._act(s, s.unit.decoder.step(t))
 
-    def _act(self: Stage0Engine, s: Session, action: Feed | Stop) -> None:
+    def _act(self, s: Session, action: Feed | Stop) -> None:
         unit = s.unit
         assert unit is not None and unit.decoder is not None
         unit.token_times.append(time.perf_counter())
@@ -275,13 +271,13 @@ class StepLoop(StepRecovery):
         if self.config.merge_unit_close:
             self._defer_close(s)
 
-    def _defer_close(self: Stage0Engine, s: Session) -> None:
+    def _defer_close(self, s: Session) -> None:
         """Finish the unit now and owe `[terminator, </unit>]` to the next prefill (§3.6)."""
         assert s.unit is not None and s.unit.terminator is not None
         s.pending_close = (s.unit.terminator, self.ids.unit_close)
         self._finish_unit(s)
 
-    def _fed(self: Stage0Engine, s: Session, h: torch.Tensor) -> None:
+    def _fed(self, s: Session, h: torch.Tensor) -> None:
         unit = s.unit
         assert unit is not None and unit.decoder is not None and unit.pending_token is not None
         dec, j = unit.decoder, unit.decoder.j
@@ -293,7 +289,7 @@ class StepLoop(StepRecovery):
                               dec.end_of_turn, row is not None, j == 0, listen=False, forced=dec.force))
         unit.pending_token = None
 
-    def _finish_unit(self: Stage0Engine, s: Session) -> None:
+    def _finish_unit(self, s: Session) -> None:
         unit = s.unit
         assert unit is not None and unit.decoder is not None and unit.terminator is not None
         dec = unit.decoder
@@ -306,7 +302,7 @@ class StepLoop(StepRecovery):
         self._evict(s)
         s.check_accounting()
 
-    def _evict(self: Stage0Engine, s: Session) -> None:
+    def _evict(self, s: Session) -> None:
         """`basic` mode (§7.4): drop the oldest whole units until the cache is back under `window_low`."""
         if self.config.eviction != "basic" or s.owed_len <= self.config.window_high:
             return
@@ -317,6 +313,3 @@ class StepLoop(StepRecovery):
             n += 1
         evict_span(self.model, self.runner.kv, s.slot, s.prefix_len, drop, s.cached_len)
         s.ledger, s.cached_len = s.ledger[n:], s.cached_len - drop
-
-    def _emit(self: Stage0Engine, event: TokenEvent | UnitDone) -> None:
-        self.on_event(event)

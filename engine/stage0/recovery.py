@@ -11,20 +11,18 @@ from __future__ import annotations
 
 import dataclasses
 import traceback
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import torch
 
+from engine.stage0.parts import EngineParts
 from engine.stage0.runner import Row
 from engine.stage0.session import Phase, Session
 from engine.stage0.types import CapacityError, UnitDone, UnitMetrics
 
-if TYPE_CHECKING:
-    from engine.stage0.engine import Stage0Engine
 
-
-class StepRecovery:
-    def _forward(self: Stage0Engine, work: list[tuple[Session, Row]]
+class StepRecovery(EngineParts):
+    def _forward(self, work: list[tuple[Session, Row]]
                  ) -> tuple[dict[str, torch.Tensor], list[tuple[Session, Exception]]]:
         """The batch's forward; if it raises, each row alone, so that only the rows that fail by themselves
         fail. Rows write the KV only at and past their session's cache length, which nothing reads yet."""
@@ -41,7 +39,7 @@ class StepRecovery:
                 failed.append((s, exc))
         return hidden, failed
 
-    def _fail_step(self: Stage0Engine, s: Session, exc: Exception) -> None:
+    def _fail_step(self, s: Session, exc: Exception) -> None:
         """Undo what this step did to `s`: the unit in flight is dropped from the KV and ends with an
         `internal_error`; a system prefix that cannot be fed closes the session (its queued units end too)."""
         error = f"{type(exc).__name__}: {exc}"
@@ -57,9 +55,10 @@ class StepRecovery:
         self._fail_unit(s, error, code="internal_error")
         s.check_accounting()
 
-    def _guarded_schedule(self: Stage0Engine, s: Session) -> Row | None:
+    def _guarded_schedule(self, s: Session, schedule: Callable[[Session], Row | None]) -> Row | None:
+        """`schedule(s)` (the loop's), with a failure or a row past the KV slot failing `s` alone."""
         try:
-            row = self._schedule(s)
+            row = schedule(s)
             if row is not None and row.start + row.length > self.runner.kv.reserved_pos:
                 # NOTE: eviction keeps every row inside the slot; should that ever fail, this unit fails
                 # (typed), never the batch's KV write (an IndexError past the cache, issue 18)
@@ -71,7 +70,7 @@ class StepRecovery:
             self._fail_step(s, exc)
             return None
 
-    def _close_failed(self: Stage0Engine, s: Session, error: str) -> None:
+    def _close_failed(self, s: Session, error: str) -> None:
         """Close a session whose own state cannot go on (its prefix): its units end with `internal_error`, its
         slot is freed, and later requests on it get `session_closed`."""
         if s.unit is not None:
@@ -85,7 +84,7 @@ class StepRecovery:
         self.slots.give(s.slot)
         self.closed.add(s.session_id)
 
-    def _fail_unit(self: Stage0Engine, s: Session, error: str, code: str = "bad_audio") -> None:
+    def _fail_unit(self, s: Session, error: str, code: str = "bad_audio") -> None:
         unit = s.unit
         assert unit is not None
         forced = unit.decoder.force if unit.decoder is not None else unit.job.force_listen_override

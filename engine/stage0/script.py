@@ -13,21 +13,8 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
 
-from engine.stage0.config import SpecialIds
-
-
-@dataclass(frozen=True)
-class ScriptPlan:
-    listen_units: int = 10
-    speak_units: int = 5
-    text_ids_per_unit: int = 4
-    tail_listen_units: int = 5
-
-    @property
-    def cycle(self) -> int:
-        return self.listen_units + self.speak_units + self.tail_listen_units
+from engine.stage0.config import ScriptPlan, SpecialIds  # the plan is config; re-exported here
 
 
 class DecisionScript:
