@@ -9,16 +9,13 @@ no session keeps a view into another's batch tensor.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
 from engine.token2wav.assets import Token2WavModels
+from engine.token2wav.call import FlowSession, PendingCall
 from engine.token2wav.cfm import EstimatorFn
 from engine.token2wav.flow import EncoderFn, FlowCache
-
-if TYPE_CHECKING:
-    from engine.token2wav.stream import PendingCall, SessionStream
 
 
 def stack_flow_caches(caches: Sequence[FlowCache]) -> FlowCache:
@@ -65,7 +62,7 @@ def group_by(keys: Sequence[tuple]) -> list[list[int]]:
     return list(groups.values())
 
 
-def run_flow_batch(models: Token2WavModels, sessions: Sequence[SessionStream], calls: Sequence[PendingCall],
+def run_flow_batch(models: Token2WavModels, sessions: Sequence[FlowSession], calls: Sequence[PendingCall],
                    estimator: EstimatorFn | None = None, encoder: EncoderFn | None = None) -> None:
     """Flow phase + trims for sessions whose calls share (m, last) and whose caches share shapes."""
     dev = sessions[0].voice.spk_proj.device

@@ -23,18 +23,15 @@ rows only. Row-wise kernels keep a real row's result independent of the other ro
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from engine.token2wav.assets import Token2WavModels
+from engine.token2wav.call import FlowSession, PendingCall
 from engine.token2wav.pool import FlowPool, SlotState
 from engine.token2wav.ragged import round_up
 from engine.token2wav.ragged_graphs import RaggedSolver
-
-if TYPE_CHECKING:
-    from engine.token2wav.stream import PendingCall, SessionStream
 
 
 def to_device(arrays: dict[str, np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:
@@ -108,7 +105,7 @@ def _plan(pool: FlowPool, slots: Sequence[SlotState], calls: Sequence[PendingCal
 
 
 @torch.inference_mode()
-def run_flow_pooled(models: Token2WavModels, pool: FlowPool, sessions: Sequence[SessionStream],
+def run_flow_pooled(models: Token2WavModels, pool: FlowPool, sessions: Sequence[FlowSession],
                     calls: Sequence[PendingCall], solver: RaggedSolver | None = None) -> None:
     """Flow phase + trims for any mix of pooled sessions; sets `call.mel` [1, 80, F_b] per row.
     `solver`: CUDA-graph runner of the estimator solve (ragged_graphs.py); None = eager."""

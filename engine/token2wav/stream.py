@@ -22,10 +22,12 @@ import torch
 
 from engine.token2wav.assets import Token2WavModels
 from engine.token2wav.batch import run_flow_batch
+from engine.token2wav.call import PendingCall  # re-exported: the call a session plans
 from engine.token2wav.cfm import EstimatorFn
 from engine.token2wav.config import StreamConfig
 from engine.token2wav.flow import FlowCache
 from engine.token2wav.hift import draw_nsf
+from engine.token2wav.pooled import run_flow_pooled
 from engine.token2wav.voice import VoiceCache
 
 if TYPE_CHECKING:
@@ -41,13 +43,6 @@ class HiFTCache:
     mel: torch.Tensor       # [1, 80, ≤ 8]
     source: torch.Tensor    # [1, 1, ≤ 3840]
     speech: torch.Tensor    # [1, ≤ 3840]
-
-
-@dataclass
-class PendingCall:
-    tokens: list[int]
-    last: bool
-    mel: torch.Tensor | None = None       # [1, 80, F] once the flow phase ran
 
 
 @dataclass
@@ -213,7 +208,6 @@ class SessionStream:
             raise StreamInputError(f"stream: {len(tokens)} tokens are too few (last={last})")
         call = PendingCall([int(t) for t in tokens], last)
         if self.slot is not None:
-            from engine.token2wav.pooled import run_flow_pooled
             run_flow_pooled(self.models, self.slot.pool, [self], [call])
         else:
             run_flow_batch(self.models, [self], [call], estimator)
