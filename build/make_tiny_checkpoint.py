@@ -3,7 +3,10 @@
 Same file layout, config schema and key names as the real checkpoint, a few MB, byte-identical for the
 same seed and options. Generated on demand (tests build it into a tmp dir); never committed.
 
-    python build/make_tiny_checkpoint.py --out DIR --seed N [--no-vision] [--head-code-format weight_g]
+    python build/make_tiny_checkpoint.py --out DIR --seed N [--no-vision] [--no-prompt-models]
+                                         [--head-code-format weight_g]
+
+`--no-prompt-models` leaves out the two voice-prompt ONNX models (a checkpoint whose voices are only its packs).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ for _p in (str(_HERE.parent), str(_HERE)):
         sys.path.insert(0, _p)
 
 from tiny_checkpoint_files import TINY_CONFIG, generation_config, preprocessor_config, tokenizer_files  # noqa: E402
+from tiny_prompt_models import write_tiny_prompt_models  # noqa: E402
 
 from engine.config import ModelConfig  # noqa: E402
 from engine.model.keys import optional_keys  # noqa: E402
@@ -83,7 +87,7 @@ def _write_shards(out: Path, state: dict[str, torch.Tensor]) -> None:
 
 
 def build_tiny_checkpoint(out: Path, seed: int = 0, *, vision: bool = True,
-                          head_code_format: str = "parametrizations") -> Path:
+                          head_code_format: str = "parametrizations", prompt_models: bool = True) -> Path:
     """Write the tiny checkpoint into `out` (created if needed) and return it."""
     if head_code_format not in (*HEAD_CODE_NAMES, "fused"):
         raise ValueError(f"head_code_format: unknown {head_code_format!r}")
@@ -108,6 +112,8 @@ def build_tiny_checkpoint(out: Path, seed: int = 0, *, vision: bool = True,
     cfg = ModelConfig.from_dict(config)
     _write_shards(out, checkpoint_state(cfg, seed, head_code_format))
     write_tiny_token2wav_assets(out / "assets" / "token2wav", seed)
+    if prompt_models:
+        write_tiny_prompt_models(out / "assets" / "token2wav", seed)
     voice = make_random_voice(VOICE_SEED, codebook=cfg.tts.eos_code, voice_id="default")
     voice.save(out / "voices" / "default.safetensors")
     # Written last: callers may treat an existing config.json as "checkpoint complete".
@@ -120,10 +126,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--vision", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--prompt-models", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--head-code-format", choices=[*HEAD_CODE_NAMES, "fused"], default="parametrizations")
     args = ap.parse_args(argv)
     path = build_tiny_checkpoint(args.out, args.seed, vision=args.vision,
-                                 head_code_format=args.head_code_format)
+                                 head_code_format=args.head_code_format, prompt_models=args.prompt_models)
     size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
     print(f"wrote {path} ({size / 1e6:.1f} MB)")
     return 0
