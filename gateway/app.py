@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -13,11 +15,10 @@ from gateway import http
 from gateway.auth import HttpAuthMiddleware
 from gateway.leases import ExpiryReason, Reaper
 from gateway.runtime.base import Runtime
-from gateway.serving import drain
 from gateway.settings import GatewaySettings
 from gateway.state import GatewayState
 from gateway.ws import routes
-from gateway.ws.messages import Expired
+from gateway.ws.messages import Expired, Shutdown
 
 # The browser demo (clients/web) next to this package; computed so the gateway imports no client code.
 DEFAULT_WEB_ROOT = Path(__file__).resolve().parents[1] / "clients" / "web"
@@ -71,6 +72,18 @@ def triton_runtime_alone(settings: GatewaySettings) -> Runtime:
                          batch_dim=settings.triton_batch_dim)
 
 
+async def drain(state: GatewayState) -> None:
+    """Graceful stop, before the server closes its sockets: /ready turns red and new sessions are refused,
+    every live session ends with `session.closed{shutdown}` and close 1001 (bounded by close_ack_timeout_s)."""
+    state.draining = True
+    for live in list(state.sessions.values()):
+        live.post(Shutdown())
+    if state.tasks:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(state.settings.close_ack_timeout_s):
+                await asyncio.gather(*state.tasks, return_exceptions=True)
+
+
 def create_app(settings: GatewaySettings | None = None, *, runtime: Runtime | None = None) -> FastAPI:
     """`runtime` is injectable for tests; by default the Triton runtime is built from the settings."""
     settings = settings if settings is not None else GatewaySettings.from_env()
@@ -82,7 +95,7 @@ def create_app(settings: GatewaySettings | None = None, *, runtime: Runtime | No
     async def on_expire(session_id: str, reason: ExpiryReason) -> None:
         live = state.sessions.get(session_id)
         if live is not None:
-            live.inbox.put_nowait(Expired(reason.value))  # the actor alone mutates a session
+            live.post(Expired(reason.value))  # the actor alone mutates a session
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

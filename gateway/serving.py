@@ -1,38 +1,24 @@
 """Run the gateway under uvicorn with a graceful drain: `python -m gateway.serving --host H --port P`.
 
 Plain uvicorn closes every WebSocket (1012) before the app's lifespan shutdown runs, so sessions could not say
-goodbye. `DrainingServer` first drains the gateway (`GatewayState.drain`: `session.closed{shutdown}`, close
+goodbye. `DrainingServer` first drains the gateway (`gateway.app.drain`: `session.closed{shutdown}`, close
 1001, /ready red, new sessions refused), then lets uvicorn shut down as usual.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
 import socket
 
 import uvicorn
 
+from gateway.app import create_app, drain  # drain: re-exported, the app drains in its lifespan too
 from gateway.observability import redact_server_logs
 from gateway.settings import GatewaySettings
 from gateway.state import GatewayState
-from gateway.ws.messages import Shutdown
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
-
-
-async def drain(state: GatewayState) -> None:
-    """Graceful stop, before the server closes its sockets: /ready turns red and new sessions are refused,
-    every live session ends with `session.closed{shutdown}` and close 1001 (bounded by close_ack_timeout_s)."""
-    state.draining = True
-    for live in list(state.sessions.values()):
-        live.post(Shutdown())
-    if state.tasks:
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(state.settings.close_ack_timeout_s):
-                await asyncio.gather(*state.tasks, return_exceptions=True)
 
 
 class DrainingServer(uvicorn.Server):
@@ -46,8 +32,6 @@ class DrainingServer(uvicorn.Server):
 
 
 def build(host: str, port: int, log_level: str = "info") -> DrainingServer:
-    from gateway.app import create_app  # noqa: PLC0415 - the app imports `drain` from here
-
     settings = GatewaySettings.from_env()
     app = create_app(settings.model_copy(update={"bind_host": host}))  # auth policy follows the real bind
     state: GatewayState = app.state.gateway

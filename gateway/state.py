@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from gateway.admission import Admission, AdmissionConfig
 from gateway.auth import AuthConfig, Authenticator
@@ -16,14 +16,21 @@ from gateway.protocol.profiles import Profile
 from gateway.registry import SessionRegistry
 from gateway.runtime.base import Readiness, Runtime
 from gateway.settings import GatewaySettings
+from gateway.ws.messages import Message
 
 if TYPE_CHECKING:
     from gateway.directory.store import SessionDirectory
     from gateway.vad.model import SileroVad
-    from gateway.ws.live import LiveSession
 
 REALTIME_INPUT_RATE_HZ = 24000
 NATIVE_INPUT_RATE_HZ = 16000
+
+
+class HostedSession(Protocol):
+    """A session this gateway hosts (`gateway.ws.live.LiveSession`) as process-level code sees it: a mailbox.
+    Named here so that this module need not import the ws layer that registers sessions in it."""
+
+    def post(self, msg: Message) -> None: ...
 
 
 class GatewayState:
@@ -41,7 +48,7 @@ class GatewayState:
         self.auth = Authenticator(AuthConfig.build(s.bind_host, s.api_keys, s.allowed_origins, s.auth,
                                                    s.allowed_hosts))
         self.vad: SileroVad | None = None  # one shared model, loaded by the first server_vad session
-        self.sessions: dict[str, LiveSession] = {}  # open, detached or closing: the resume lookup
+        self.sessions: dict[str, HostedSession] = {}  # open, detached or closing: the resume lookup
         self.tasks: set[asyncio.Task[None]] = set()  # session hosts; they outlive their sockets
         self.reaper: Reaper | None = None
         self.directory: SessionDirectory | None = None  # several gateways: where a session lives (gateway/directory)

@@ -13,26 +13,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.protocol import validate as v
+from gateway.protocol.context import ConfigContext  # re-exported: callers build it with a config
 from gateway.protocol.errors import ProtocolError
 from gateway.protocol.spellings import extract_patch
 
 DEFAULT_INSTRUCTIONS = "Streaming Omni Conversation."
-
-
-@dataclass(frozen=True, slots=True)
-class ConfigContext:
-    """Deployment facts the validator needs (from GatewaySettings) plus the route defaults."""
-    served_model: str
-    model_aliases: tuple[str, ...]
-    voices: tuple[str, ...]
-    default_voice_available: bool
-    idle_ttl_s: float | None
-    force_listen_count: int
-    default_input_rate_hz: int
-    default_output_format: str
-
-    def resolve_model(self, name: str) -> str | None:
-        return self.served_model if name == self.served_model or name in self.model_aliases else None
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,15 +13,13 @@ import io
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import soundfile
 
+from gateway.protocol.context import ConfigContext
 from gateway.protocol.errors import ProtocolError
-
-if TYPE_CHECKING:
-    from gateway.protocol.config import ConfigContext
 
 G711_RATE = 8000
 MIN_RATE_HZ, MAX_RATE_HZ = 8000, 48000

@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from gateway.protocol.config import SessionConfig
 
-if TYPE_CHECKING:
-    from gateway.session.session import DuplexSession
+# `s` is a DuplexSession; InputMixin is its lowest layer that holds everything read here (input and response
+# state). Naming that layer keeps the mixins that use these views free of an import cycle (issue 19).
+from gateway.session.inputs import InputMixin
 
 _GA_IN = {"pcm16": "audio/pcm", "g711_ulaw": "audio/pcmu", "g711_alaw": "audio/pcma"}
 GA_PCM_RATE = 24000
 
 
-def turn_state(s: DuplexSession) -> str:
+def turn_state(s: InputMixin) -> str:
     now = s.clock()
     if s._active is not None:
         return "assistant_generating"
@@ -65,7 +66,7 @@ def config_object(c: SessionConfig) -> dict[str, Any]:
     }
 
 
-def session_object(s: DuplexSession, capabilities: dict[str, Any], limits: dict[str, Any]) -> dict[str, Any]:
+def session_object(s: InputMixin, capabilities: dict[str, Any], limits: dict[str, Any]) -> dict[str, Any]:
     last = s._responses.get(s._last_audio_response) if s._last_audio_response else None
     playback = dict(response_id=last.id, **last.playback.cursors()) if last and last.playback else None
     return {"id": s.session_id, "object": "realtime.session", "type": "realtime", "model": s.config.model,

@@ -22,6 +22,7 @@ from gateway.resume.journal import Journal, JournalConfig, Sequencer
 from gateway.session.outbox import Outbox, OutboxLimits, OutItem
 from gateway.state import GatewayState
 from gateway.ws import faults
+from gateway.ws.actor import run_actor
 from gateway.ws.handshake import ConnectionParams
 from gateway.ws.live import LiveSession
 from gateway.ws.messages import Admitted, ConnState, Disconnected, Rejected
@@ -109,13 +110,14 @@ class Connection:
             self.resuming = True
             if await relayed_to_owner(self.gw, self.ws, patch):
                 return None  # another gateway owns the session: it answered through the relay (gateway/directory)
-            live, generation = await resume_session(self, patch)
+            live, generation = await resume_session(self.gw, params, self.ws, patch,
+                                                    send_and_close=self.send_and_close)
             self.live = live
             return generation
         live = LiveSession(self.gw, params)
         session = await open_session(self.gw, params, patch, live.outbox, live.post_lane)
         self.live = live
-        return live.start(session, self.ws, echo_update=isinstance(opener, ce.SessionUpdate))
+        return live.start(session, self.ws, echo_update=isinstance(opener, ce.SessionUpdate), actor=run_actor)
 
     async def _next_text(self) -> str:
         while True:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from gateway.protocol.errors import CloseCode, ProtocolError
@@ -77,8 +78,10 @@ class LiveSession:
         self.post(LaneOut(result))
 
     # ---- start -----------------------------------------------------------------------------------------
-    def start(self, session: DuplexSession, socket: Socket, *, echo_update: bool) -> int:
-        """H6: bind the opened session, queue `session.created` (+ `session.updated`), start the host."""
+    def start(self, session: DuplexSession, socket: Socket, *, echo_update: bool,
+              actor: Callable[[LiveSession], Awaitable[None]]) -> int:
+        """H6: bind the opened session, queue `session.created` (+ `session.updated`), start the host, which
+        runs `actor` (gateway.ws.actor.run_actor, passed in: the actor module imports this one)."""
         self.session = session
         session.seq_source = self.writer.last_seq
         self.writer.is_stale = session.is_stale
@@ -98,7 +101,7 @@ class LiveSession:
         self.outbox.put(OutItem(events=(created,), kind=Kind.UNSEQUENCED))
         if echo_update:
             session.emit({"type": "session.updated", "session": session.session_json()})
-        gw.spawn(self._host(), name=f"session-{sid}")
+        gw.spawn(self._host(actor), name=f"session-{sid}")
         return 1
 
     def attach(self, socket: Socket, generation: int) -> None:
@@ -111,15 +114,13 @@ class LiveSession:
             ev.set()
 
     # ---- host ------------------------------------------------------------------------------------------
-    async def _host(self) -> None:
-        from gateway.ws.actor import run_actor  # noqa: PLC0415 - actor imports this module's type
-
+    async def _host(self, actor: Callable[[LiveSession], Awaitable[None]]) -> None:
         try:
             async with asyncio.TaskGroup() as tg:
                 writer = tg.create_task(self.writer.run(), name="writer")
                 aux = [tg.create_task(self._pump_runtime(), name="runtime-pump"),
                        tg.create_task(self._tick(), name="ticker")]
-                await run_actor(self)
+                await actor(self)
                 for t in aux:
                     t.cancel()
                 self.outbox.put(OutItem(events=(), kind=Kind.UNSEQUENCED, close=self.close_item), reserved=True)

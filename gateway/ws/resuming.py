@@ -8,29 +8,34 @@ event can slip between the replay cut and the attach.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from starlette.websockets import WebSocket
 
 from gateway.admission import SlotState
 from gateway.protocol.errors import CloseCode, Effect, ProtocolError
+from gateway.protocol.profiles import Profile
 from gateway.resume.journal import JournalGap, resync_required_event
 from gateway.resume.procedure import ResumeRequest, check_resume, commit_resume, prepare_resume
 from gateway.session.outbox import Kind, OutItem
+from gateway.state import GatewayState
+from gateway.ws.handshake import ConnectionParams
 from gateway.ws.live import LiveSession, replay_texts
 from gateway.ws.messages import ResyncClose
-
-if TYPE_CHECKING:
-    from gateway.ws.connection import Connection
 
 REPLACED_CLOSE = (int(CloseCode.NORMAL), "session_replaced")
 RESYNC_CLOSE = (int(CloseCode.NORMAL), "resync_required")
 
 
-async def resume_session(conn: Connection, fields: dict[str, Any]) -> tuple[LiveSession, int | None]:
-    """Returns the session and this socket's attachment generation (None: answered with a resync)."""
-    gw, params = conn.gw, conn.params
-    assert params is not None
+async def resume_session(gw: GatewayState, params: ConnectionParams, ws: WebSocket, fields: dict[str, Any], *,
+                         send_and_close: Callable[[OutItem, Profile], Awaitable[None]]
+                         ) -> tuple[LiveSession, int | None]:
+    """Returns the session and this socket's attachment generation (None: answered with a resync).
+    `send_and_close` is the connection's: it writes a handshake answer on `ws` and closes it."""
     req = ResumeRequest.parse(fields)  # RS1
     target = gw.sessions.get(req.session_id)
+    assert target is None or isinstance(target, LiveSession)  # only LiveSession.start registers a session
     route, profile = params.route, params.profile.value
     try:
         check_resume(req, target, route=route, profile=profile)  # RS2-RS6
@@ -39,7 +44,7 @@ async def resume_session(conn: Connection, fields: dict[str, Any]) -> tuple[Live
         target.attachments.mark_unresumable()
         target.post(ResyncClose())
         ev = resync_required_event(req.session_id, "journal_gap", target.journal.last_seq)
-        await conn.send_and_close(OutItem(events=(ev,), kind=Kind.UNSEQUENCED, close=RESYNC_CLOSE), params.profile)
+        await send_and_close(OutItem(events=(ev,), kind=Kind.UNSEQUENCED, close=RESYNC_CLOSE), params.profile)
         gw.metrics.resume_result("resync_required")
         return target, None
     assert target is not None
@@ -48,7 +53,7 @@ async def resume_session(conn: Connection, fields: dict[str, Any]) -> tuple[Live
     async with target.attachments.resume_lock, writer.lock:  # RS7: one resume at a time, no live sends
         plan = prepare_resume(req, target, gw.leases, expected, route=route, profile=profile)
         resumed = writer.frames(plan.resumed_event(target, target.created_json()), False)
-        if not all([await writer.send(t, conn.ws) for t in resumed]):
+        if not all([await writer.send(t, ws) for t in resumed]):
             raise ProtocolError("runtime_resume_failed", "session.resumed could not be written",
                                 effect=Effect.HANDSHAKE)  # nothing was committed: old token and timer stand
         old_socket, old_generation = writer.socket, writer.generation
@@ -61,7 +66,7 @@ async def resume_session(conn: Connection, fields: dict[str, Any]) -> tuple[Live
             await writer.close_socket(*REPLACED_CLOSE, socket=old_socket)
             gw.metrics.takeovers.inc()
         target.release(old_generation)
-        target.attach(conn.ws, takeover.new_generation)
+        target.attach(ws, takeover.new_generation)
         for text in replay_texts(plan.replay):  # RS9 / J-6: byte-exact, in order, before live events
             if not await writer.send(text):
                 break
