@@ -20,7 +20,8 @@ EXPECTED_FILES = {
     "config.json", "preprocessor_config.json", "generation_config.json", "vocab.json", "merges.txt",
     "added_tokens.json", "special_tokens_map.json", "tokenizer_config.json", *SHARDS,
     "model.safetensors.index.json", "assets/token2wav/flow.yaml", "assets/token2wav/flow.pt",
-    "assets/token2wav/hift.pt", "voices/default.safetensors",
+    "assets/token2wav/hift.pt", "assets/token2wav/speech_tokenizer_v2_25hz.onnx", "assets/token2wav/campplus.onnx",
+    "voices/default.safetensors",
 }
 MAX_BYTES = 24 * 2**20  # "a few MB" (§9.2 main ≈ 3.77 M fp32 parameters incl. unused embeddings)
 

@@ -8,7 +8,7 @@ cannot apply, is `invalid_runtime_config`: nothing is accepted and then ignored 
 | --- | --- | --- |
 | `instructions` | stage0 | system prompt of the prefix |
 | `voice` | stage0, token2wav | the voice pack: its reference clip for the prefix, its prompt for Token2Wav |
-| `ref_audio` | stage0 | base64 PCM16 16 kHz mono client clip, replacing the voice's clip in the prefix |
+| `ref_audio` | stage0, token2wav | base64 PCM16 16 kHz mono client clip, replacing the voice's clip in the prefix and, where the checkpoint ships the S3 tokenizer and CAM++, the vocoder's voice prompt (token2wav_bridge.py) |
 | `initial_user_text` | — | null only (no user text turn in the prefix) |
 | `text_only` | stage0 | no `tts_input`: the talker and the vocoder never run |
 | `seed` | all | the session's generators (model.md §3.5.4); absent or null: a fresh random seed |

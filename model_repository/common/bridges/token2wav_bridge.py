@@ -1,18 +1,30 @@
 """Token2Wav bridge: `audio_tokens` (TOKENS = one unit's codes, CONFIG = {"unit", "end_of_turn"}) ->
 engine.stage1.Token2WavEngine -> `audio` events (AUDIO = 24 kHz PCM16) as chunks finish; the request
-ends (FINAL) after the unit's last chunk. Voices are the checkpoint's voice packs, built once at load.
+ends (FINAL) after the unit's last chunk. Voices are the checkpoint's voice packs, built once at load, and the
+clips of sessions opened with `ref_audio` (model.md §6.1): a clip's voice pack is made by the checkpoint's S3
+tokenizer and CAM++ (engine/token2wav/prompt.py) on a worker thread, not the engine thread; the engine thread
+builds its base cache once, shared by every session with the same clip (keyed by its hash) and dropped with the
+last of them. A checkpoint without the two ONNX models keeps the session's named voice (logged once at load).
 """
 
 from __future__ import annotations
 
+import hashlib
+import logging
+import threading
+from collections import OrderedDict
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from engine.loader import load_checkpoint
+from engine.loader.checkpoint import TOKEN2WAV_DIR
 from engine.stage1.token2wav_engine import Token2WavEngine, Token2WavEngineConfig
 from engine.stage1.types import Fence
 from engine.token2wav.buckets import row_buckets
 from engine.token2wav.pool import PoolConfig
+from engine.token2wav.prompt import PromptModels, load_prompt_models, voice_from_clip
+from engine.voice import VoicePack
 
 from ..codec import RequestError, StageOutput, StageRequest
 from ..settings import ConfigError, StageSettings
@@ -21,13 +33,18 @@ from .base import (
     EngineBridge,
     configure_torch,
     control_event,
+    engine_error,
     engine_options,
     session_key,
     torch_dtype,
 )
-from .options import check_config, seed_of, voice_of
+from .options import check_config, ref_audio, seed_of, voice_of
+
+log = logging.getLogger(__name__)
 
 DEFAULT_VOICE = "default"
+CLIP_VOICE = "clip:"  # engine voice id prefix of a client clip: + sha256 of its CONFIG `ref_audio` string
+MAX_CLIP_PACKS = 64  # clip voice packs kept for reuse (each a few hundred KiB; the base caches are not kept)
 # Flow and HiFT rows are padded to row buckets (engine/token2wav/buckets.py: 7 at 32 sessions, 9 at 64), each
 # with its own graphs (a warm-up turn builds ~5 shapes per bucket and kind); room for twice that before a
 # shape runs eager (counted as a miss either way).
@@ -61,6 +78,43 @@ class Token2WavBridge(EngineBridge):
         self.default_voice = DEFAULT_VOICE if DEFAULT_VOICE in self.voices else sorted(self.voices)[0]
         self.pending: dict[str, list[tuple[int, Fence, Any, list[int]]]] = {}  # sid -> (unit, fence, sink, [seq])
         self.opened: dict[str, tuple[str, int, bool]] = {}  # sid -> (voice, seed, a unit was submitted)
+        self.prompt_models, why = load_prompt_models(ck.path / TOKEN2WAV_DIR)
+        if self.prompt_models is None:
+            log.warning("no speech tokenizer / campplus (%s): ref_audio does not change the vocoder voice", why)
+        self.packs = _ClipPacks(self.prompt_models, self.engine.cfg.pool.max_prompt_frames)
+        # Requests of a session whose clip is being made wait behind it on this one worker (order kept).
+        self._builder = ThreadPoolExecutor(1, thread_name_prefix="token2wav-voice")
+        self._building: dict[int, int] = {}  # corrid -> its requests on the worker
+        self._building_lock = threading.Lock()
+
+    # ---- adapter thread: a new clip's voice pack is made on the worker, off the engine thread ----------
+    def submit(self, req: StageRequest, sink: Any) -> None:
+        clip = self.packs.wanted(req)
+        with self._building_lock:
+            waiting = self._building.get(req.corrid, 0)
+            if clip is None and not waiting:
+                super().submit(req, sink)
+                return
+            self._building[req.corrid] = waiting + 1
+        self._builder.submit(self._prepare, req, sink, clip)
+
+    def _prepare(self, req: StageRequest, sink: Any, clip: str | None) -> None:
+        try:
+            if clip is not None:
+                self.packs.make(clip)
+            super().submit(req, sink)
+        except Exception as exc:  # noqa: BLE001 - a bad clip fails its own request only
+            sink.emit(engine_error(exc))
+            sink.close()
+        finally:
+            with self._building_lock:
+                left = self._building.pop(req.corrid) - 1
+                if left:
+                    self._building[req.corrid] = left
+
+    def stop(self) -> None:
+        self._builder.shutdown(wait=True)
+        super().stop()
 
     def warm_up(self, emit: Callable[[str], None]) -> None:
         """Every row bucket's graphs, by synthetic turns in the default voice, before the stage is ready."""
@@ -75,8 +129,7 @@ class Token2WavBridge(EngineBridge):
         if req.op in ("open", "update"):
             check_config(cfg)
         if req.op == "open":
-            self.opened[sid] = (voice_of(cfg, self.voices, self.default_voice), seed_of(cfg), False)
-            self.engine.open(sid, fence, *self.opened[sid][:2])
+            self._open(sid, fence, self._voice(cfg), seed_of(cfg))
             self.pending[sid] = []
         elif req.op == "update":
             self._reseed(sid, cfg)
@@ -93,27 +146,59 @@ class Token2WavBridge(EngineBridge):
             result = self.engine.cancel(sid, fence, Fence(req.next_fence[0], req.next_fence[1]))
             self._end(sid, lambda u, f: u in result.dropped_units or f.epoch < req.next_fence[1])
         elif req.op == "close":
-            self.engine.close(sid, fence)
+            if self.engine.close(sid, fence):
+                self._release(self.opened.pop(sid, ("",))[0])
             self._end(sid, lambda u, f: True)
             self.pending.pop(sid, None)
-            self.opened.pop(sid, None)
         sink.emit(control_event(req, "token2wav"))
         sink.close()
 
     def _reseed(self, sid: str, cfg: dict[str, Any]) -> None:
-        """A new CONFIG seed or voice before the session's first unit opens it again with them; later they are
-        refused (the gateway locks both at the prefix commit)."""
+        """A new CONFIG seed, voice or clip before the session's first unit opens it again with them; later
+        they are refused (the gateway locks them at the prefix commit)."""
         voice, seed, used = self.opened.get(sid, ("", None, True))
-        new_voice = voice_of(cfg, self.voices, self.default_voice) if "voice" in cfg else voice  # absent: unchanged
+        # absent: unchanged (as stage0: a `voice` without `ref_audio` means no clip)
+        new_voice = self._voice(cfg) if "voice" in cfg or "ref_audio" in cfg else voice
         new_seed = seed if cfg.get("seed") is None else seed_of(cfg)
         if (new_voice, new_seed) == (voice, seed):
             return
         session = self.engine.sessions.get(sid)
         if used or session is None:
-            raise RequestError("invalid_runtime_config", "CONFIG seed and voice cannot change after the first unit")
+            self._release(new_voice)
+            raise RequestError("invalid_runtime_config",
+                               "CONFIG seed, voice and ref_audio cannot change after the first unit")
         self.engine.close(sid, session.fence)
-        self.opened[sid] = (new_voice, new_seed, False)
-        self.engine.open(sid, session.fence, new_voice, new_seed)
+        self.opened.pop(sid)
+        try:
+            self._open(sid, session.fence, new_voice, new_seed)
+        finally:
+            self._release(voice)  # after the new open: a reseed in the same clip voice keeps its cache
+
+    # ---- voices (engine thread) -----------------------------------------------------------------------
+    def _voice(self, cfg: dict[str, Any]) -> str:
+        """The engine voice of a CONFIG: its clip's (added now if new), else its named voice."""
+        named = voice_of(cfg, self.voices, self.default_voice)
+        encoded = cfg.get("ref_audio")
+        if not isinstance(encoded, str) or self.prompt_models is None:
+            ref_audio(cfg)  # checks the encoding even where the clip cannot change the voice
+            return named
+        voice_id = CLIP_VOICE + _clip_key(encoded)
+        if voice_id not in self.engine.voices:
+            self.engine.add_voice(voice_id, self.packs.make(encoded))  # decodes (and checks) the clip
+        return voice_id
+
+    def _open(self, sid: str, fence: Fence, voice: str, seed: int) -> None:
+        try:
+            self.engine.open(sid, fence, voice, seed)
+        except Exception:
+            self._release(voice)
+            raise
+        self.opened[sid] = (voice, seed, False)
+
+    def _release(self, voice: str) -> None:
+        """Drop a clip's base cache once no open session uses it (an open stream keeps its own reference)."""
+        if voice.startswith(CLIP_VOICE) and all(v != voice for v, *_ in self.opened.values()):
+            self.engine.voices.pop(voice, None)
 
     def step(self) -> bool:
         # a row is one session's flow + vocoder call (queued silence is no row)
@@ -151,7 +236,7 @@ class Token2WavBridge(EngineBridge):
             self.engine.close(sid, s.fence)
         self._end(sid, lambda u, f: True)
         self.pending.pop(sid, None)
-        self.opened.pop(sid, None)
+        self._release(self.opened.pop(sid, ("",))[0])
 
     def fail_all(self, out: StageOutput) -> None:
         for waiting in self.pending.values():
@@ -159,3 +244,41 @@ class Token2WavBridge(EngineBridge):
                 item[2].emit(out)
                 item[2].close()
             waiting.clear()
+
+
+def _clip_key(encoded: str) -> str:
+    return hashlib.sha256(encoded.encode()).hexdigest()
+
+
+class _ClipPacks:
+    """Voice packs of client clips by clip hash, most recent `MAX_CLIP_PACKS`; made on the worker (or, for a
+    pack evicted meanwhile, on the engine thread). Both threads use it, under its lock."""
+
+    def __init__(self, models: PromptModels | None, max_prompt_frames: int) -> None:
+        self.models, self.max_prompt_frames = models, max_prompt_frames
+        self._packs: OrderedDict[str, VoicePack] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def wanted(self, req: StageRequest) -> str | None:
+        """The CONFIG `ref_audio` of an open/update whose pack is still to make, else None."""
+        encoded = (req.config or {}).get("ref_audio") if req.op in ("open", "update") else None
+        if self.models is None or not isinstance(encoded, str):
+            return None
+        with self._lock:
+            return None if _clip_key(encoded) in self._packs else encoded
+
+    def make(self, encoded: str) -> VoicePack:
+        key = _clip_key(encoded)
+        with self._lock:
+            if key in self._packs:
+                self._packs.move_to_end(key)
+                return self._packs[key]
+        assert self.models is not None
+        clip = ref_audio({"ref_audio": encoded})
+        assert clip is not None
+        pack = voice_from_clip(self.models, clip, voice_id=CLIP_VOICE + key, max_prompt_frames=self.max_prompt_frames)
+        with self._lock:
+            self._packs[key] = pack
+            while len(self._packs) > MAX_CLIP_PACKS:
+                self._packs.popitem(last=False)
+        return pack
