@@ -91,8 +91,13 @@ class StreamError:
 RuntimeEvent = Decision | TextPiece | AudioPiece | UnitDone | StreamError
 
 
+RUNTIME_DEAD = "runtime_dead"  # RuntimeFailure code: the session's stream to the runtime is gone (see below)
+
+
 class RuntimeFailure(Exception):
-    """A fenced operation failed; `code` is a runtime code of the Triton contract."""
+    """A fenced operation failed; `code` is a runtime code of the Triton contract, or `RUNTIME_DEAD` when the
+    session's stream itself broke (Triton died or restarted). Then the session's `events` end as well, which
+    the session reports once as `runtime_dead`; an operation failed by the same break adds nothing to it."""
 
     def __init__(self, code: str, message: str = "") -> None:
         super().__init__(f"{code}: {message}")
@@ -128,8 +133,8 @@ class Runtime(Protocol):
 
 # Runtime codes (triton_contract.md) -> protocol.md §1.7 codes per operation.
 def map_runtime_code(op: str, code: str) -> str:
-    if code == "runtime_backpressure":
-        return "runtime_backpressure"
+    if code in ("runtime_backpressure", RUNTIME_DEAD):
+        return code
     if code == "timeout":
         return "runtime_timeout"
     if op == "open":

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from gateway.runtime.base import (
+    RUNTIME_DEAD,
     Fence,
     Readiness,
     RuntimeEvent,
@@ -103,9 +104,9 @@ class _Stream:
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - the stream is gone: every waiter and the session learn it
-            self._break(RuntimeFailure("internal_error", f"stream broke: {exc}"))
+            self._break(RuntimeFailure(RUNTIME_DEAD, f"stream broke: {exc}"))  # e.g. UNAVAILABLE: Triton died
         finally:
-            self._break(RuntimeFailure("internal_error", "stream ended"))
+            self._break(RuntimeFailure(RUNTIME_DEAD, "stream ended"))
 
     def _on_result(self, result: Any) -> None:
         resp = result.get_response()
@@ -124,14 +125,16 @@ class _Stream:
             del self.calls[resp.id]
             call.on_final(call.failure)
 
-    def _break(self, failure: RuntimeFailure) -> None:
+    def _break(self, cause: RuntimeFailure) -> None:
         if self.broken is not None:
             return
+        # the session's runtime binding is gone with its stream: every waiter fails as the session does
+        failure = cause if cause.code == RUNTIME_DEAD else RuntimeFailure(RUNTIME_DEAD, f"{cause.code}: {cause.message}")
         self.broken = failure
+        self._on_broken(failure)  # first: the session's output ends here, nothing a failed call settles goes out
         calls, self.calls = list(self.calls.values()), {}
         for call in calls:
             call.on_final(failure)
-        self._on_broken(failure)
 
     async def aclose(self) -> None:
         self.requests.put_nowait(None)
@@ -145,6 +148,13 @@ def triton_failure(message: str) -> RuntimeFailure:
     if "START flag" in message:
         return RuntimeFailure("session_not_found", message)  # the sequence is unknown to Triton
     return RuntimeFailure("internal_error", message)
+
+
+def _reportable(failure: RuntimeFailure, s: _Session) -> bool:
+    """Whether a failed tts / token2wav call is the session's news. Not when a cancel overtook the unit
+    (stale), the session is closing, or the stream broke: its end reaches the session as `runtime_dead`, and
+    one error per cause is enough (a Triton kill otherwise showed `runtime_stream_failed` per call in flight)."""
+    return failure.code != "stale_fence" and not s.closing and s.stream.broken is None
 
 
 def _ignore(ev: dict[str, Any], result: Any) -> None:
@@ -233,6 +243,7 @@ class _Session:
         self.order = UnitOrder(self.events.put_nowait)
         self.stream = _Stream(client, key, batch_dim, self._on_broken)
         self.seq = {TTS: 0, TOKEN2WAV: 0}  # stage-internal append_seq (each stage checks its own order)
+        self.closing = False  # the close went out: no stage call may start after it (Triton would refuse it)
 
     def stage_fence(self, base: Fence, stage: str) -> Fence:
         self.seq[stage] += 1
@@ -325,14 +336,14 @@ class StagedTritonRuntime:
 
     def _speak(self, s: _Session, fence: Fence, flow: _Unit, ev: dict[str, Any], result: Any) -> None:
         """stage0's `tts_input` -> tts; each of its `audio_tokens` -> token2wav; each `audio` -> the session."""
-        if flow.cancelled:
+        if flow.cancelled or s.closing:
             return
         turn = {k: ev[k] for k in TURN_KEYS if k in ev}
         hidden = _array(result, "HIDDEN", np.float32)
 
         def on_codes(out: dict[str, Any], res: Any) -> None:
-            if out.get("type") != "audio_tokens" or out.get("dropped") or flow.cancelled:
-                return  # nothing to render, or a cancel overtook the unit: its audio would be dropped anyway
+            if out.get("type") != "audio_tokens" or out.get("dropped") or flow.cancelled or s.closing:
+                return  # nothing to render, or a cancel / the close overtook the unit: nobody would hear it
             flow.firsts.setdefault("talker", _ms_since(flow.started))
             flow.speech_calls += 1
             s.stream.send(TOKEN2WAV, "append", s.stage_fence(fence, TOKEN2WAV), on_audio, ended,
@@ -349,7 +360,7 @@ class StagedTritonRuntime:
 
         def ended(failure: RuntimeFailure | None) -> None:
             flow.speech_calls -= 1
-            if failure is not None and failure.code != "stale_fence":  # stale: a cancel overtook this unit
+            if failure is not None and _reportable(failure, s):
                 s.order.emit(flow, StreamError(fence.epoch, failure.code, failure.message))
             s.order.settle()
 
@@ -369,11 +380,13 @@ class StagedTritonRuntime:
 
     async def close(self, key: SessionKey, fence: Fence) -> None:
         s = self._session(key)
+        s.closing = True
         try:
             if s.stream.broken is None:  # a dead stream's sequences hold nothing: Triton's idle timeout ends them
                 await self._all_stages(s, "close", dict.fromkeys(STAGES, fence))
         except RuntimeFailure as exc:
-            if exc.code != "session_not_found":  # already gone (a stage expired it): closed all the same
+            # already gone (a stage expired it, or the stream broke meanwhile): closed all the same
+            if exc.code not in ("session_not_found", RUNTIME_DEAD):
                 raise
         finally:
             self._sessions.pop(key.correlation_id, None)

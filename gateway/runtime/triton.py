@@ -14,7 +14,15 @@ import itertools
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
-from gateway.runtime.base import Fence, Readiness, RuntimeEvent, RuntimeFailure, SessionKey, UnitSubmission
+from gateway.runtime.base import (
+    RUNTIME_DEAD,
+    Fence,
+    Readiness,
+    RuntimeEvent,
+    RuntimeFailure,
+    SessionKey,
+    UnitSubmission,
+)
 from gateway.runtime.grpc_client import probe_readiness
 from gateway.runtime.triton_wire import build_request, parse_event
 
@@ -58,11 +66,11 @@ class _SequenceStream:
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - the stream is gone: every waiter and the session learn it
-            self.broken = RuntimeFailure("internal_error", f"stream broke: {exc}")
+            self.broken = RuntimeFailure(RUNTIME_DEAD, f"stream broke: {exc}")
             self._fail_all(self.broken)
         finally:
             if self.broken is None:
-                self.broken = RuntimeFailure("internal_error", "stream ended")
+                self.broken = RuntimeFailure(RUNTIME_DEAD, "stream ended")
                 self._fail_all(self.broken)
             self.events.put_nowait(None)
 
@@ -140,7 +148,8 @@ class TritonRuntime:
             if stream.broken is None:  # a dead stream's sequence holds nothing: Triton's idle timeout ends it
                 await stream.call("close", fence)
         except RuntimeFailure as exc:
-            if exc.code != "session_not_found":  # already gone (a stage expired it): closed all the same
+            # already gone (a stage expired it, or the stream broke meanwhile): closed all the same
+            if exc.code not in ("session_not_found", RUNTIME_DEAD):
                 raise
         finally:
             self._streams.pop(key.correlation_id, None)

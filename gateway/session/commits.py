@@ -5,7 +5,7 @@ from __future__ import annotations
 from gateway.protocol import server_events as se
 from gateway.protocol.client_events import InputAudioBufferCommit
 from gateway.protocol.errors import Effect, ProtocolError
-from gateway.runtime.base import map_runtime_code
+from gateway.runtime.base import RUNTIME_DEAD, map_runtime_code
 from gateway.session import options
 from gateway.session.inputs import InputMixin
 from gateway.session.lane import AppendAcked, AppendFailed, CancelFailed, LaneResult
@@ -118,8 +118,9 @@ class CommitMixin(InputMixin):
         self._pending_turns -= len(result.commit_ids)
         if isinstance(result, AppendAcked) or self.state != "open":
             return
-        if isinstance(result, AppendFailed) and result.code != "stale_fence":
-            # stale input is expected after a cancellation and is never reported (§4.4)
+        # stale input is expected after a cancellation and is never reported (§4.4); an append failed by the
+        # runtime stream's end is not either: that end closes the session with `runtime_dead`, reported once
+        if isinstance(result, AppendFailed) and result.code not in ("stale_fence", RUNTIME_DEAD):
             code = map_runtime_code("append", result.code)
             self.fail_or_report(ProtocolError(code, f"{result.code}: {result.message}",
                                               effect=Effect.REPORT if code == "runtime_backpressure" else None))

@@ -116,6 +116,7 @@ class RuntimeLane:
                 # The runtime must adopt the next fence before it sees an append stamped with it.
                 pending, self._cancels = self._cancels, []
                 await asyncio.gather(*pending)
+                continue  # the queue may have been dropped meanwhile (input.cancel, close): look again
             q = self._queue.popleft()
             base = self._fence_of()
             fence = Fence(base.incarnation, base.epoch, self.acked_appends + 1)

@@ -188,6 +188,10 @@ class DuplexSession(CommandsMixin):
                 why = "session_expired" if expired else ("client_session_close" if from_client else "session_close")
                 self.finish(self._active, "cancelled", why)
         self.finalise_history()
+        # X4: input not yet sent to the runtime is dropped, as nothing of this session is sent after the close
+        # (the cleanup's drain waited behind it: a backlog of input sent faster than real time outlasted
+        # close_ack_timeout_s and showed as runtime_close_failed)
+        self.lane.drop_queued()
         failure = await cleanup()
         if failure is not None:
             with contextlib.suppress(ProtocolError):

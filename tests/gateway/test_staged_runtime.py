@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from gateway.runtime.base import (
+    RUNTIME_DEAD,
     AudioPiece,
     Decision,
     Fence,
@@ -222,7 +223,7 @@ async def test_a_stream_error_from_triton_ends_the_session_and_close_still_succe
     events = rt.events(KEY)
     with pytest.raises(RuntimeFailure) as exc:
         await asyncio.wait_for(rt.append(KEY, Fence(1, 0, 1), _unit(0)), 2)
-    assert exc.value.code == "session_not_found"
+    assert exc.value.code == RUNTIME_DEAD and "START flag" in exc.value.message  # the session is gone with it
     with pytest.raises(StopAsyncIteration):
         await asyncio.wait_for(events.__anext__(), 1)
     await asyncio.wait_for(rt.close(KEY, Fence(1, 0)), 1)
@@ -249,4 +250,83 @@ async def test_an_open_refused_by_one_stage_closes_the_stages_that_opened() -> N
     assert closed == ["stage0", "token2wav"]
     with pytest.raises(RuntimeFailure):
         await rt.append(KEY, Fence(1, 0, 1), _unit(0))
+    await rt.aclose()
+
+
+class Killable(StageClient):
+    """A StageClient whose gRPC stream can break as when tritonserver is killed (UNAVAILABLE); stage0 answers
+    no unit from `stage0_hold_from` on, so an append is in flight when it breaks; a stage answers its close only
+    after the appends sent to it before (a Triton sequence's order), tts's therefore after the tts gate."""
+
+    KILL = object()
+
+    def __init__(self, stage0_hold_from: int = 1 << 30) -> None:
+        super().__init__()
+        self.stage0_hold_from = stage0_hold_from
+        self.out: asyncio.Queue[Any] = asyncio.Queue()
+
+    async def stream_infer(self, it):  # noqa: ANN001, ANN201
+        async def feed() -> None:
+            async for req in it:
+                self.requests.append(req)
+                asyncio.create_task(self._answer(req, self.out))
+
+        feeder = asyncio.create_task(feed())
+        try:
+            while (item := await self.out.get()) is not None:
+                if item is self.KILL:
+                    raise RuntimeError("StatusCode.UNAVAILABLE: Stream removed (recvmsg:Connection reset by peer)")
+                yield item
+        finally:
+            feeder.cancel()
+
+    async def _answer(self, req: dict[str, Any], out: asyncio.Queue) -> None:
+        rid = req["request_id"]
+        if rid.startswith("stage0:append") and self.stage0_units + 1 >= self.stage0_hold_from:
+            await asyncio.Event().wait()  # the unit is still running when Triton dies
+        if rid.startswith("tts:close"):
+            await self.tts_gate.wait()
+        await super()._answer(req, out)
+
+    def kill(self) -> None:
+        self.out.put_nowait(self.KILL)
+
+
+async def test_a_triton_kill_ends_the_events_with_no_stream_error_per_call_in_flight() -> None:
+    client = Killable(stage0_hold_from=1)
+    client.tts_gate.clear()  # unit 0's tts call is in flight when Triton dies
+    rt = StagedTritonRuntime("unused:1", client=client)
+    await rt.open(KEY, Fence(1, 0), {})
+    events = rt.events(KEY)
+    await rt.append(KEY, Fence(1, 0, 1), _unit(0))
+    assert [type(e) for e in await _take(events, 2)] == [Decision, TextPiece]
+    in_flight = asyncio.create_task(rt.append(KEY, Fence(1, 0, 2), _unit(1)))
+    await asyncio.sleep(0.05)
+    client.kill()
+    rest = [ev async for ev in events]  # the events end: the session reports that once, as runtime_dead
+    assert rest == []  # no StreamError for unit 0's tts call that the break failed
+    with pytest.raises(RuntimeFailure) as exc:
+        await asyncio.wait_for(in_flight, 2)
+    assert exc.value.code == RUNTIME_DEAD and "UNAVAILABLE" in exc.value.message
+    with pytest.raises(RuntimeFailure) as exc:
+        await rt.append(KEY, Fence(1, 0, 3), _unit(2))
+    assert exc.value.code == RUNTIME_DEAD
+    await asyncio.wait_for(rt.close(KEY, Fence(1, 0)), 1)  # nothing to close on a dead stream: done
+    await rt.aclose()
+
+
+async def test_no_stage_call_starts_once_the_close_went_out() -> None:
+    client = Killable()
+    client.tts_gate.clear()  # unit 0 waits in tts; tts answers the close after it
+    rt = StagedTritonRuntime("unused:1", client=client)
+    await rt.open(KEY, Fence(1, 0), {})
+    await rt.append(KEY, Fence(1, 0, 1), _unit(0))
+    closing = asyncio.create_task(rt.close(KEY, Fence(1, 0)))
+    await asyncio.sleep(0.05)
+    client.tts_gate.set()  # tts now sends unit 0's audio tokens, then answers the close
+    await asyncio.wait_for(closing, 2)
+    sent = [r["request_id"].split("-")[0] for r in client.requests]
+    # Triton refuses a request after a sequence's end (no START flag): the stream would break under the close
+    assert "token2wav:append" not in sent[sent.index("token2wav:close"):]
+    assert "token2wav:append" not in sent  # tts's tokens came after the close: nobody would hear them
     await rt.aclose()
