@@ -14,7 +14,10 @@ import numpy as np
 import pytest
 import torch
 
+from clients.triton_example import FIRST_UNIT_SAMPLES, UNIT_SAMPLES, TritonSession
 from model_repository.common import bridges
+from serve.launcher import TritonServer
+from tests.triton.talk import run_session, session_config
 from tests.triton.test_bridges import send, settings
 
 CODES = np.random.default_rng(11).integers(0, 6561, 25)  # one unit's codes
@@ -119,3 +122,21 @@ def test_without_the_onnx_models_a_clip_keeps_the_named_voice(tmp_path: Path, ca
     finally:
         plain.stop()
     assert np.array_equal(with_clip, speak(t2w, {})[1])  # same weights: the named voice of the full checkpoint
+
+
+@pytest.mark.e2e
+def test_a_clip_reaches_the_vocoder_through_tritonserver(torch_server: TritonServer) -> None:
+    """The CONFIG clip travels through `duplex` to the Token2Wav stub: a good one serves a session, a clip
+    too short for a voice prompt fails the open with `bad_audio`."""
+    noise = (np.random.default_rng(5).standard_normal(FIRST_UNIT_SAMPLES + 2 * UNIT_SAMPLES) * 0.1).astype(np.float32)
+    good = run_session(torch_server.grpc_url, noise, 0, ref_audio=encoded(2.0, seed=1))
+    replies = [good.opened, *good.units, good.closed]
+    assert not [e for r in replies for e in r.of_type("error")], [r.events for r in replies]
+    assert len(good.units) == 3 and all(r.of_type("unit_done") for r in good.units)
+    session = TritonSession(torch_server.grpc_url)
+    try:
+        bad = session.request("open", (1, 1, 0), config=session_config(0, ref_audio=encoded(0.1, seed=1)))
+    finally:
+        session.close()
+    assert [e.get("code") for e in bad.of_type("error") if "voice prompt" in e.get("message", "")] == ["bad_audio"], \
+        bad.events
