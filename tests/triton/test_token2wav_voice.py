@@ -97,6 +97,19 @@ def test_a_new_clip_before_the_first_unit_changes_the_voice(t2w: Any) -> None:
     assert clip_voices(t2w) == []
 
 
+def test_requests_sent_behind_a_clip_being_made_keep_their_order(t2w: Any) -> None:
+    corrid = next(_corrids)
+    sinks = [send(t2w, wait=False, corrid=corrid, op="open", fence=(1, 1, 0),
+                  config={"seed": 3, "ref_audio": encoded(3.0, seed=9)}),
+             send(t2w, wait=False, corrid=corrid, op="append", fence=(1, 1, 1), tokens=CODES,
+                  config={"unit": 0, "end_of_turn": True})]  # sent while the clip is still being made
+    for sink in sinks:
+        assert sink.done.wait(60)
+    assert [s.kinds()[0] for s in sinks] == ["opened", "audio"]
+    send(t2w, corrid=corrid, op="close", fence=(1, 1, 0))
+    assert clip_voices(t2w) == []
+
+
 @pytest.mark.parametrize("clip,why", [(encoded(0.1, seed=1), "at least"), (encoded(2.0, seed=1, scale=0.0), "silent")])
 def test_a_clip_that_makes_no_voice_is_bad_audio(t2w: Any, clip: str, why: str) -> None:
     corrid = next(_corrids)

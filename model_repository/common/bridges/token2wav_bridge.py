@@ -90,27 +90,47 @@ class Token2WavBridge(EngineBridge):
     # ---- adapter thread: a new clip's voice pack is made on the worker, off the engine thread ----------
     def submit(self, req: StageRequest, sink: Any) -> None:
         clip = self.packs.wanted(req)
-        with self._building_lock:
-            waiting = self._building.get(req.corrid, 0)
-            if clip is None and not waiting:
-                super().submit(req, sink)
-                return
-            self._building[req.corrid] = waiting + 1
+        if not self._behind_worker(req.corrid, clip is not None):
+            super().submit(req, sink)
+            return
         self._builder.submit(self._prepare, req, sink, clip)
 
+    def drop(self, corrid: int) -> None:
+        if not self._behind_worker(corrid, False):
+            super().drop(corrid)
+            return
+        self._builder.submit(self._in_order, corrid, lambda: super(Token2WavBridge, self).drop(corrid))
+
+    def _behind_worker(self, corrid: int, building: bool) -> bool:
+        """True (and counted) when this request must queue on the worker: it makes a clip, or an earlier
+        request of its session still waits there."""
+        with self._building_lock:
+            waiting = self._building.get(corrid, 0)
+            if not building and not waiting:
+                return False
+            self._building[corrid] = waiting + 1
+            return True
+
     def _prepare(self, req: StageRequest, sink: Any, clip: str | None) -> None:
+        def make_then_queue() -> None:
+            try:
+                if clip is not None:
+                    self.packs.make(clip)
+                super(Token2WavBridge, self).submit(req, sink)
+            except Exception as exc:  # noqa: BLE001 - a bad clip fails its own request only
+                sink.emit(engine_error(exc))
+                sink.close()
+
+        self._in_order(req.corrid, make_then_queue)
+
+    def _in_order(self, corrid: int, work: Callable[[], None]) -> None:
         try:
-            if clip is not None:
-                self.packs.make(clip)
-            super().submit(req, sink)
-        except Exception as exc:  # noqa: BLE001 - a bad clip fails its own request only
-            sink.emit(engine_error(exc))
-            sink.close()
+            work()
         finally:
             with self._building_lock:
-                left = self._building.pop(req.corrid) - 1
+                left = self._building.pop(corrid) - 1
                 if left:
-                    self._building[req.corrid] = left
+                    self._building[corrid] = left
 
     def stop(self) -> None:
         self._builder.shutdown(wait=True)
