@@ -1,7 +1,8 @@
 """Write a full-size MiniCPM-o 4.5 checkpoint with seeded random weights (benchmarks on the GPU host).
 
 Real key layout and `config.json` schema at the model.md §8.2/§8.3 sizes, sharded safetensors + index
-(bf16, as the real file), Token2Wav `flow.pt`/`hift.pt` in fp32 (§8.4) and a 10 s random voice (§9.5).
+(bf16, as the real file), Token2Wav `flow.pt`/`hift.pt` in fp32 (§8.4), the tiny voice-prompt ONNX stand-ins
+where `onnx` is installed, and a 10 s random voice (§9.5).
 `duplex serve --checkpoint DIR` loads it like the real checkpoint (real mode, strict key check).
 
     python build/make_full_checkpoint.py --out /tmp/ckpt [--device cuda] [--seed 0] [--no-vision]
@@ -184,6 +185,7 @@ def write_token2wav(asset_dir: Path, seed: int, full: bool) -> None:
     from engine.token2wav.assets import build_tiny_modules, hift_file_state, write_tiny_token2wav_assets
     from engine.token2wav.config import FlowConfig, HiFTConfig, flow_yaml_text
 
+    write_prompt_models(asset_dir, seed)
     if not full:
         write_tiny_token2wav_assets(asset_dir, seed)
         return
@@ -192,6 +194,20 @@ def write_token2wav(asset_dir: Path, seed: int, full: bool) -> None:
     (asset_dir / "flow.yaml").write_text(flow_yaml_text(FlowConfig()))
     torch.save({k: v.contiguous() for k, v in flow.state_dict().items()}, asset_dir / "flow.pt")
     torch.save(hift_file_state(hift), asset_dir / "hift.pt")
+
+
+def write_prompt_models(asset_dir: Path, seed: int) -> None:
+    """The tiny voice-prompt ONNX stand-ins (tiny_prompt_models.py; the real ones are not reproducible at size):
+    `ref_audio` sessions then build clip voices at the full flow size. Skipped where `onnx` is not installed
+    (the GPU host's offline bundle): those sessions keep the named voice."""
+    try:
+        import onnx  # noqa: F401
+    except ImportError:
+        print("[ckpt] onnx is not installed: no voice-prompt ONNX models (ref_audio keeps the named voice)", flush=True)
+        return
+    from tiny_prompt_models import write_tiny_prompt_models
+
+    write_tiny_prompt_models(asset_dir, seed)
 
 
 def build_checkpoint(out: Path, *, size: str = "full", seed: int = 0, device: str = "cpu", vision: bool = True,
