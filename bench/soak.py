@@ -49,6 +49,7 @@ ENDINGS = ("close", "resume", "idle", "abandon")
 ENDING_WEIGHTS = (0.4, 0.3, 0.15, 0.15)
 RECV_TIMEOUT_S = 60.0
 REFUSAL_BACKOFF_S = 2.0
+MESSAGE_CHARS = 160  # of an error message kept in the tally
 DRAIN_WAIT_S = 90.0  # after the users stop: idle/grace expiries and cleanups settle
 
 
@@ -158,10 +159,17 @@ class Tally:
     ended_typed: Counter = field(default_factory=Counter)  # ended by a typed server error / close reason
     untyped: int = 0  # socket lost with no error event and no session.closed/expired: a defect
     errors: Counter = field(default_factory=Counter)  # every error event, by code
+    error_messages: dict = field(default_factory=dict)  # code -> Counter of its messages (digits as N), to triage
     refusals: Counter = field(default_factory=Counter)
     endings: Counter = field(default_factory=Counter)
     cancels: int = 0
     resumes_ok: int = 0
+
+    def error(self, err: dict[str, Any]) -> None:
+        code = err["code"]
+        self.errors[code] += 1
+        message = re.sub(r"\d+", "N", str(err.get("message", "")))[:MESSAGE_CHARS]
+        self.error_messages.setdefault(code, Counter())[message] += 1
 
 
 class Conn:
@@ -186,7 +194,7 @@ class Conn:
                 elif kind == "response.done":
                     self.active_response = False
                 elif kind == "error":
-                    self.tally.errors[ev["error"]["code"]] += 1
+                    self.tally.error(ev["error"])
                 elif kind in ("session.closed", "session.expired"):
                     self.ended = ev
 
@@ -414,6 +422,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         await asyncio.to_thread(server.popen.wait, 60)
     leftover = len(shm_regions() & ours)
     t = {f.name: getattr(tally, f.name) for f in fields(tally)}
+    t["error_messages"] = {code: dict(c) for code, c in tally.error_messages.items()}
     return {"args": {k: str(v) for k, v in vars(args).items()}, "kill": kill, "final": final,
             "verdict": verdict(samples, final, tally, leftover, kill),
             "tally": {k: dict(v) if isinstance(v, Counter) else v for k, v in t.items()}, "samples": samples}
