@@ -28,6 +28,10 @@ MAX_INSTRUCTIONS_CHARS = 32768
 MAX_INITIAL_TEXT_CHARS = 8192
 MAX_REF_AUDIO_BYTES = 10 * 1024 * 1024
 MAX_REF_AUDIO_MS = 30_000
+# The vocoder's voice prompt refuses less (engine/token2wav/prompt.py MIN_CLIP_SECONDS, SILENCE_RMS): checked here
+# too, so the client gets `bad_audio` on its session.update, not a runtime failure when the stages open.
+MIN_REF_AUDIO_MS = 500
+MIN_REF_AUDIO_RMS = 1e-3  # -60 dBFS
 MAX_TOKENS_PER_UNIT = 20
 MAX_SEED = 2**63 - 1
 REF_AUDIO_RATE_HZ = 16000  # the clip reaches the model as 16 kHz mono (model.md §2.6)
@@ -130,7 +134,12 @@ def check_ref_audio(value: Any, ctx: Any = None) -> RefAudio | None:
         samples, rate = soundfile.read(io.BytesIO(data), dtype="float32", always_2d=True)
     except (RuntimeError, soundfile.LibsndfileError):  # the runtime needs the samples: any undecodable clip
         raise _bad("ref_audio", "ref_audio could not be decoded", "bad_audio") from None
-    pcm16k = _to_pcm16k(samples.mean(axis=1), rate)
+    mono = samples.mean(axis=1)
+    if samples.shape[0] * 1000 // rate < MIN_REF_AUDIO_MS:
+        raise _bad("ref_audio", f"ref_audio is shorter than {MIN_REF_AUDIO_MS} ms: a voice needs more", "bad_audio")
+    if not np.isfinite(mono).all() or float(np.sqrt(np.mean(np.square(mono, dtype=np.float64)))) < MIN_REF_AUDIO_RMS:
+        raise _bad("ref_audio", "ref_audio is silent (below -60 dBFS): it carries no voice", "bad_audio")
+    pcm16k = _to_pcm16k(mono, rate)
     return RefAudio(data=data, sha256=hashlib.sha256(data).hexdigest(),
                     duration_ms=int(samples.shape[0] * 1000 // rate), pcm16k=pcm16k)
 

@@ -8,6 +8,7 @@ import io
 import json
 
 import numpy as np
+import pytest
 import soundfile
 
 from gateway.runtime.base import StreamError
@@ -16,10 +17,24 @@ from tests.gateway.harness import append
 from tests.gateway.scenario import assert_conformant, close, session, stream_units, types
 
 
-def _ref_audio() -> str:
+def _ref_audio(seconds: float = 1.0, amplitude: float = 0.3) -> str:
+    t = np.arange(int(16000 * seconds)) / 16000
     buf = io.BytesIO()
-    soundfile.write(buf, np.zeros(1600, np.float32), 16000, format="WAV", subtype="PCM_16")
+    soundfile.write(buf, (amplitude * np.sin(2 * np.pi * 220 * t)).astype(np.float32), 16000, format="WAV",
+                    subtype="PCM_16")
     return "data:audio/wav;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+@pytest.mark.parametrize(("seconds", "amplitude"), [(0.1, 0.3), (1.0, 0.0), (1.0, 1e-4)])
+async def test_a_clip_too_short_or_silent_for_a_voice_is_bad_audio(seconds: float, amplitude: float) -> None:
+    async with session() as (c, rt):
+        err = await _error(c, {"type": "session.update", "session": {"ref_audio": _ref_audio(seconds, amplitude)}})
+        assert (err["error"]["code"], err["error"]["param"]) == ("bad_audio", "session.ref_audio")
+        await c.send({"type": "session.update", "session": {"ref_audio": _ref_audio()}})  # the session goes on
+        upd = await c.until("session.updated")
+        assert upd[-1]["session"]["ref_audio"]["source"] == "client"
+        events = await close(c)
+    assert_conformant(events)
 
 
 async def _error(c, frame: dict) -> dict:  # noqa: ANN001
