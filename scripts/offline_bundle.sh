@@ -14,7 +14,7 @@
 # --host-provides names packages NOT packed because the target host already has them: the lent H200's
 # image has onnxruntime 1.30 (server VAD; its 28 MB wheel would push the bundle past the 64 MiB a device
 # call carries) and Pillow (camera frames only, 7 MB). The installer checks that each one imports.
-# Pass --host-provides "" to pack everything (about 25 MB more). Default bundle for 3.12: 52 MB.
+# Pass --host-provides "" to pack everything (about 25 MB more). Default bundle for 3.12: 55 MB (52 MB before pytest and py-spy).
 # Needs network to PyPI (pip download) and `readelf`; downloads are cached in .cache/offline-wheels.
 set -euo pipefail
 cd "$(dirname "$0")/.."
