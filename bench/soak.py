@@ -214,7 +214,10 @@ class Conn:
 async def connect(url: str, tally: Tally, first: dict[str, Any] | None = None) -> tuple[Conn | None, dict]:
     ws = await websockets.connect(url, max_size=None, open_timeout=RECV_TIMEOUT_S)
     if first is not None:
-        await ws.send(json.dumps(first))
+        # a refusal that needs no frame (runtime_unavailable while Triton is down) may close the socket first:
+        # its error event is still there to read
+        with contextlib.suppress(websockets.ConnectionClosed):
+            await ws.send(json.dumps(first))
     ev = json.loads(await asyncio.wait_for(ws.recv(), RECV_TIMEOUT_S))
     if ev["type"] == "error":
         tally.refusals[ev["error"]["code"]] += 1
