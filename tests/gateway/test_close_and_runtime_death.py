@@ -11,13 +11,16 @@ import asyncio
 from typing import Any
 
 import numpy as np
+import pytest
 
-from gateway.runtime.base import Fence, SessionKey, UnitSubmission
+from gateway.runtime.base import RUNTIME_DEAD, Fence, RuntimeFailure, SessionKey, UnitSubmission
 from gateway.runtime.stages import StagedTritonRuntime
+from gateway.runtime.triton import TritonRuntime
 from gateway.session.lane import AppendAcked, RuntimeLane
 from tests.gateway.fake_runtime import FakeRuntime
 from tests.gateway.scenario import session, stream_units
 from tests.gateway.test_staged_runtime import Killable
+from tests.gateway.test_triton_runtime import BreakingClient
 
 BACKLOG_UNITS = 8
 UNIT_DELAY_S = 0.3  # the model's time per unit: the backlog would take 2.4 s, the close may take 1 s
@@ -55,6 +58,16 @@ async def test_a_triton_kill_under_a_response_is_one_runtime_dead() -> None:
     done = next(e for e in got if e["type"] == "response.done")["response"]
     assert done["status"] == "failed" and done["duplex"]["reason"] == "runtime_dead"
     assert got[-1]["reason"] == "runtime_failure"
+
+
+async def test_the_pipeline_runtime_fails_work_on_a_broken_stream_as_runtime_dead() -> None:
+    rt = TritonRuntime("unused:1", "duplex", ("duplex",), client=BreakingClient())
+    key = SessionKey("s", 7)
+    await rt.open(key, Fence(1, 0), {})
+    with pytest.raises(RuntimeFailure) as exc:  # the session does not report it: the events' end says it once
+        await asyncio.wait_for(rt.append(key, Fence(1, 0, 1), _unit(0)), 1)
+    assert exc.value.code == RUNTIME_DEAD
+    await rt.aclose()
 
 
 class _Runtime:
