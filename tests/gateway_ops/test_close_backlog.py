@@ -1,9 +1,10 @@
 """A session closed with a backlog of input sent faster than real time frees its slot (found by bench/soak.py).
 
-The close drains every unit admitted before it through the runtime (§1.3: a close never overtakes an earlier
-append). With a slow runtime the first cleanup attempt timed out on that drain, the close then stopped the lane,
-and every retry waited for a queue that nobody ran any more: the slot stayed `closing` forever and the server
-refused everyone with `resource_exhausted`. A stopped lane now counts as drained, so the retry closes.
+The close drops the input not yet sent to the runtime and waits for the unit in flight (§3.10 X4;
+tests/gateway/test_close_and_runtime_death.py: a backlog alone no longer delays it). When that one unit
+outlasts `close_ack_timeout_s`, the first cleanup attempt times out, the close stops the lane, and every retry
+used to wait for a queue that nobody ran any more: the slot stayed `closing` forever and the server refused
+everyone with `resource_exhausted`. A stopped lane now counts as drained, so the retry closes.
 """
 
 from __future__ import annotations
@@ -28,14 +29,14 @@ def _pcm16(seconds: float) -> str:
 
 async def test_close_with_a_backlog_frees_the_slot() -> None:
     rt = FakeRuntime()
-    rt.append_delay_s = 0.4  # a runtime at ~2.5 units/s: 12 s of audio sent at once is a ~5 s backlog
+    rt.append_delay_s = 1.5  # one unit takes longer than close_ack_timeout_s; 12 s of audio sent at once
     async with serve(rt, max_sessions=1, close_ack_timeout_s=1.0, cleanup_retry_base_s=0.1) as addr:
         c, _ = await opened(addr)
         for _ in range(UNITS):
             await c.send({"type": "input_audio_buffer.append", "audio": _pcm16(1.0), "sample_rate_hz": RATE})
         await c.send({"type": "session.close"})
         closed = await c.until("session.closed")
-        assert closed["cleanup_pending"] is True, closed  # the first attempt ran out of time on the backlog
+        assert closed["cleanup_pending"] is True, closed  # the first attempt ran out of time on the unit in flight
         await c.ws.close()
 
         async def admitted() -> bool:
