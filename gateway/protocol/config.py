@@ -1,8 +1,9 @@
-"""Public session configuration (protocol.md §2.2-§2.6): typed snapshot, validation, patching.
+"""Public session configuration (protocol.md §2.2-§2.6) and response options (§2.8): typed, validated.
 
 `SessionConfig` is the validated `session_config` snapshot. `apply_patch` builds a full candidate
 from the current snapshot and one `session` object; it never mutates anything, so a rejected
-update leaves the session unchanged (§2.7 U2).
+update leaves the session unchanged (§2.7 U2). `response_options` validates a `response.create`
+`response` object into the typed `ResponseOptions` the session keeps for that one response.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 from gateway.protocol import validate as v
 from gateway.protocol.context import ConfigContext  # re-exported: callers build it with a config
 from gateway.protocol.errors import ProtocolError
-from gateway.protocol.spellings import extract_patch
+from gateway.protocol.spellings import SERVER_OWNED_KEYS, extract_patch
 
 DEFAULT_INSTRUCTIONS = "Streaming Omni Conversation."
 
@@ -130,3 +131,80 @@ def check_voice_source(cfg: SessionConfig, ctx: ConfigContext) -> None:
     if not cfg.text_only and cfg.ref_audio is None and not ctx.default_voice_available:
         raise ProtocolError("ref_audio_required", "audio output needs ref_audio on this deployment",
                             param="session.ref_audio")
+
+
+@dataclass(frozen=True, slots=True)
+class ResponseOptions:
+    """Response-local copy of the options (§2.8); discarded with the response."""
+    text_only: bool
+    output_format: str
+    # response.create's own thinker temperature; None = none given, the session's applies (and follows
+    # session.update from the next append boundary, §2.7). Sent on the appends of the units it owns.
+    temperature: float | None
+    max_output_tokens: int | str
+    metadata: dict[str, str] | None
+    return_stage_metrics: bool
+
+
+def response_defaults(cfg: SessionConfig) -> ResponseOptions:
+    """The options of a response the client did not shape (model-started, or `response.create` without one)."""
+    return ResponseOptions(text_only=cfg.text_only, output_format=cfg.output_audio_format,
+                           temperature=None, max_output_tokens=cfg.max_output_tokens, metadata=None,
+                           return_stage_metrics=cfg.return_stage_metrics)
+
+
+def _unsupported(param: str, msg: str) -> ProtocolError:
+    return ProtocolError("unsupported_response_option", msg, param=f"response.{param}")
+
+
+def response_options(resp: dict[str, Any] | None, cfg: SessionConfig) -> ResponseOptions:
+    """Validate a `response` object against the session; returns the response-local options."""
+    r = resp or {}
+    if not isinstance(r, dict):
+        raise ProtocolError("bad_event", "response must be an object", param="response")
+    base = response_defaults(cfg)
+    text_only = base.text_only
+    for key in ("output_modalities", "modalities"):
+        if key in r:
+            text_only = v.check_modalities(r[key], param=f"response.{key}") == ("text",)
+    fmt = base.output_format
+    audio = r.get("audio") or {}
+    out_fmt = (audio.get("output") or {}).get("format") if isinstance(audio, dict) else None
+    if "output_audio_format" in r:
+        fmt = v.output_format(r["output_audio_format"], "response.output_audio_format")
+    elif out_fmt is not None:
+        fmt = v.output_format(out_fmt, "response.audio.output.format")
+    # only an explicit value overrides the session's (see ResponseOptions.temperature)
+    temperature = v.check_temperature(r["temperature"], "response.temperature") if "temperature" in r else None
+    cap = base.max_output_tokens
+    for key in ("max_output_tokens", "max_response_output_tokens"):
+        if key in r:
+            cap = v.check_max_output(r[key], f"response.{key}")
+    _check_fixed_options(r, audio, cfg)
+    extra = r.get("extra_body") or {}
+    stage_metrics = base.return_stage_metrics
+    if isinstance(extra, dict):
+        extra = {k: x for k, x in extra.items() if k not in SERVER_OWNED_KEYS}  # dropped silently (§2.5)
+        if "return_stage_metrics" in extra:
+            stage_metrics = v.check_boolean(extra["return_stage_metrics"], "response.extra_body.return_stage_metrics")
+    return ResponseOptions(text_only=text_only, output_format=fmt, temperature=temperature, max_output_tokens=cap,
+                           metadata=v.check_metadata(r.get("metadata")), return_stage_metrics=stage_metrics)
+
+
+def _check_fixed_options(r: dict[str, Any], audio: Any, cfg: SessionConfig) -> None:
+    """Options a response may give only as the session has them, or not at all (§2.8)."""
+    if "instructions" in r and r["instructions"] != cfg.instructions:
+        raise _unsupported("instructions", "instructions cannot change per response")
+    voice = r.get("voice", (audio.get("output") or {}).get("voice") if isinstance(audio, dict) else None)
+    if isinstance(voice, dict):
+        voice = voice.get("id")
+    if voice is not None and voice != cfg.voice:
+        raise _unsupported("voice", "voice cannot change per response")
+    if r.get("conversation", "auto") != "auto":
+        raise _unsupported("conversation", "only conversation:\"auto\" is supported")
+    if r.get("input"):
+        raise _unsupported("input", "response input items are not supported")
+    if r.get("tools"):
+        raise _unsupported("tools", "tools are not supported")
+    if r.get("tool_choice", "auto") not in ("auto", "none"):
+        raise _unsupported("tool_choice", "tool_choice must be auto or none")

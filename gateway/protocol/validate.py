@@ -1,7 +1,8 @@
-"""Value checks for canonical session fields (protocol.md §2.2, §2.4, §8.1, §9).
+"""Value checks for canonical session fields and response options (protocol.md §2.2, §2.4, §2.8, §8.1, §9).
 
 Each checker takes the raw wire value and the ConfigContext and returns the normalised value or
-raises the ProtocolError the spec names for that field.
+raises the ProtocolError the spec names for that field. This is the one place a client value is checked:
+the session and the runtime below trust what comes out of here.
 """
 
 from __future__ import annotations
@@ -33,6 +34,13 @@ MAX_REF_AUDIO_MS = 30_000
 MIN_REF_AUDIO_MS = 500
 MIN_REF_AUDIO_RMS = 1e-3  # -60 dBFS
 MAX_TOKENS_PER_UNIT = 20
+# The public thinker `temperature` range (§2.2; response-scoped too, §2.8). The Triton stage is a trust boundary of
+# its own (its gRPC port takes other clients) and checks the same range again: MAX_TEMPERATURE in
+# model_repository/common/bridges/options.py, kept equal by tests/triton/test_runtime_options.py.
+MIN_TEMPERATURE, MAX_TEMPERATURE = 0.0, 2.0
+MAX_METADATA_PAIRS = 16
+MAX_METADATA_KEY_CHARS = 64
+MAX_METADATA_VALUE_CHARS = 512
 MAX_SEED = 2**63 - 1
 REF_AUDIO_RATE_HZ = 16000  # the clip reaches the model as 16 kHz mono (model.md §2.6)
 OVERLAP_MS_MAX = 10_000
@@ -63,20 +71,57 @@ def _bad(param: str, msg: str, code: str = "bad_event") -> ProtocolError:
     return ProtocolError(code, msg, param=f"session.{param}")
 
 
+def _name(param: str) -> str:
+    return param.split(".", 1)[-1]  # "session.turn_detection.threshold" -> "turn_detection.threshold"
+
+
+def check_number(value: Any, param: str, lo: float, hi: float, *, integer: bool = False) -> Any:
+    """A number in [lo, hi] (an integer if `integer`; never a bool, NaN or infinity), else `bad_event`."""
+    ok_type = isinstance(value, int) if integer else isinstance(value, int | float)
+    if isinstance(value, bool) or not ok_type or not lo <= value <= hi:
+        kind = "an integer" if integer else "a number"
+        raise ProtocolError("bad_event", f"{_name(param)} must be {kind} in [{lo}, {hi}]", param=param)
+    return value
+
+
+def check_temperature(value: Any, param: str) -> float:
+    return float(check_number(value, param, MIN_TEMPERATURE, MAX_TEMPERATURE))
+
+
+def check_boolean(value: Any, param: str) -> bool:
+    if not isinstance(value, bool):
+        raise ProtocolError("bad_event", f"{_name(param)} must be a boolean", param=param)
+    return value
+
+
+def check_max_output(value: Any, param: str) -> int | str:
+    """`max_output_tokens` and its spellings: an integer >= 1 or "inf" (§2.2, §2.8)."""
+    if value == "inf" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        return value
+    raise ProtocolError("bad_event", f"{_name(param)} must be an integer >= 1 or \"inf\"", param=param)
+
+
+def check_metadata(value: Any, param: str = "response.metadata") -> dict[str, str] | None:
+    """A response's `metadata` (§1.5): at most 16 string pairs, echoed unchanged."""
+    if value is None:
+        return None
+    if (not isinstance(value, dict) or len(value) > MAX_METADATA_PAIRS
+            or any(not isinstance(k, str) or len(k) > MAX_METADATA_KEY_CHARS or not isinstance(x, str)
+                   or len(x) > MAX_METADATA_VALUE_CHARS for k, x in value.items())):
+        raise ProtocolError("bad_event", "metadata: at most 16 string pairs (key <= 64, value <= 512 chars)",
+                            param=param)
+    return dict(value)
+
+
 def _number(name: str, lo: float, hi: float, *, integer: bool = False) -> Callable[[Any, Any], Any]:
     def check(value: Any, ctx: Any) -> Any:
-        ok_type = isinstance(value, int) if integer else isinstance(value, int | float)
-        if isinstance(value, bool) or not ok_type or not lo <= value <= hi:
-            raise _bad(name, f"{name} must be {'an integer' if integer else 'a number'} in [{lo}, {hi}]")
-        return value
+        return check_number(value, f"session.{name}", lo, hi, integer=integer)
     return check
 
 
 def _boolean(name: str) -> Callable[[Any, Any], bool]:
     def check(value: Any, ctx: Any) -> bool:
-        if not isinstance(value, bool):
-            raise _bad(name, f"{name} must be a boolean")
-        return value
+        return check_boolean(value, f"session.{name}")
     return check
 
 
@@ -230,12 +275,6 @@ def _simple(pred: Callable[[Any], bool], name: str, msg: str) -> Callable[[Any, 
     return check
 
 
-def _max_output(value: Any, ctx: Any) -> int | str:
-    if value == "inf" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
-        return value
-    raise _bad("max_output_tokens", "max_output_tokens must be an integer >= 1 or \"inf\"")
-
-
 def _rate(value: Any, ctx: Any) -> int:
     return _number("input_audio_sample_rate_hz", MIN_RATE_HZ, MAX_RATE_HZ, integer=True)(value, ctx)
 
@@ -252,9 +291,9 @@ CHECKERS: dict[str, Callable[[Any, Any], Any]] = {
     "input_audio_format": lambda value, ctx: input_format(value),
     "input_audio_sample_rate_hz": _rate,
     "output_audio_format": lambda value, ctx: output_format(value),
-    "temperature": _number("temperature", 0.0, 2.0),
+    "temperature": _number("temperature", MIN_TEMPERATURE, MAX_TEMPERATURE),
     "max_tokens": _number("max_tokens", 1, MAX_TOKENS_PER_UNIT, integer=True),
-    "max_output_tokens": _max_output,
+    "max_output_tokens": lambda value, ctx: check_max_output(value, "session.max_output_tokens"),
     "speed": _number("speed", 0.25, 4.0),
     "idle_timeout_s": _simple(lambda x: isinstance(x, int | float) and not isinstance(x, bool) and x > 0,
                               "idle_timeout_s", "idle_timeout_s must be > 0"),

@@ -8,8 +8,8 @@ import numpy as np
 
 from gateway.protocol import client_events as ce
 from gateway.protocol import server_events as se
+from gateway.protocol.config import response_options
 from gateway.protocol.errors import ProtocolError
-from gateway.session import options
 from gateway.session.playback import PlaybackEntry
 from gateway.session.responses import Response
 from gateway.session.units import MODEL_RATE_HZ
@@ -63,7 +63,7 @@ class CommandsMixin(VadMixin):
         self.overlap.end()
 
     def response_create(self, ev: ce.ResponseCreate) -> None:
-        opts = options.parse(ev.response, self.config)
+        opts = response_options(ev.response, self.config)
         if self._active is not None:
             raise ProtocolError("response_already_active", "a response is already active")
         if not self.has_unconsumed_input():

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from gateway.protocol import server_events as se
 from gateway.protocol.client_events import InputAudioBufferCommit
+from gateway.protocol.config import response_defaults
 from gateway.protocol.errors import Effect, ProtocolError
 from gateway.runtime.base import RUNTIME_DEAD, map_runtime_code
-from gateway.session import options
 from gateway.session.inputs import InputMixin
 from gateway.session.lane import AppendAcked, AppendFailed, CancelFailed, LaneResult
 from gateway.session.view import turn_state
@@ -37,7 +37,7 @@ class CommitMixin(InputMixin):
         if ev.response_create:  # C8
             self._final_append(ev.final)
             item = self._committed(None)
-            self.open_response("response_create", options.defaults(self.config), precreated=True,
+            self.open_response("response_create", response_defaults(self.config), precreated=True,
                                input_item_id=item)
         elif not self.config.effective_auto_response or self._active is None:  # C1, C2
             self._final_append(ev.final)

@@ -14,7 +14,7 @@ from typing import Any
 
 from gateway.audio.codec import encode_output, pcm16_duration_ms
 from gateway.protocol import server_events as se
-from gateway.protocol.config import ConfigContext, SessionConfig
+from gateway.protocol.config import ConfigContext, ResponseOptions, SessionConfig
 from gateway.protocol.errors import Effect, ProtocolError, error_event
 from gateway.runtime.base import Fence, Runtime, SessionKey
 from gateway.session import ids
@@ -23,7 +23,7 @@ from gateway.session.history_commit import commit_history
 from gateway.session.lane import RuntimeLane
 from gateway.session.outbox import Kind, Outbox, OutboxOverflow, OutItem
 from gateway.session.playback import PlaybackEntry
-from gateway.session.responses import Response, ResponseOptions
+from gateway.session.responses import Response
 from gateway.session.units import UnitCutter
 
 Json = dict[str, Any]

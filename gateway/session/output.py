@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from gateway.audio.codec import pcm16_duration_ms as pcm16_ms
 from gateway.protocol import server_events as se
+from gateway.protocol.config import response_defaults
 from gateway.protocol.errors import Effect, ProtocolError
 from gateway.runtime.base import AudioPiece, Decision, RuntimeEvent, StreamError, TextPiece, UnitDone
-from gateway.session import options
 from gateway.session.core import SessionCore, UnitOutput
 
 
@@ -44,7 +44,7 @@ class OutputMixin(SessionCore):
         resp = self._active
         if resp is None:
             trigger = "deferred_commit" if self._promoted_commit_pending else "model"
-            resp = self.open_response(trigger, options.defaults(self.config), precreated=False,
+            resp = self.open_response(trigger, response_defaults(self.config), precreated=False,
                                       input_item_id=self.response_input_item())
         if resp.playback is None and not resp.options.text_only:
             self._playback(resp)

@@ -10,23 +10,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.protocol import server_events as se
+from gateway.protocol.config import ResponseOptions  # validated at the wire (config.response_options)
 from gateway.session.metrics import StageMetrics
 from gateway.session.playback import PlaybackEntry
 
 Json = dict[str, Any]
-
-
-@dataclass(frozen=True, slots=True)
-class ResponseOptions:
-    """Response-local copy of the options (§2.8); discarded with the response."""
-    text_only: bool
-    output_format: str
-    # response.create's own thinker temperature; None = none given, the session's applies (and follows
-    # session.update from the next append boundary, §2.7). Sent on the appends of the units it owns.
-    temperature: float | None
-    max_output_tokens: int | str
-    metadata: dict[str, str] | None
-    return_stage_metrics: bool
 
 
 @dataclass(slots=True)

@@ -15,9 +15,13 @@ from typing import Any
 import numpy as np
 import pytest
 
+from gateway.protocol import validate
 from gateway.protocol.config import ConfigContext, default_config
+from gateway.protocol.errors import ProtocolError
 from gateway.session.runtime_config import RuntimeDefaults, derive
 from model_repository.common import bridges
+from model_repository.common.bridges import options
+from model_repository.common.codec import RequestError
 from tests.triton.test_bridges import pcm, send, settings
 
 UNITS = 4
@@ -99,6 +103,21 @@ def test_every_option_the_gateway_sends_is_accepted_by_every_stage(stages: dict[
 def test_an_option_no_stage_applies_is_refused(stages: dict[str, Any], change: dict[str, Any], stage: str) -> None:
     _, events = open_all(stages, gateway_config(**change))
     assert [e.get("code") for e in events[stage]] == ["invalid_runtime_config"]
+
+
+@pytest.mark.parametrize("t", [-0.01, 0.0, 1.0, 2.0, 2.01, float("nan"), float("inf")])
+def test_the_stage_and_the_wire_accept_the_same_temperatures(t: float) -> None:
+    """Two trust boundaries, one range: what the gateway refuses as `bad_event` the stage refuses too."""
+    assert (options.MIN_TEMPERATURE, options.MAX_TEMPERATURE) == (validate.MIN_TEMPERATURE, validate.MAX_TEMPERATURE)
+    verdicts = []
+    for check, refused in ((lambda: validate.check_temperature(t, "response.temperature"), ProtocolError),
+                           (lambda: options.unit_temperature({"temperature": t}), RequestError)):
+        try:
+            check()
+            verdicts.append(True)
+        except refused:
+            verdicts.append(False)
+    assert verdicts[0] == verdicts[1] == (0.0 <= t <= 2.0)
 
 
 def test_thinker_options_take_effect(stages: dict[str, Any]) -> None:

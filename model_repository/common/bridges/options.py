@@ -19,7 +19,10 @@ cannot apply, is `invalid_runtime_config`: nothing is accepted and then ignored 
 | `talker.temperature` / `repetition_penalty` | tts | the session's talker sampling, per row of the batch (> 0) |
 | `talker.codes_per_unit` | tts | must equal the codes a unit returns (model.md §5.3) |
 
-Temperature is the public range [0, 2]; 0 means greedy. An `append` may carry CONFIG too: only
+Temperature is the public range [0, 2]; 0 means greedy. The gateway checked it already (gateway/protocol/validate.py),
+but a stage is a trust boundary of its own: Triton's gRPC port takes other clients than the gateway, so every value
+here is checked again and refused as `invalid_runtime_config` (protocol.md §2.5). The ranges are the
+gateway's; tests/triton/test_runtime_options.py keeps the two equal (this package imports nothing of the gateway). An `append` may carry CONFIG too: only
 `{"thinker": {"temperature": t}}` (or top-level `temperature`), the response-scoped temperature of that one
 unit (protocol.md §2.8, `unit_temperature`).
 """
@@ -51,7 +54,7 @@ _SAMPLING_KEYS = {"temperature": ("temperature", float), "top_p": ("top_p", floa
 _RULE_KEYS = {"max_tokens_per_unit": "max_steps", "max_speak_chars_per_unit": "max_speak_chars_per_unit"}
 THINKER_KEYS = frozenset({*_SAMPLING_KEYS, *_RULE_KEYS})
 TALKER_KEYS = frozenset({"temperature", "repetition_penalty", "codes_per_unit"})
-MAX_TEMPERATURE = 2.0  # protocol.md §2.2: the public `temperature` range is [0, 2]
+MIN_TEMPERATURE, MAX_TEMPERATURE = 0.0, 2.0  # protocol.md §2.2: the public `temperature` range is [0, 2]
 MAX_SEED = 2**63 - 1
 PCM16_SCALE = 32768.0
 _APPEND_KEYS = frozenset({"temperature"})  # what an append's CONFIG may set, top level or under "thinker"
@@ -74,8 +77,8 @@ def _convert(key: str, value: Any, kind: type) -> Any:
 
 def _temperature(value: Any) -> float:
     t = _convert("temperature", value, float)
-    if not math.isfinite(t) or not 0.0 <= t <= MAX_TEMPERATURE:
-        raise _bad(f"CONFIG temperature={value!r} is not in [0, {MAX_TEMPERATURE}]")
+    if not math.isfinite(t) or not MIN_TEMPERATURE <= t <= MAX_TEMPERATURE:
+        raise _bad(f"CONFIG temperature={value!r} is not in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}]")
     return t
 
 
