@@ -266,8 +266,10 @@ class StepLoop(StepRecovery):
             return
         unit.terminator, s.phase = action.terminator, Phase.CLOSE
         if unit.decoder.j == 0:  # a terminator decision is reported before the close runs
-            self._emit(TokenEvent(s.session_id, unit.job.fence, unit.index, 0, action.terminator, "", None,
-                                  False, False, True, listen=unit.decoder.is_listen, forced=unit.decoder.force))
+            self._emit(TokenEvent(session_id=s.session_id, fence=unit.job.fence, unit_index=unit.index, j=0,
+                                  token_id=action.terminator, text="", hidden=None, end_of_turn=False,
+                                  is_tts_row=False, decision=True, listen=unit.decoder.is_listen,
+                                  forced=unit.decoder.force))
         if self.config.merge_unit_close:
             self._defer_close(s)
 
@@ -285,8 +287,9 @@ class StepLoop(StepRecovery):
         text = dec.text
         piece = text[len(s.text_sent):] if text.startswith(s.text_sent) else text
         s.text_sent = text
-        self._emit(TokenEvent(s.session_id, unit.job.fence, unit.index, j, unit.pending_token, piece, h,
-                              dec.end_of_turn, row is not None, j == 0, listen=False, forced=dec.force))
+        self._emit(TokenEvent(session_id=s.session_id, fence=unit.job.fence, unit_index=unit.index, j=j,
+                              token_id=unit.pending_token, text=piece, hidden=h, end_of_turn=dec.end_of_turn,
+                              is_tts_row=row is not None, decision=j == 0, listen=False, forced=dec.force))
         unit.pending_token = None
 
     def _finish_unit(self, s: Session) -> None:
@@ -296,8 +299,10 @@ class StepLoop(StepRecovery):
         s.ledger.append(UnitRecord(unit.index, s.owed_len - unit.start_len, tuple(dec.unit_ids), dec.text,
                                    dec.is_listen))
         rows = () if dec.is_listen or unit.aborted else tuple(dec.rows)
-        self._emit(UnitDone(s.session_id, unit.job.fence, unit.index, dec.is_listen, unit.terminator, rows,
-                            dec.text, dec.end_of_turn, unit.aborted, unit.metrics(), forced=dec.force))
+        self._emit(UnitDone(session_id=s.session_id, fence=unit.job.fence, unit_index=unit.index,
+                            is_listen=dec.is_listen, terminator=unit.terminator, rows=rows, text=dec.text,
+                            end_of_turn=dec.end_of_turn, aborted=unit.aborted, metrics=unit.metrics(),
+                            forced=dec.force))
         s.unit, s.phase, s.text_sent = None, Phase.IDLE, ""
         self._evict(s)
         s.check_accounting()

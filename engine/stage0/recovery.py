@@ -76,9 +76,10 @@ class StepRecovery(EngineParts):
         if s.unit is not None:
             self._fail_unit(s, error, code="internal_error")
         for job in s.queue:
-            self._emit(UnitDone(s.session_id, job.fence, job.index, True, self.ids.listen, (), "", False, True,
-                                UnitMetrics(0.0, 0.0, 0.0, (), 0), error=error, error_code="internal_error",
-                                forced=job.force_listen_override))
+            self._emit(UnitDone(session_id=s.session_id, fence=job.fence, unit_index=job.index, is_listen=True,
+                                terminator=self.ids.listen, rows=(), text="", end_of_turn=False, aborted=True,
+                                metrics=UnitMetrics(queue_s=0.0, ttft_s=0.0, tpot_s=0.0, itl_s=(), tokens=0),
+                                error=error, error_code="internal_error", forced=job.force_listen_override))
         s.queue.clear()
         del self.sessions[s.session_id]
         self.slots.give(s.slot)
@@ -88,6 +89,7 @@ class StepRecovery(EngineParts):
         unit = s.unit
         assert unit is not None
         forced = unit.decoder.force if unit.decoder is not None else unit.job.force_listen_override
-        self._emit(UnitDone(s.session_id, unit.job.fence, unit.index, True, self.ids.listen, (), "", False,
-                            True, unit.metrics(), error=error, error_code=code, forced=forced))
+        self._emit(UnitDone(session_id=s.session_id, fence=unit.job.fence, unit_index=unit.index, is_listen=True,
+                            terminator=self.ids.listen, rows=(), text="", end_of_turn=False, aborted=True,
+                            metrics=unit.metrics(), error=error, error_code=code, forced=forced))
         s.unit, s.phase = None, Phase.IDLE

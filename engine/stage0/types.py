@@ -77,7 +77,9 @@ class BadFrameError(Stage0Error):
     code = "bad_frame"
 
 
-@dataclass(frozen=True)
+# The event records below are keyword-only: a row of positional booleans (`..., False, True, ...`) cannot say
+# which flag is which, and a field added in the middle would shift every caller silently.
+@dataclass(frozen=True, kw_only=True)
 class UnitMetrics:
     queue_s: float  # append accepted → unit prefill scheduled
     ttft_s: float  # append accepted → decision token
@@ -86,7 +88,7 @@ class UnitMetrics:
     tokens: int  # decode-loop tokens, decision and terminator included
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TokenEvent:
     """One decode-loop result as soon as it is produced. `hidden` [H] is None for an unfed decision."""
 
@@ -106,7 +108,7 @@ class TokenEvent:
     forced: bool = False
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class UnitDone:
     """The unit's outcome and Stage1 hand-off (§3.7). Terminal event of every unit, also an aborted one."""
 

@@ -63,7 +63,7 @@ class Token2WavEngineConfig:
     pool: PoolConfig = PoolConfig()         # slots (max open sessions), prompt cap, bucket sizes
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)  # keywords: `unit_final` and `end_of_turn` are two flags side by side
 class PcmChunk:
     """24 kHz mono PCM16 of one session; `unit_final` marks the unit's last chunk."""
 
@@ -296,8 +296,9 @@ class Token2WavEngine:
         while s.queue and s.queue[0].call is None:
             item = s.queue.popleft()
             if item.zeros or item.unit_final:
-                out.append(PcmChunk(sid, item.fence, item.unit_index, np.zeros(item.zeros, np.int16),
-                                    item.unit_final, item.end_of_turn))
+                out.append(PcmChunk(session_id=sid, fence=item.fence, unit_index=item.unit_index,
+                                    pcm=np.zeros(item.zeros, np.int16), unit_final=item.unit_final,
+                                    end_of_turn=item.end_of_turn))
             if item.reset_after:
                 s.stream.reset_exec()
 
@@ -328,6 +329,7 @@ class Token2WavEngine:
                 sid, s, item = work[g]
                 assert item.call is not None
                 pcm = s.stream.finish_phase(item.call, inputs[g][0], speech[row:row + 1], source[row:row + 1])
-                out.append(PcmChunk(sid, item.fence, item.unit_index, pcm, item.unit_final, item.end_of_turn))
+                out.append(PcmChunk(session_id=sid, fence=item.fence, unit_index=item.unit_index, pcm=pcm,
+                                    unit_final=item.unit_final, end_of_turn=item.end_of_turn))
                 if item.reset_after:
                     s.stream.reset_exec()

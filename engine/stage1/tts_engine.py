@@ -215,8 +215,9 @@ class TTSEngine:
             end_pos = w.start_pos + w.req.n_rows + 1 + len(codes)
             w.session.tts_pos = 0 if w.req.end_of_turn else end_pos
             w.session.units_done += 1
-            result = TTSUnitResult(w.session.session_id, w.req.fence, w.req.unit_index, tuple(codes),
-                                   e is not None, draws, w.start_pos, end_pos, w.req.end_of_turn)
+            result = TTSUnitResult(session_id=w.session.session_id, fence=w.req.fence, unit_index=w.req.unit_index,
+                                   codes=tuple(codes), eos=e is not None, draws=draws, start_pos=w.start_pos,
+                                   end_pos=end_pos, turn_closed=w.req.end_of_turn)
             if w.req.fence.epoch >= w.session.fence.epoch:  # a cancel may have fenced it off meanwhile
                 out.append(result)
         return out

@@ -44,7 +44,7 @@ class TTSUnitRequest:
         return len(self.text_ids)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)  # keywords: a row of positional ints and flags says nothing
 class TTSUnitResult:
     """The codes of one unit, in order; all of them are already in the session's TTS KV.
 

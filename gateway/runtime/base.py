@@ -41,7 +41,8 @@ class UnitSubmission:
     temperature: float | None = None
 
 
-@dataclass(frozen=True, slots=True)
+# The runtime events are keyword-only: `UnitDone(0, 7, False, True, ...)` cannot say which flag is which.
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Decision:
     epoch: int
     unit: int
@@ -50,7 +51,7 @@ class Decision:
     kind: Literal["decision"] = "decision"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class TextPiece:
     epoch: int
     unit: int
@@ -59,7 +60,7 @@ class TextPiece:
     kind: Literal["text"] = "text"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class AudioPiece:
     epoch: int
     unit: int
@@ -68,7 +69,7 @@ class AudioPiece:
     kind: Literal["audio"] = "audio"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class UnitDone:
     epoch: int
     unit: int
@@ -79,7 +80,7 @@ class UnitDone:
     kind: Literal["unit_done"] = "unit_done"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class StreamError:
     """An `error` EVENT that is not tied to one awaited operation (e.g. a broken output stream)."""
     epoch: int

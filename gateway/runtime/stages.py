@@ -234,7 +234,8 @@ def _with_firsts(ev: UnitDone, firsts: dict[str, float]) -> UnitDone:
     metrics = dict(ev.metrics)
     for stage, ms in firsts.items():
         metrics[stage] = {"first_output_ms": ms}
-    return UnitDone(ev.epoch, ev.unit, ev.is_listen, ev.end_of_turn, metrics, forced=ev.forced)
+    return UnitDone(epoch=ev.epoch, unit=ev.unit, is_listen=ev.is_listen, end_of_turn=ev.end_of_turn, metrics=metrics,
+                    forced=ev.forced)
 
 
 class _Session:
@@ -361,7 +362,7 @@ class StagedTritonRuntime:
         def ended(failure: RuntimeFailure | None) -> None:
             flow.speech_calls -= 1
             if failure is not None and _reportable(failure, s):
-                s.order.emit(flow, StreamError(fence.epoch, failure.code, failure.message))
+                s.order.emit(flow, StreamError(epoch=fence.epoch, code=failure.code, message=failure.message))
             s.order.settle()
 
         flow.speech_calls += 1

@@ -84,15 +84,16 @@ def typed_event(ev: dict[str, Any], audio: np.ndarray | None, epoch: int) -> Run
     """`parse_event` for an EVENT already decoded."""
     kind = ev.get("type")
     if kind == "decision":
-        return Decision(epoch, int(ev["unit"]), ev["action"], forced=bool(ev.get("forced", False)))
+        return Decision(epoch=epoch, unit=int(ev["unit"]), action=ev["action"], forced=bool(ev.get("forced", False)))
     if kind == "text":
-        return TextPiece(epoch, int(ev["unit"]), ev.get("text", ""), ev.get("token_id"))
+        return TextPiece(epoch=epoch, unit=int(ev["unit"]), text=ev.get("text", ""), token_id=ev.get("token_id"))
     if kind == "audio":
         pcm = b"" if audio is None else np.asarray(audio, dtype="<i2").reshape(-1).tobytes()
-        return AudioPiece(epoch, int(ev["unit"]), int(ev.get("seq", 0)), pcm)
+        return AudioPiece(epoch=epoch, unit=int(ev["unit"]), seq=int(ev.get("seq", 0)), pcm16=pcm)
     if kind == "unit_done":
-        return UnitDone(epoch, int(ev["unit"]), bool(ev["is_listen"]), bool(ev.get("end_of_turn", False)),
-                        ev.get("metrics") or {}, forced=bool(ev.get("forced", False)))
+        return UnitDone(epoch=epoch, unit=int(ev["unit"]), is_listen=bool(ev["is_listen"]),
+                        end_of_turn=bool(ev.get("end_of_turn", False)), metrics=ev.get("metrics") or {},
+                        forced=bool(ev.get("forced", False)))
     if kind in CONTROL_EVENTS or kind == "error":
         return ev
-    return StreamError(epoch, "runtime_contract_invalid", f"unknown runtime event {kind!r}")
+    return StreamError(epoch=epoch, code="runtime_contract_invalid", message=f"unknown runtime event {kind!r}")

@@ -33,8 +33,15 @@ def _unit(sid: str, idx: int, n: int, *, end: bool = False, start: bool = False,
           fence: Fence = F0) -> TTSUnitRequest:
     g = torch.Generator().manual_seed(1000 * seed + idx)
     ids = tuple(int(x) for x in torch.randint(0, 286, (n,), generator=g))
-    return TTSUnitRequest(sid, fence, idx, ids, torch.randn(n, 128, generator=g), (False,) * n,
+    return TTSUnitRequest(session_id=sid, fence=fence, unit_index=idx, text_ids=ids,
+                          hidden=torch.randn(n, 128, generator=g), is_turn_eos=(False,) * n,
                           end_of_turn=end, turn_start=start)
+
+
+def _one_row(sid: str, idx: int, ids: tuple[int, ...], hidden: torch.Tensor) -> TTSUnitRequest:
+    """A request that claims one row (whatever `ids` and `hidden` hold), mid-turn."""
+    return TTSUnitRequest(session_id=sid, fence=F0, unit_index=idx, text_ids=ids, hidden=hidden,
+                          is_turn_eos=(False,), end_of_turn=False, turn_start=False)
 
 
 def _run(engine: TTSEngine) -> list[TTSUnitResult]:
@@ -158,13 +165,12 @@ def test_bad_inputs_typed_errors_leave_sessions_unchanged() -> None:
         e.submit(_unit("b", 0, 2))
     good = _unit("b", 1, 2)
     bad = [
-        (UnknownSessionError, TTSUnitRequest("zz", F0, 0, (1,), torch.zeros(1, 128), (False,), False, False)),
-        (HiddenDimError, TTSUnitRequest("b", F0, 1, (1,), torch.zeros(1, 96), (False,), False, False)),
-        (HiddenDimError, TTSUnitRequest("b", F0, 1, (1,), torch.zeros(1, 128, dtype=torch.int64),
-                                        (False,), False, False)),
-        (RowCountError, TTSUnitRequest("b", F0, 1, (1, 2), torch.zeros(1, 128), (False,), False, False)),
-        (TokenIdError, TTSUnitRequest("b", F0, 1, (320,), torch.zeros(1, 128), (False,), False, False)),
-        (TokenIdError, TTSUnitRequest("b", F0, 1, (-1,), torch.zeros(1, 128), (False,), False, False)),
+        (UnknownSessionError, _one_row("zz", 0, (1,), torch.zeros(1, 128))),
+        (HiddenDimError, _one_row("b", 1, (1,), torch.zeros(1, 96))),
+        (HiddenDimError, _one_row("b", 1, (1,), torch.zeros(1, 128, dtype=torch.int64))),
+        (RowCountError, _one_row("b", 1, (1, 2), torch.zeros(1, 128))),
+        (TokenIdError, _one_row("b", 1, (320,), torch.zeros(1, 128))),
+        (TokenIdError, _one_row("b", 1, (-1,), torch.zeros(1, 128))),
         (StaleFenceError, _unit("b", 1, 2, fence=Fence(2, 0))),
         (TurnCapacityError, _unit("b", 1, 110)),  # 110 rows pass the cap even from a fresh TTS context
     ]

@@ -103,19 +103,21 @@ class FakeRuntime:
         action = Listen() if forced else self.plan.get(unit.unit_index, Listen())
         e, u, q = fence.epoch, unit.unit_index, seq.queue
         if isinstance(action, Listen):
-            q.put_nowait(Decision(e, u, "listen", forced=forced))
-            q.put_nowait(UnitDone(e, u, True, action.end_of_turn, unit_metrics(1), forced=forced))
+            q.put_nowait(Decision(epoch=e, unit=u, action="listen", forced=forced))
+            q.put_nowait(UnitDone(epoch=e, unit=u, is_listen=True, end_of_turn=action.end_of_turn,
+                                  metrics=unit_metrics(1), forced=forced))
             return
-        q.put_nowait(Decision(e, u, "speak"))
+        q.put_nowait(Decision(epoch=e, unit=u, action="speak"))
         words = action.text
         for i in range(action.tokens):
             piece = words[i * len(words) // action.tokens:(i + 1) * len(words) // action.tokens]
-            q.put_nowait(TextPiece(e, u, piece, token_id=i))
+            q.put_nowait(TextPiece(epoch=e, unit=u, text=piece, token_id=i))
         pcm = tone(action.audio_ms)
         half = len(pcm) // 4 * 2
-        q.put_nowait(AudioPiece(e, u, 0, pcm[:half]))
-        q.put_nowait(AudioPiece(e, u, 1, pcm[half:]))
-        q.put_nowait(UnitDone(e, u, False, action.end_of_turn, unit_metrics(action.tokens)))
+        q.put_nowait(AudioPiece(epoch=e, unit=u, seq=0, pcm16=pcm[:half]))
+        q.put_nowait(AudioPiece(epoch=e, unit=u, seq=1, pcm16=pcm[half:]))
+        q.put_nowait(UnitDone(epoch=e, unit=u, is_listen=False, end_of_turn=action.end_of_turn,
+                              metrics=unit_metrics(action.tokens)))
 
     async def cancel(self, key: SessionKey, fence: Fence, next_fence: Fence) -> None:
         seq = self.seqs[key.correlation_id]

@@ -203,7 +203,7 @@ async def test_stream_failure_and_signal_failure() -> None:
         await stream_units(c, 2)
         await c.until("response.speak")
         corr = next(iter(rt.seqs))
-        rt.inject(corr, StreamError(0, "talker_crashed", "boom"))
+        rt.inject(corr, StreamError(epoch=0, code="talker_crashed", message="boom"))
         got = await c.until("rate_limits.updated")
         rt.plan[3] = Speak("c", 500)
         rt.fail["cancel"] = "internal_error"

@@ -139,8 +139,9 @@ async def test_stale_runtime_output_after_cancel_never_reaches_the_client() -> N
         await c.send({"type": "response.cancel"})
         await c.until("rate_limits.updated")
         corr = next(iter(rt.seqs))
-        for ev in (Decision(0, 7, "speak"), TextPiece(0, 7, "ghost"), AudioPiece(0, 7, 0, tone(200)),
-                   UnitDone(0, 7, False, True, unit_metrics(1))):
+        for ev in (Decision(epoch=0, unit=7, action="speak"), TextPiece(epoch=0, unit=7, text="ghost"),
+                   AudioPiece(epoch=0, unit=7, seq=0, pcm16=tone(200)),
+                   UnitDone(epoch=0, unit=7, is_listen=False, end_of_turn=True, metrics=unit_metrics(1))):
             rt.inject(corr, ev)
         later = await c.quiet(0.3)
         events = await close(c)

@@ -99,10 +99,12 @@ class TTSBridge(EngineBridge):
             raise RequestError("invalid_request", f"HIDDEN holds {hidden.size} values, expected "
                                                   f"{ids.size} rows x llm_dim {self.llm_dim}")
         flags = cfg.get("is_turn_eos") or [False] * ids.size
-        return TTSUnitRequest(sid, fence, int(cfg.get("unit", 0)), tuple(int(t) for t in ids),
-                              torch.from_numpy(hidden.reshape(ids.size, self.llm_dim).copy()),  # [n, llm_dim]
-                              tuple(bool(f) for f in flags), bool(cfg.get("end_of_turn", False)),
-                              bool(cfg.get("turn_start", False)))
+        return TTSUnitRequest(session_id=sid, fence=fence, unit_index=int(cfg.get("unit", 0)),
+                              text_ids=tuple(int(t) for t in ids),
+                              hidden=torch.from_numpy(hidden.reshape(ids.size, self.llm_dim).copy()),  # [n, llm_dim]
+                              is_turn_eos=tuple(bool(f) for f in flags),
+                              end_of_turn=bool(cfg.get("end_of_turn", False)),
+                              turn_start=bool(cfg.get("turn_start", False)))
 
     def step(self) -> bool:
         self.step_rows = min(self.engine.cfg.max_batch, sum(1 for s in self.engine.sessions.values() if s.queue))
