@@ -44,6 +44,9 @@ MAX_METADATA_VALUE_CHARS = 512
 MAX_SEED = 2**63 - 1
 REF_AUDIO_RATE_HZ = 16000  # the clip reaches the model as 16 kHz mono (model.md §2.6)
 OVERLAP_MS_MAX = 10_000
+MAX_VIDEO_FRAMES = 2
+MAX_FRAME_BYTES = 4 * 1024 * 1024
+_IMAGE_MAGIC = (b"\xff\xd8\xff", b"\x89PNG\r\n\x1a\n")
 PCM16_ALIASES = {"pcm16": "pcm16", "pcm_s16le": "pcm16", "s16le": "pcm16", "pcm": "pcm16"}
 INPUT_FORMATS = {**PCM16_ALIASES, "pcm_f32le": "pcm_f32le", "g711_ulaw": "g711_ulaw", "g711_alaw": "g711_alaw",
                  "wav": "wav"}
@@ -196,6 +199,27 @@ def _to_pcm16k(mono: np.ndarray, rate: int) -> bytes:
     if rate != REF_AUDIO_RATE_HZ and len(mono):
         mono = soxr.resample(mono, rate, REF_AUDIO_RATE_HZ)
     return (np.clip(mono, -1.0, 1.0) * 32767.0).round().astype("<i2").tobytes()
+
+
+def check_video_frames(frames: list[str] | None) -> tuple[bytes, ...]:
+    """An append's `video_frames`: at most 2 bare-base64 JPEG/PNG images of at most 4 MiB each (§3.1.1, §9.4)."""
+    if not frames:
+        return ()
+    if len(frames) > MAX_VIDEO_FRAMES:
+        raise ProtocolError("bad_video_frames", "at most 2 frames per append", param="video_frames")
+    out = []
+    for i, f in enumerate(frames):
+        if f.startswith("data:"):
+            raise ProtocolError("bad_video_frames", "strip the data: prefix", param=f"video_frames[{i}]")
+        try:
+            data = base64.b64decode(f + "=" * (-len(f) % 4), validate=True)
+        except (binascii.Error, ValueError):
+            raise ProtocolError("bad_video_frames", "undecodable frame", param=f"video_frames[{i}]") from None
+        if len(data) > MAX_FRAME_BYTES or not data.startswith(_IMAGE_MAGIC):
+            raise ProtocolError("bad_video_frames", "frame must be a JPEG/PNG of at most 4 MiB",
+                                param=f"video_frames[{i}]")
+        out.append(data)
+    return tuple(out)
 
 
 def check_seed(value: Any, ctx: Any = None) -> int | None:

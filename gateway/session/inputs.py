@@ -5,8 +5,6 @@ Validation happens before any mutation, so a rejected append or commit leaves th
 
 from __future__ import annotations
 
-import base64
-import binascii
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,9 +24,6 @@ from gateway.session.units import MODEL_RATE_HZ, CutUnit
 from gateway.vad.detector import VadUpdate
 from gateway.vad.overlap import OverlapEpisode
 
-MAX_VIDEO_FRAMES = 2
-MAX_FRAME_BYTES = 4 * 1024 * 1024
-_IMAGE_MAGIC = (b"\xff\xd8\xff", b"\x89PNG\r\n\x1a\n")
 BARGE_IN_ACTIONS = frozenset({"barge_in", "interrupt", "cancel"})
 
 
@@ -67,7 +62,7 @@ class InputMixin(OutputMixin):
         fmt_raw = ev.format or ev.input_audio_format
         fmt = v.input_format(fmt_raw, "format") if fmt_raw else self.config.input_audio_format
         raw = b64decode(ev.audio) if ev.audio else b""
-        frames = self._frames(ev.video_frames)
+        frames = v.check_video_frames(ev.video_frames)
         if not raw and not frames:
             raise ProtocolError("bad_audio", "audio may be empty only with video_frames", param="audio")
         if ev.sample_rate_hz is not None:
@@ -90,25 +85,6 @@ class InputMixin(OutputMixin):
         if vad is not None:  # §8.2 priority 1
             return PreparedAudio(resampled, wire, frames, vad.is_speech, "server_vad", vad)
         return PreparedAudio(resampled, wire, frames, speech, "client_hint" if ev.is_speech is not None else "rms")
-
-    def _frames(self, frames: list[str] | None) -> tuple[bytes, ...]:
-        if not frames:
-            return ()
-        if len(frames) > MAX_VIDEO_FRAMES:
-            raise ProtocolError("bad_video_frames", "at most 2 frames per append", param="video_frames")
-        out = []
-        for i, f in enumerate(frames):
-            if f.startswith("data:"):
-                raise ProtocolError("bad_video_frames", "strip the data: prefix", param=f"video_frames[{i}]")
-            try:
-                data = base64.b64decode(f + "=" * (-len(f) % 4), validate=True)
-            except (binascii.Error, ValueError):
-                raise ProtocolError("bad_video_frames", "undecodable frame", param=f"video_frames[{i}]") from None
-            if len(data) > MAX_FRAME_BYTES or not data.startswith(_IMAGE_MAGIC):
-                raise ProtocolError("bad_video_frames", "frame must be a JPEG/PNG of at most 4 MiB",
-                                    param=f"video_frames[{i}]")
-            out.append(data)
-        return tuple(out)
 
     # ---- transitions -------------------------------------------------------------------------------------
     def accept_audio(self, prep: PreparedAudio, *, force_listen: bool, final: bool, keep: bool = True) -> None:
