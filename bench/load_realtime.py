@@ -63,6 +63,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--api-key", help="sent as Authorization: Bearer KEY")
     ap.add_argument("--cancel-every", type=float, help="seconds between barge-in cancels per session")
     ap.add_argument("--out", type=Path, required=True, help="JSON results file")
+    ap.add_argument("--commit", help="the commit the server runs (default: this checkout's git HEAD; a copy "
+                                     "without its own history, such as a device snapshot, passes it)")
     args = ap.parse_args(argv)
     try:
         args.sessions = [int(n) for n in args.sessions.split(",") if n.strip()]
@@ -215,7 +217,7 @@ async def sweep(args: argparse.Namespace) -> dict[str, Any]:
     plan = scripted_plan(profile)
     scripted = None if args.profile is None else plan is not None  # without a profile nobody says
     speech = speech_fixtures()
-    doc: dict[str, Any] = {"commit": git_commit(), "device": device_name(profile),
+    doc: dict[str, Any] = {"commit": args.commit or git_commit(), "device": device_name(profile),
                            "profile": str(args.profile) if args.profile else None, "scripted": scripted,
                            "scripted_plan": plan,
                            "url": args.url, "duration_s": args.duration, "cancel_every_s": args.cancel_every,

@@ -10,6 +10,7 @@ export DURATION="${DURATION:-20}" SESSIONS="${SESSIONS:-1,8,16,32}" OUT="${OUT:-
 export PROFILE="${PROFILE:-deploy/profiles/h200-scripted.yaml}" READY_TIMEOUT="${READY_TIMEOUT:-240}"
 unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY  # duplex serve starts its own MPS daemon (mps: auto)
 R=bench/h200/run_served.sh
+export COMMIT="${COMMIT:-$(cat COMMIT 2>/dev/null || true)}"  # written by the snapshot step
 bash $R setup ckpt serve || exit 1
 grep -h "MPS" /tmp/duplex-serve/serve.log | head -3
 grep -hE "warm-up (done|finished)" /tmp/duplex-serve/logs/tritonserver*.log | cut -c1-200
@@ -21,6 +22,7 @@ top -b -d 5 -n 30 -w 250 > "$OUT/top.txt" 2>&1 &
 bash $R load
 DUPLEX_LOADGEN_CACHE="$(realpath "$FIXTURES")" /tmp/duplex-venv/bin/python bench/load_realtime.py \
   --url ws://127.0.0.1:8000 --sessions 8 --duration "$DURATION" --cancel-every 5 --profile "$PROFILE" \
+  ${COMMIT:+--commit "$COMMIT"} \
   --triton-metrics http://127.0.0.1:8003/metrics --out "$OUT/load-h200-cancel.json" 2>&1 | tail -3
 bash $R logs stop
 pgrep -a nvidia-cuda-mps || echo "no MPS process left"

@@ -15,6 +15,7 @@
 #   PORT 8000   METRICS_PORT 8003   SERVE_DIR /tmp/duplex-serve (cache dir: model repository + logs)
 #   READY_TIMEOUT 420 (s the serve step waits for /ready)   SESSIONS 1,8,16,32,64   DURATION 20
 #   FIXTURES .cache/loadgen-fixtures (espeak-ng WAVs made by `fixtures`; carry it)   OUT ($OUT or /tmp/duplex-out)
+#   COMMIT (recorded in the results; default: the file COMMIT beside this checkout, else git HEAD)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 REPO="$(pwd)"
@@ -32,6 +33,7 @@ SESSIONS="${SESSIONS:-1,8,16,32,64}"
 DURATION="${DURATION:-20}"
 FIXTURES="$(realpath -m "${FIXTURES:-.cache/loadgen-fixtures}")"
 OUT="${OUT:-/tmp/duplex-out}"
+COMMIT="${COMMIT:-$(cat COMMIT 2>/dev/null || true)}"
 mkdir -p "$OUT" "$SERVE_DIR"
 PIDFILE="$SERVE_DIR/serve.pid"
 SERVE_LOG="$SERVE_DIR/serve.log"
@@ -99,7 +101,8 @@ do_load() {
   ready || { say "no server answers $URL/ready: run 'serve' first"; return 1; }
   DUPLEX_LOADGEN_CACHE="$FIXTURES" PYTHONUNBUFFERED=1 "$VENV/bin/python" bench/load_realtime.py \
     --url "ws://127.0.0.1:$PORT" --sessions "$SESSIONS" --duration "$DURATION" --profile "$PROFILE" \
-    --triton-metrics "http://127.0.0.1:$METRICS_PORT/metrics" --out "$OUT/load-h200.json"
+    --triton-metrics "http://127.0.0.1:$METRICS_PORT/metrics" --out "$OUT/load-h200.json" \
+    ${COMMIT:+--commit "$COMMIT"}
 }
 
 do_logs() {
@@ -122,7 +125,7 @@ do_stop() {
   rm -f "$PIDFILE"
 }
 
-[[ $# -gt 0 ]] || { sed -n '2,19p' "$0"; exit 2; }
+[[ $# -gt 0 ]] || { sed -n '2,20p' "$0"; exit 2; }
 # A failed step still leaves the log tails in $OUT (what comes back from a device call).
 trap 'rc=$?; if [[ $rc -ne 0 ]]; then do_logs >/dev/null 2>&1 || true; fi; exit $rc' EXIT
 steps=("$@")
