@@ -14,7 +14,6 @@ All use the torch-free loopback profile: the engines play no part here, and each
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import os
@@ -62,6 +61,20 @@ def _pgid(pid: int) -> int | None:
 
 def _tritonserver_of(launcher_pid: int) -> int | None:
     return next((p for p in children_of(launcher_pid) if "tritonserver" in cmdline(p).split(" ", 1)[0]), None)
+
+
+def _wait_for_triton(proc: Proc, logged_ready: bool = False) -> int:
+    """The pid of the launcher's tritonserver once it runs (`logged_ready`: once the launcher logged it ready)."""
+    assert proc.popen is not None
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < START_WAIT_S:
+        assert proc.alive(), proc.tail()
+        if not logged_ready or "[triton] ready in" in proc.log.read_text(errors="replace"):
+            triton = _tritonserver_of(proc.popen.pid)
+            if triton is not None:
+                return triton
+        time.sleep(0.02)
+    raise AssertionError(f"no tritonserver after {START_WAIT_S} s: {proc.tail()}")
 
 
 def _serve_proc(cache: Path, port: int, log_name: str, *extra: str, profile: Path = LOOPBACK) -> Proc:
@@ -137,13 +150,7 @@ async def test_triton_crash_while_the_gateway_starts_is_restarted(e2e_cache: Pat
     proc.start()
     assert proc.popen is not None
     try:
-        t0, triton = time.monotonic(), None
-        while triton is None and time.monotonic() - t0 < START_WAIT_S:
-            assert proc.alive(), proc.tail()
-            if "[triton] ready in" in proc.log.read_text(errors="replace"):
-                triton = _tritonserver_of(proc.popen.pid)
-            await asyncio.sleep(0.02)
-        assert triton is not None, proc.tail()
+        triton = _wait_for_triton(proc, logged_ready=True)
         os.kill(triton, signal.SIGKILL)
         assert "[serve] demo" not in proc.log.read_text(errors="replace"), "killed after startup: proves nothing"
         gateway = [p for p in children_of(proc.popen.pid) if p != triton]
@@ -170,12 +177,7 @@ def test_sigterm_during_triton_startup_leaves_no_process(e2e_cache: Path) -> Non
     proc.start()
     assert proc.popen is not None
     try:
-        t0, triton = time.monotonic(), None
-        while triton is None and time.monotonic() - t0 < START_WAIT_S:
-            assert proc.alive(), proc.tail()
-            triton = _tritonserver_of(proc.popen.pid)
-            time.sleep(0.05)
-        assert triton is not None, proc.tail()
+        triton = _wait_for_triton(proc)
         assert http_status(f"http://127.0.0.1:{proc_port(proc)}/ready") != 200  # still starting
         proc.popen.send_signal(signal.SIGTERM)  # the launcher alone, as `kill PID` or systemd would
         assert proc.popen.wait(timeout=EXIT_WAIT_S) == 0, proc.tail()
