@@ -15,10 +15,16 @@ bash $R setup ckpt serve || exit 1
 grep -h "MPS" /tmp/duplex-serve/serve.log | head -3
 grep -hE "warm-up (done|finished)" /tmp/duplex-serve/logs/tritonserver*.log | cut -c1-200
 nvidia-smi --query-compute-apps=pid,used_memory,name --format=csv | tee "$OUT/mem.txt"
-# what the host does while the sweep runs: top every 5 s; py-spy stacks of every stage stub during N=16
+# what the host does while the sweep runs: top every 5 s, GPU use every second; during N=16 a 10 s py-spy
+# profile of every stage stub (collapsed stacks, non-blocking, so the stage is not paused) and one dump
 top -b -d 5 -n 30 -w 250 > "$OUT/top.txt" 2>&1 &
-( sleep 55; for _ in 1 2 3; do for p in $(pgrep -f triton_python_backend_stub); do
-    /tmp/duplex-venv/bin/py-spy dump --pid "$p" >> "$OUT/py-spy.txt" 2>&1; done; sleep 4; done ) &
+nvidia-smi dmon -s u -d 1 -c 150 > "$OUT/dmon.txt" 2>&1 &
+( sleep 55; for p in $(pgrep -f triton_python_backend_stub); do
+    m=$(tr '\0' ' ' < /proc/$p/cmdline | grep -oE 'models/[a-z0-9_]+|/(stage0|tts|token2wav|duplex)/' | head -1 | tr -d '/')
+    /tmp/duplex-venv/bin/py-spy record --pid "$p" --duration 10 --rate 100 --nonblocking --format raw \
+      --output "$OUT/pyspy-${m:-stub}-$p.txt" > /dev/null 2>&1 &
+    /tmp/duplex-venv/bin/py-spy dump --pid "$p" --nonblocking >> "$OUT/py-spy.txt" 2>&1
+  done; wait ) &
 bash $R load
 DUPLEX_LOADGEN_CACHE="$(realpath "$FIXTURES")" /tmp/duplex-venv/bin/python bench/load_realtime.py \
   --url ws://127.0.0.1:8000 --sessions 8 --duration "$DURATION" --cancel-every 5 --profile "$PROFILE" \

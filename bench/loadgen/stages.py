@@ -15,6 +15,7 @@ FAMILIES = {"rows_per_step": "duplex_stage_rows_per_step",
             "queue_wait_ms": "duplex_stage_queue_wait_seconds"}
 SCALE = {"rows_per_step": 1.0, "step_ms": 1000.0, "queue_wait_ms": 1000.0}
 SCRAPE_TIMEOUT_S = 5.0
+SLOW_STEP_S = 0.25  # a histogram bucket edge (model_repository/common/metrics.py SECONDS_BUCKETS)
 _LINE = re.compile(r'^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)')
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
@@ -22,15 +23,21 @@ Sample = dict[tuple[str, str], float]  # (metric name, stage) -> value
 
 
 def parse(text: str) -> Sample:
-    """`*_sum` / `*_count` samples of the duplex stage families, by stage."""
+    """The duplex stage samples by stage: `*_sum`, `*_count`, the step histogram's buckets (keyed
+    `name:le`) and the graph-miss counter (summed over its kinds)."""
     out: Sample = {}
     for line in text.splitlines():
         m = _LINE.match(line)
-        if m is None or not m["name"].startswith("duplex_stage_") or m["name"].endswith("_bucket"):
+        if m is None or not m["name"].startswith("duplex_stage_"):
             continue
-        stage = dict(_LABEL.findall(m["labels"] or "")).get("stage")
+        labels = dict(_LABEL.findall(m["labels"] or ""))
+        stage, name = labels.get("stage"), m["name"]
+        if name.endswith("_bucket"):
+            if name != f"{FAMILIES['step_ms']}_bucket":
+                continue
+            name = f"{name}:{labels.get('le')}"
         if stage is not None:
-            key = (m["name"], stage)
+            key = (name, stage)
             out[key] = out.get(key, 0.0) + float(m["value"])  # summed over instances (other labels)
     return out
 
@@ -38,6 +45,27 @@ def parse(text: str) -> Sample:
 def scrape(url: str) -> Sample:
     with urllib.request.urlopen(url, timeout=SCRAPE_TIMEOUT_S) as resp:
         return parse(resp.read().decode())
+
+
+def tails(before: Sample, after: Sample) -> dict[str, dict[str, float | None]]:
+    """{"step_p99_ms": {stage: the upper bound of the histogram bucket holding the 99th percentile},
+    "slow_steps": {stage: steps over SLOW_STEP_S}, "graph_misses": {stage: calls with no prebuilt graph}}
+    over the interval: where a stage stalls, which a mean hides."""
+    def delta(name: str, stage: str) -> float:
+        return after.get((name, stage), 0.0) - before.get((name, stage), 0.0)
+
+    bucket = f"{FAMILIES['step_ms']}_bucket:"
+    out: dict[str, dict[str, float | None]] = {"step_p99_ms": {}, "slow_steps": {}, "graph_misses": {}}
+    for stage in STAGES:
+        edges = sorted((float(k[0][len(bucket):]), delta(k[0], stage)) for k in after
+                       if k[1] == stage and k[0].startswith(bucket))
+        total = edges[-1][1] if edges else 0.0  # le="+Inf" sorts last
+        p99 = next((le for le, cum in edges if cum >= 0.99 * total), None) if total > 0 else None
+        out["step_p99_ms"][stage] = None if p99 is None else p99 * 1000.0
+        below = next((cum for le, cum in edges if le == SLOW_STEP_S), None)
+        out["slow_steps"][stage] = None if below is None else total - below
+        out["graph_misses"][stage] = delta("duplex_stage_graph_misses_total", stage)
+    return out
 
 
 def means(before: Sample, after: Sample) -> dict[str, dict[str, float | None]]:

@@ -8,6 +8,8 @@ metrics API (`pb_utils.MetricFamily`, histograms present in Triton 2.51):
   duplex_stage_queue_wait_seconds   a request's wait from `submit` (adapter thread) until the engine
                                     thread took it (it waits while a step runs)
 `_sum / _count` of a histogram is its mean; the load generator diffs them around a run.
+A step slower than SLOW_STEP_S is also logged (WARNING, at most one line per SLOW_LOG_EVERY_S, with the count
+since the last line): a stall that a mean hides shows in the log with its rows.
 One counter, labelled by `stage` and `kind` (issue 15):
   duplex_stage_graph_misses_total   engine calls whose shape had no CUDA graph / compiled step built at
                                     warm-up (engine/warmup.py GraphMisses; each shape is also logged once)
@@ -21,12 +23,18 @@ cost grows with the observations (2 per step + 1 per request), not with the flus
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+log = logging.getLogger(__name__)
+
 FLUSH_S = 0.5
+SLOW_STEP_S = 0.25
+SLOW_LOG_EVERY_S = 10.0
 ROW_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128]
 SECONDS_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0]
 FAMILIES = {  # key -> (name, description, buckets)
@@ -101,6 +109,8 @@ class StageMetrics:
             if self._sink is not None else None
         self._misses: Callable[[], dict[str, int]] = dict
         self._misses_sent: dict[str, int] = {}
+        self.slow_steps = 0
+        self._slow_unlogged, self._slow_logged_at = 0, float("-inf")
 
     def watch_misses(self, source: Callable[[], dict[str, int]]) -> None:
         """`source()` -> the engine's graph-miss counts per kind (running totals); flushed as counters."""
@@ -113,6 +123,17 @@ class StageMetrics:
     def step(self, rows: int, seconds: float) -> None:
         self._add("rows", float(rows))
         self._add("step", seconds)
+        if seconds > SLOW_STEP_S:
+            self._slow(rows, seconds)
+
+    def _slow(self, rows: int, seconds: float) -> None:
+        self.slow_steps += 1
+        self._slow_unlogged += 1
+        now = time.monotonic()
+        if now - self._slow_logged_at >= SLOW_LOG_EVERY_S:
+            log.warning("%s: a step took %.0f ms for %d rows (%d steps over %.0f ms since the last such line)",
+                        self.stage, seconds * 1000.0, rows, self._slow_unlogged, SLOW_STEP_S * 1000.0)
+            self._slow_logged_at, self._slow_unlogged = now, 0
 
     def queue_wait(self, seconds: float) -> None:
         self._add("wait", seconds)

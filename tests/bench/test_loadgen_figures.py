@@ -90,6 +90,26 @@ def test_stage_means_are_deltas_over_the_run() -> None:
     assert m["step_ms"]["tts"] == pytest.approx(50.0)
 
 
+STEP_BUCKETS = """duplex_stage_step_seconds_bucket{stage="stage0",le="0.1"} %d
+duplex_stage_step_seconds_bucket{stage="stage0",le="0.25"} %d
+duplex_stage_step_seconds_bucket{stage="stage0",le="1"} %d
+duplex_stage_step_seconds_bucket{stage="stage0",le="+Inf"} %d
+duplex_stage_graph_misses_total{stage="stage0",kind="decode"} %d
+duplex_stage_graph_misses_total{stage="stage0",kind="prefill"} %d
+"""
+
+
+def test_stage_tails_find_the_slow_steps_a_mean_hides() -> None:
+    before = stages.parse(STEP_BUCKETS % (50, 50, 50, 50, 1, 0))
+    # 200 more steps: 195 under 100 ms, 2 under 250 ms, 3 under 1 s; 3 more misses over two kinds
+    after = stages.parse(STEP_BUCKETS % (245, 247, 250, 250, 2, 2))
+    t = stages.tails(before, after)
+    assert t["slow_steps"]["stage0"] == 3
+    assert t["step_p99_ms"]["stage0"] == pytest.approx(1000.0)  # the 198th of 200 steps lies in (0.25, 1]
+    assert t["graph_misses"]["stage0"] == 3
+    assert t["step_p99_ms"]["tts"] is None and t["slow_steps"]["tts"] is None
+
+
 def test_unreachable_gateway_fails_loudly(tmp_path: Path) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -45,6 +45,17 @@ def test_outside_triton_only_totals_are_kept() -> None:
     assert m.totals["rows"].count == 1 and m.totals["step"].total == pytest.approx(0.01)
 
 
+def test_a_slow_step_is_logged_at_most_once_per_interval(caplog: pytest.LogCaptureFixture) -> None:
+    m = StageMetrics("stage0")
+    with caplog.at_level("WARNING", logger="model_repository.common.metrics"):
+        m.step(rows=4, seconds=0.01)
+        m.step(rows=7, seconds=0.9)
+        m.step(rows=9, seconds=0.6)  # within the interval: counted, not logged
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == ["stage0: a step took 900 ms for 7 rows (1 steps over 250 ms since the last such line)"]
+    assert m.slow_steps == 2
+
+
 PLAN = {"listen_units": 3, "speak_units": 3, "text_ids_per_unit": 4, "tail_listen_units": 0}
 
 
