@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The served figure in one device call (bench/RESULTS.md): install, checkpoint, serve PROFILE, the sweep
-# (SESSIONS, default 1,8,16,32), then 8 sessions with a cancel every 5 s; log tails and memory into $OUT.
+# (SESSIONS, default 1,8,16,32), then 8 sessions with a cancel every 5 s; the load JSONs into $OUT, log tails,
+# memory, top, GPU use and py-spy profiles into $OUT/diag.tgz.
 # Run from a git archive of the commit, carrying dist (scripts/offline_bundle.sh) and .cache/loadgen-fixtures
 # (run_served.sh fixtures):  cd .snap && bash bench/h200/final_run.sh
 set -u
@@ -32,3 +33,5 @@ DUPLEX_LOADGEN_CACHE="$(realpath "$FIXTURES")" /tmp/duplex-venv/bin/python bench
   --triton-metrics http://127.0.0.1:8003/metrics --out "$OUT/load-h200-cancel.json" 2>&1 | tail -3
 bash $R logs stop
 pgrep -a nvidia-cuda-mps || echo "no MPS process left"
+# a device call brings back at most 8 files: the diagnostics travel as one archive
+( cd "$OUT" && tar -czf diag.tgz --remove-files ./*.txt ./*.log 2>/dev/null; ls "$OUT" )

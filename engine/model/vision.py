@@ -186,7 +186,8 @@ class Resampler(nn.Module):
     def forward(self, x: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
         """Patch states [B, P, kv_dim] of a (nb_h, nb_w) grid -> [B, query_num, embed_dim]."""
         kv = self.ln_kv(self.kv_proj(x))  # [B, P, embed]
-        pos = self._pos(*grid, x.device).to(kv.dtype)
+        # the table is built on the host (numpy); a model built under `torch.device(...)` keeps it there
+        pos = self._pos(*grid, x.device).to(x.device, kv.dtype)
         q = self.ln_q(self.query).expand(x.shape[0], -1, -1)  # [B, Q, embed]
         out = self.attn(q, kv + pos, kv)
         return self.ln_post(out) @ self.proj
