@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The served figure in one device call (bench/RESULTS.md): install, checkpoint, serve PROFILE, the sweep
 # (SESSIONS, default 1,8,16,32), then 8 sessions with a cancel every 5 s; the load JSONs into $OUT, log tails,
-# memory, top, GPU use and py-spy profiles into $OUT/diag.tgz.
+# memory, top, GPU use and py-spy profiles into $OUT/diag.tgz. PYSPY_AT: seconds after the sweep starts when
+# the stubs are profiled (default 55: inside the N=16 level of the default sweep); CANCEL_RUN=0 skips the cancel run.
 # Run from a git archive of the commit, carrying dist (scripts/offline_bundle.sh) and .cache/loadgen-fixtures
 # (run_served.sh fixtures):  cd .snap && bash bench/h200/final_run.sh
 set -u
@@ -20,14 +21,14 @@ nvidia-smi --query-compute-apps=pid,used_memory,name --format=csv | tee "$OUT/me
 # profile of every stage stub (collapsed stacks, non-blocking, so the stage is not paused) and one dump
 top -b -d 5 -n 30 -w 250 > "$OUT/top.txt" 2>&1 &
 nvidia-smi dmon -s u -d 1 -c 150 > "$OUT/dmon.txt" 2>&1 &
-( sleep 55; for p in $(pgrep -f triton_python_backend_stub); do
+( sleep "${PYSPY_AT:-55}"; for p in $(pgrep -f triton_python_backend_stub); do
     m=$(tr '\0' ' ' < /proc/$p/cmdline | grep -oE 'models/[a-z0-9_]+|/(stage0|tts|token2wav|duplex)/' | head -1 | tr -d '/')
     /tmp/duplex-venv/bin/py-spy record --pid "$p" --duration 10 --rate 100 --nonblocking --format raw \
       --output "$OUT/pyspy-${m:-stub}-$p.txt" > /dev/null 2>&1 &
     /tmp/duplex-venv/bin/py-spy dump --pid "$p" --nonblocking >> "$OUT/py-spy.txt" 2>&1
   done; wait ) &
 bash $R load
-DUPLEX_LOADGEN_CACHE="$(realpath "$FIXTURES")" /tmp/duplex-venv/bin/python bench/load_realtime.py \
+[[ "${CANCEL_RUN:-1}" == 1 ]] && DUPLEX_LOADGEN_CACHE="$(realpath "$FIXTURES")" /tmp/duplex-venv/bin/python bench/load_realtime.py \
   --url ws://127.0.0.1:8000 --sessions 8 --duration "$DURATION" --cancel-every 5 --profile "$PROFILE" \
   ${COMMIT:+--commit "$COMMIT"} \
   --triton-metrics http://127.0.0.1:8003/metrics --out "$OUT/load-h200-cancel.json" 2>&1 | tail -3
