@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from engine.model.llm import Qwen3LLM, SlotKVCache
+from engine.stage0.audio_worker import AudioWorker
 from engine.stage0.config import DecodeRules, SpecialIds, Stage0Config, TextTokenizer
 from engine.stage0.frontend import UnitFrontEnd
 from engine.stage0.graphs import DecodeGraphs, PrefillGraphs
@@ -75,6 +76,25 @@ class Stage0Engine(StepLoop):
         self.closed: set[str] = set()
         self.lock = threading.RLock()
         self.wake = threading.Event()  # set by every request so an idle `serve()` loop steps at once
+        self.audio_worker: AudioWorker | None = None
+        self.last_rows = 0
+
+    # ---- the audio worker -------------------------------------------------------------------------
+    def start_audio_worker(self) -> bool:
+        """Run the batched audio front end on its own thread (audio_worker.py) from now on; False when the
+        front end has no batched `encode_units` (units are then encoded in the step, one by one)."""
+        encode = getattr(self.frontend, "encode_units", None)
+        if encode is None or self.audio_worker is not None:
+            return self.audio_worker is not None
+        worker = AudioWorker(encode, self.runner.device)
+        worker.start()
+        self.audio_worker = worker
+        return True
+
+    def stop_audio_worker(self) -> None:
+        worker, self.audio_worker = self.audio_worker, None
+        if worker is not None:
+            worker.stop()
 
     # ---- public API -------------------------------------------------------------------------------
     def open(self, session_id: str, fence: Fence, *, prompt: str | None = None,

@@ -26,6 +26,8 @@ from engine.stage0.session import Phase, Session, UnitRecord, UnitRun
 from engine.stage0.slots import compact, evict_span
 from engine.stage0.types import FrontEndError, TokenEvent, UnitDone
 
+AUDIO_WAIT_S = 1.0  # the longest a step with nothing else to run waits on the audio worker before looking again
+
 
 class StepLoop(StepRecovery):
     def has_work(self) -> bool:
@@ -58,29 +60,38 @@ class StepLoop(StepRecovery):
                     traceback.print_exc()
                     self._close_failed(s, f"{type(exc).__name__}: {exc}")
             sessions = [s for s in sessions if self.sessions.get(s.session_id) is s]
-        # Outside the lock: requests are accepted while the front end runs. Only this thread touches a
-        # session's front-end state and its unit in PREFILL (a cancel only marks that unit aborted).
+        # Outside the lock: requests are accepted while the front end runs. Only this thread (or the audio
+        # worker it hands a unit to) touches a session's front-end state and its unit in PREFILL (a cancel
+        # only marks that unit aborted).
         self._encode_audio(sessions)
         with self.lock:
             sessions = [s for s in sessions if self.sessions.get(s.session_id) is s]  # closed meanwhile: gone
             self._encode_frames(sessions)
             work = [(s, row) for s in sessions if (row := self._guarded_schedule(s, self._schedule)) is not None]
-            if not work:
-                return False
-            hidden, failed = self._forward(work)
-            for s, exc in failed:
-                self._fail_step(s, exc)
-            work = [(s, row) for s, row in work if s.session_id in hidden]
-            for s, row in work:
-                s.cached_len += row.length
-                if s.phase is Phase.PREFILL:
-                    s.pending_close = ()  # fed in front of this prefill
-            try:
-                self._postprocess([s for s, _ in work], hidden)
-            except Exception as exc:  # noqa: BLE001 - fails the units of this step, never the engine
-                for s, _ in work:
-                    self._fail_step(s, exc)
+            self.last_rows = len(work)
+            if work:
+                self._run_rows(work)
+                return True
+        worker = self.audio_worker
+        if worker is not None and worker.busy():  # only units waiting on the front end: wait for it
+            worker.wait(AUDIO_WAIT_S)
             return True
+        return False
+
+    def _run_rows(self, work: list[tuple[Session, Row]]) -> None:
+        hidden, failed = self._forward(work)
+        for s, exc in failed:
+            self._fail_step(s, exc)
+        work = [(s, row) for s, row in work if s.session_id in hidden]
+        for s, row in work:
+            s.cached_len += row.length
+            if s.phase is Phase.PREFILL:
+                s.pending_close = ()  # fed in front of this prefill
+        try:
+            self._postprocess([s for s, _ in work], hidden)
+        except Exception as exc:  # noqa: BLE001 - fails the units of this step, never the engine
+            for s, _ in work:
+                self._fail_step(s, exc)
 
     # ---- schedule ---------------------------------------------------------------------------------
     def _schedule(self, s: Session) -> Row | None:
@@ -90,6 +101,9 @@ class StepLoop(StepRecovery):
             assert s.prefix_rows is not None
             return Row(s.slot, s.cached_len, s.prefix_rows)
         if s.phase is Phase.PREFILL:
+            assert unit is not None
+            if unit.audio_submitted and unit.audio_embeds is None:
+                return None  # its audio is still in the worker
             try:
                 embeds = self._unit_embeds(s)
                 if s.pending_close:  # §3.6: the previous unit's close merged into this forward
@@ -121,11 +135,15 @@ class StepLoop(StepRecovery):
             self._start_unit(s)
 
     def _encode_audio(self, sessions: list[Session]) -> None:
-        """The audio of every unit prefilled this step through the front end in one batch."""
+        """The audio of every unit started this step through the front end in one batch: handed to the audio
+        worker when it runs (the rows go on without it), else here."""
         batch = getattr(self.frontend, "encode_units", None)
         runs = [(s.frontend_state, s.unit) for s in sessions if s.phase is Phase.PREFILL and s.unit is not None
-                and s.unit.audio_embeds is None]
+                and s.unit.audio_embeds is None and not s.unit.audio_submitted]
         if batch is None or not runs:
+            return
+        if self.audio_worker is not None:
+            self.audio_worker.submit(runs)
             return
         try:
             encoded = batch([state for state, _ in runs], [unit.job.pcm for _, unit in runs])

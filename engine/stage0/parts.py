@@ -13,6 +13,7 @@ from collections.abc import Callable
 import torch
 
 from engine.model.llm import Qwen3LLM
+from engine.stage0.audio_worker import AudioWorker
 from engine.stage0.config import DecodeRules, SpecialIds, Stage0Config, TextTokenizer
 from engine.stage0.frontend import UnitFrontEnd
 from engine.stage0.penalty import HistoryRing
@@ -41,6 +42,8 @@ class EngineParts:
     closed: set[str]
     lock: threading.RLock
     wake: threading.Event  # set by every request so an idle `serve()` loop steps at once
+    audio_worker: AudioWorker | None  # the front end on its own thread (`start_audio_worker`), else in the step
+    last_rows: int  # rows the last step fed (batch occupancy)
 
     def _emit(self, event: Event) -> None:
         self.on_event(event)

@@ -69,6 +69,7 @@ class UnitRun:
     frame_embeds: list[torch.Tensor] | None = None  # [64, H] per frame, encoded with the step's other frames
     # [10, H] from the step's batched audio front end; the exception if that batch failed (the unit fails)
     audio_embeds: torch.Tensor | Exception | None = None
+    audio_submitted: bool = False  # handed to the audio worker, which sets `audio_embeds` (audio_worker.py)
 
     def metrics(self) -> UnitMetrics:
         t = self.token_times

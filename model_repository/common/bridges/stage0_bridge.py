@@ -28,7 +28,6 @@ from engine.loader.checkpoint import THINKER_COMPONENTS
 from engine.stage0 import Fence, Stage0Config, Stage0Engine, TokenEvent, UnitDone
 from engine.stage0.frontend import AudioFrontEndAdapter, VisionFrames
 from engine.stage0.script import ScriptPlan
-from engine.stage0.session import Phase
 
 from ..codec import RequestError, StageOutput, StageRequest
 from ..settings import ConfigError, StageSettings
@@ -194,12 +193,21 @@ class Stage0Bridge(EngineBridge):
         assert state is not None  # the engine raised for an unknown session
         state.units[index] = _Unit(sink)
 
+    def start(self) -> None:
+        # the batched audio front end on its own thread: a unit's Whisper pass no longer holds up the other
+        # sessions' rows (engine/stage0/audio_worker.py)
+        self.engine.start_audio_worker()
+        super().start()
+
+    def stop(self) -> None:
+        super().stop()
+        self.engine.stop_audio_worker()
+
     def step(self) -> bool:
-        # a row is one session's forward in this step (prefix, unit prefill, token or close): every session
-        # with work (Stage0Engine.step serves them all)
-        self.step_rows = sum(1 for s in self.engine.sessions.values()
-                             if s.phase is not Phase.IDLE or s.queue or s.pending_prompt is not None)
-        return self.engine.step()
+        busy = self.engine.step()
+        # a row is one session's forward in this step (prefix, unit prefill, token or close)
+        self.step_rows = self.engine.last_rows
+        return busy
 
     def forget(self, corrid: int) -> None:
         sid = session_key(corrid)
