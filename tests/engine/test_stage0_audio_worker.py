@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+import pytest
 import torch
 
 from engine.stage0 import Fence, TokenEvent, UnitDone
@@ -131,3 +132,36 @@ def test_a_session_closed_while_its_unit_is_in_the_worker_leaves_the_others_alon
         engine.stop_audio_worker()
     assert [e.session_id for e in events if isinstance(e, UnitDone)] == ["a"]
     assert not engine.has_work()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_worker_on_its_own_cuda_stream_equals_the_front_end_on_the_default_stream() -> None:
+    """Several sessions' consecutive units through the worker (its stream, record_stream, synchronize before
+    publishing) give what the same front end gives on the default stream."""
+    from engine.audio import AudioFrontEnd
+    from engine.stage0.audio_worker import AudioWorker
+    from engine.stage0.session import UnitJob, UnitRun
+    from tests.engine.test_audio_encoder import build, tiny_audio
+
+    enc, proj = build(1500, seed=3)
+    fe = AudioFrontEnd(enc.cuda(), proj.cuda(), tiny_audio(1500), mel_device="cuda")
+    direct = [fe.new_session() for _ in range(3)]
+    threaded = [fe.new_session() for _ in range(3)]
+    worker = AudioWorker(fe.encode_units, "cuda")
+    worker.start()
+    try:
+        for k in range(4):
+            pcms = [unit_pcm(i, k).float() for i in range(3)]
+            want = fe.encode_units(direct, pcms)
+            runs = [(state, UnitRun(job=UnitJob(fence=Fence(1, 0), index=k, pcm=p, frames=(),
+                                                 force_listen_override=False), index=k, start_len=0,
+                                    started_at=0.0, params=params(0)))
+                    for state, p in zip(threaded, pcms, strict=True)]
+            worker.submit(runs)
+            while worker.busy():
+                worker.wait(5.0)
+            for (_, unit), w in zip(runs, want, strict=True):
+                assert isinstance(unit.audio_embeds, torch.Tensor)
+                torch.testing.assert_close(unit.audio_embeds, w, atol=1e-5, rtol=1e-5)
+    finally:
+        worker.stop()
