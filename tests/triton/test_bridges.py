@@ -201,3 +201,21 @@ def test_unknown_engine_option_fails_the_load(tiny_checkpoint: Path) -> None:
 
     with pytest.raises(ConfigError, match="compile_stepp"):
         bridges.tts(settings("tts", tiny_checkpoint, engine_options='{"compile_stepp": true}'))
+
+
+def test_stage0_audio_worker_option(tiny_checkpoint: Path) -> None:
+    """On by default: the bridge's start runs the audio front end on its own thread; `false` keeps it in the
+    step; anything but a bool fails the load."""
+    from model_repository.common.settings import ConfigError
+
+    with pytest.raises(ConfigError, match="audio_worker"):
+        bridges.stage0(settings("stage0", tiny_checkpoint, engine_options='{"audio_worker": "yes"}'))
+    for options, running in (("{}", True), ('{"audio_worker": false}', False)):
+        bridge = bridges.stage0(settings("stage0", tiny_checkpoint, engine_options=options))
+        bridge.start()
+        try:
+            assert (bridge.engine.audio_worker is not None) is running
+            assert bridge.engine.audio_worker is None or bridge.engine.audio_worker.running
+        finally:
+            bridge.stop()
+        assert bridge.engine.audio_worker is None

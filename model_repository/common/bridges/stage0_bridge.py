@@ -48,7 +48,7 @@ from .options import (
 MS_PER_S = 1000.0
 WINDOW_LOW_FRACTION = 0.75  # eviction drops old units down to this share of the KV window (§7.4)
 
-OPTIONS = ("compile_mode", "cuda_graphs", "merge_unit_close", "scripted_decisions")  # deploy profile `engine_options.stage0` keys
+OPTIONS = ("audio_worker", "compile_mode", "cuda_graphs", "merge_unit_close", "scripted_decisions")  # deploy profile `engine_options.stage0` keys
 PLAN_KEYS = ("listen_units", "speak_units", "text_ids_per_unit", "tail_listen_units")  # ScriptPlan's fields
 
 
@@ -95,6 +95,9 @@ class Stage0Bridge(EngineBridge):
                            **scripted_decisions(opts.get("scripted_decisions")))
         self.hidden_dim = ck.config.llm.hidden_size
         self.engine = Stage0Engine(model.llm, ck.tokenizer, frontend, self._on_event, cfg)
+        self.audio_worker = opts.get("audio_worker", True)
+        if not isinstance(self.audio_worker, bool):
+            raise ConfigError(f"engine_options.stage0.audio_worker must be true or false, not {self.audio_worker!r}")
         self.terminators = self.engine.ids.terminators
         self.sessions: dict[str, _Session] = {}
 
@@ -195,8 +198,9 @@ class Stage0Bridge(EngineBridge):
 
     def start(self) -> None:
         # the batched audio front end on its own thread: a unit's Whisper pass no longer holds up the other
-        # sessions' rows (engine/stage0/audio_worker.py)
-        self.engine.start_audio_worker()
+        # sessions' rows (engine/stage0/audio_worker.py); `audio_worker: false` keeps it in the step
+        if self.audio_worker:
+            self.engine.start_audio_worker()
         super().start()
 
     def stop(self) -> None:
