@@ -204,13 +204,13 @@ def test_unknown_engine_option_fails_the_load(tiny_checkpoint: Path) -> None:
 
 
 def test_stage0_audio_worker_option(tiny_checkpoint: Path) -> None:
-    """On by default: the bridge's start runs the audio front end on its own thread; `false` keeps it in the
-    step; anything but a bool fails the load."""
+    """Off by default (the front end runs in the step); `true` makes the bridge's start run it on its own
+    thread; anything but a bool fails the load."""
     from model_repository.common.settings import ConfigError
 
     with pytest.raises(ConfigError, match="audio_worker"):
         bridges.stage0(settings("stage0", tiny_checkpoint, engine_options='{"audio_worker": "yes"}'))
-    for options, running in (("{}", True), ('{"audio_worker": false}', False)):
+    for options, running in (("{}", False), ('{"audio_worker": true}', True), ('{"audio_worker": false}', False)):
         bridge = bridges.stage0(settings("stage0", tiny_checkpoint, engine_options=options))
         bridge.start()
         try:

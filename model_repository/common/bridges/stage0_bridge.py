@@ -95,7 +95,10 @@ class Stage0Bridge(EngineBridge):
                            **scripted_decisions(opts.get("scripted_decisions")))
         self.hidden_dim = ck.config.llm.hidden_size
         self.engine = Stage0Engine(model.llm, ck.tokenizer, frontend, self._on_event, cfg)
-        self.audio_worker = opts.get("audio_worker", True)
+        # off by default: measured on the H200 at 16 sessions (bench/RESULTS.md), the worker halves the stage0
+        # step and commit->first audio p50 but the two threads then share one GIL-bound core and the tails grow
+        # (unit->decision p99 1724 vs 732 ms, underruns 8.5 vs 1.9 s)
+        self.audio_worker = opts.get("audio_worker", False)
         if not isinstance(self.audio_worker, bool):
             raise ConfigError(f"engine_options.stage0.audio_worker must be true or false, not {self.audio_worker!r}")
         self.terminators = self.engine.ids.terminators
@@ -198,7 +201,7 @@ class Stage0Bridge(EngineBridge):
 
     def start(self) -> None:
         # the batched audio front end on its own thread: a unit's Whisper pass no longer holds up the other
-        # sessions' rows (engine/stage0/audio_worker.py); `audio_worker: false` keeps it in the step
+        # sessions' rows (engine/stage0/audio_worker.py); without `audio_worker: true` it runs in the step
         if self.audio_worker:
             self.engine.start_audio_worker()
         super().start()
