@@ -15,6 +15,7 @@ Weights are dummy N(0, 0.02) (model.md §9.5); the front end's cost does not dep
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -54,28 +55,59 @@ def _pcm(unit: int, n: int, dev: torch.device) -> list[torch.Tensor]:
     return [torch.randn(samples, device=dev) * PCM_STD for _ in range(n)]
 
 
-def bench_frontend(fe: AudioFrontEnd, n: int, start_unit: int, iters: int, dev: torch.device) -> dict:
-    """Median / p99 ms of one `encode_units` call for `n` sessions, and what the timed units covered."""
+def _unit_pcms(units: list[int], dev: torch.device) -> list[torch.Tensor]:
+    """One PCM per session, each for that session's own unit index."""
+    return [_pcm(u, 1, dev)[0] for u in units]
+
+
+SDPA = {  # --sdpa: which scaled_dot_product_attention kernels the encoder may use (None: PyTorch's choice)
+    "default": None,
+    "no-cudnn": ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH"),
+    "efficient": ("EFFICIENT_ATTENTION", "MATH"),
+    "math": ("MATH",),
+}
+
+
+def _sdpa(name: str) -> contextlib.AbstractContextManager:
+    if SDPA[name] is None:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([getattr(SDPBackend, b) for b in SDPA[name]])
+
+
+def bench_frontend(fe: AudioFrontEnd, n: int, start_unit: int, iters: int, dev: torch.device,
+                   stagger: int = 1, sdpa: str = "default") -> dict:
+    """Median / p99 ms of one `encode_units` call for `n` sessions, and what the timed units covered.
+
+    stagger K: session i starts K - 1 - (i % K) units later than session 0, so the sessions' audio caches differ
+    in length as in serving (the encoder then attends under a padding mask); 1 = all at the same unit."""
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     states = [fe.new_session() for _ in range(n)]
-    for unit in range(start_unit):
-        fe.encode_units(states, _pcm(unit, n, dev))
-    samples, slides, resets = [], 0, 0
-    for unit in range(start_unit, start_unit + iters):
-        pcm = _pcm(unit, n, dev)  # made before the clock starts: the client's PCM is already on the device
-        base, reset_count = states[0].mel.base_sample, states[0].kv.resets
-        sync()
-        t0 = time.perf_counter()
-        fe.encode_units(states, pcm)
-        sync()
-        samples.append((time.perf_counter() - t0) * 1e3)
-        slides += states[0].mel.base_sample != base
-        resets += states[0].kv.resets != reset_count
+    done, targets = [0] * n, [start_unit - (i % stagger) for i in range(n)]
+    with _sdpa(sdpa):
+        while any(d < t for d, t in zip(done, targets, strict=True)):
+            idx = [i for i in range(n) if done[i] < targets[i]]
+            fe.encode_units([states[i] for i in idx], _unit_pcms([done[i] for i in idx], dev))
+            for i in idx:
+                done[i] += 1
+        samples, slides, resets = [], 0, 0
+        for k in range(iters):
+            pcm = _unit_pcms([d + k for d in done], dev)  # made before the clock starts: already on the device
+            base, reset_count = states[0].mel.base_sample, states[0].kv.resets
+            sync()
+            t0 = time.perf_counter()
+            fe.encode_units(states, pcm)
+            sync()
+            samples.append((time.perf_counter() - t0) * 1e3)
+            slides += states[0].mel.base_sample != base
+            resets += states[0].kv.resets != reset_count
     samples.sort()
     median = samples[len(samples) // 2]
     p99 = samples[min(len(samples) - 1, int(0.99 * len(samples)))]
     return dict(name="front end: log-mel + Whisper + projector", batch=n, ctx=start_unit, ms=(median, p99),
-                units=f"{start_unit}..{start_unit + iters - 1}", slides=slides, resets=resets)
+                units=f"{start_unit}..{start_unit + iters - 1}", slides=slides, resets=resets, stagger=stagger,
+                sdpa=sdpa)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,16 +115,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", default="1,32,64", help="sessions' units per call")
     ap.add_argument("--start-unit", type=int, default=24)
     ap.add_argument("--iters", type=int, default=12)
+    ap.add_argument("--stagger", default="1", help="comma list: sessions spread over K units (padding mask)")
+    ap.add_argument("--sdpa", default="default", help=f"comma list of SDPA kernel sets: {', '.join(SDPA)}")
     ap.add_argument("--tiny", action="store_true", help="tiny encoder on the CPU (smoke test)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     dev = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     fe = build_frontend(TINY_AUDIO if args.tiny else FULL_AUDIO, 128 if args.tiny else 4096, dev, dtype)
-    rows = [bench_frontend(fe, int(n), args.start_unit, args.iters, dev) for n in args.batches.split(",")]
-    print(f"{'sessions':>8s} {'median ms':>10s} {'p99 ms':>8s}  units timed (slides, KV resets)")
+    rows = [bench_frontend(fe, int(n), args.start_unit, args.iters, dev, int(k), sdpa)
+            for sdpa in args.sdpa.split(",") for k in args.stagger.split(",") for n in args.batches.split(",")]
+    print(f"{'sessions':>8s} {'stagger':>7s} {'sdpa':>9s} {'median ms':>10s} {'p99 ms':>8s}  units timed (slides, KV resets)")
     for r in rows:
-        print(f"{r['batch']:8d} {r['ms'][0]:10.2f} {r['ms'][1]:8.2f}  {r['units']} ({r['slides']}, {r['resets']})")
+        print(f"{r['batch']:8d} {r['stagger']:7d} {r['sdpa']:>9s} {r['ms'][0]:10.2f} {r['ms'][1]:8.2f}  "
+              f"{r['units']} ({r['slides']}, {r['resets']})")
     if args.json:
         device = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
         args.json.write_text(json.dumps({"device": device, "rows": rows}, indent=2))
