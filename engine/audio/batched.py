@@ -11,10 +11,12 @@ cache once, at the end.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from engine.audio.framing import UnitMel
 from engine.model.audio import AudioKVCache, WhisperEncoder, WhisperEncoderLayer, cnn_length
@@ -67,14 +69,27 @@ def forward_stream_batch(encoder: WhisperEncoder, units: Sequence[UnitMel],
     if any(c.length + s != span for c in caches):  # [B, 1, 1, P + S]: a session's own past + unit only
         mask = (torch.arange(span, device=dev)[None] < (starts + s)[:, None])[:, None, None, :]
     new_k, new_v = [], []
-    for i, layer in enumerate(encoder.layers):
-        window = (torch.stack([c.k[i, 0, :, :span] for c in caches]),  # [B, H, P + S, D]: the one copy
-                  torch.stack([c.v[i, 0, :, :span] for c in caches]))
-        x, k, v = _layer(layer, x, window, at, mask)
-        new_k.append(k)
-        new_v.append(v)
+    with _attention_kernels(dev):
+        for i, layer in enumerate(encoder.layers):
+            window = (torch.stack([c.k[i, 0, :, :span] for c in caches]),  # [B, H, P + S, D]: the one copy
+                      torch.stack([c.v[i, 0, :, :span] for c in caches]))
+            x, k, v = _layer(layer, x, window, at, mask)
+            new_k.append(k)
+            new_v.append(v)
     _append(caches, torch.stack(new_k), torch.stack(new_v))
     return encoder.layer_norm(x)
+
+
+# Measured on the H200 (bench/RESULTS.md, stop 14; `bench/stage0_frontend.py --batches 1,16 --stagger 1,8 --sdpa
+# default,no-cudnn,efficient,math`): with PyTorch's own kernel choice, 16 sessions at different units (the
+# padding mask, as served) took 37.7 ms median but 1149 ms p99 per call; memory-efficient attention (math as the
+# fallback) 34.8 / 37.0 ms, and 11.4 ms for one session. The served stage0 stalls of 0.9-1.6 s matched it.
+CUDA_ATTENTION = (SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
+
+
+def _attention_kernels(dev: torch.device) -> contextlib.AbstractContextManager:
+    """The SDPA kernels the encoder's attention may use on this device (CUDA: CUDA_ATTENTION; else PyTorch's)."""
+    return sdpa_kernel(list(CUDA_ATTENTION)) if dev.type == "cuda" else contextlib.nullcontext()
 
 
 def _embed_units(encoder: WhisperEncoder, units: Sequence[UnitMel]) -> torch.Tensor:

@@ -129,3 +129,18 @@ def test_host_pcm_goes_to_the_mel_device_in_order() -> None:
     assert [tuple(m.shape) for m in (moved[0], moved[2])] == [(3,), (5,)]
     assert all(m.device.type == "meta" and m.dtype == torch.float32 for m in (moved[0], moved[2]))
     assert _on_device([torch.ones(2)], torch.device("cpu"))[0].device.type == "cpu"
+
+
+def test_encoder_attention_on_cuda_avoids_the_kernels_with_the_measured_stalls() -> None:
+    """CUDA: memory-efficient attention with math as the fallback (cuDNN attention stalled a masked batch for
+    1.1 s on the H200); elsewhere PyTorch's own choice is left alone."""
+    from engine.audio.batched import _attention_kernels
+
+    flags = (torch.backends.cuda.cudnn_sdp_enabled, torch.backends.cuda.flash_sdp_enabled,
+             torch.backends.cuda.mem_efficient_sdp_enabled, torch.backends.cuda.math_sdp_enabled)
+    before = [f() for f in flags]
+    with _attention_kernels(torch.device("cuda")):
+        assert [f() for f in flags] == [False, False, True, True]
+    assert [f() for f in flags] == before
+    with _attention_kernels(torch.device("cpu")):
+        assert [f() for f in flags] == before
