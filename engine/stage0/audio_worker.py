@@ -42,7 +42,6 @@ class AudioWorker:
         self._stream = torch.cuda.Stream(self._device) if cuda else None
         # the stream the engine reads the embeddings on: every thread's default (legacy) stream
         self._consumer = torch.cuda.default_stream(self._device) if cuda else None
-        self.batch_sizes: list[int] = []  # units per front-end call (benchmarks and tests read it)
 
     def start(self) -> None:
         self._thread.start()
@@ -94,7 +93,6 @@ class AudioWorker:
                 self._cond.notify_all()
 
     def _encode_batch(self, runs: list[tuple[Any, UnitRun]]) -> list[torch.Tensor | Exception]:
-        self.batch_sizes.append(len(runs))
         try:
             if self._stream is None:
                 return list(self._encode([s for s, _ in runs], [u.job.pcm for _, u in runs]))

@@ -98,9 +98,10 @@ class Stage0Bridge(EngineBridge):
         # off by default: measured on the H200 at 16 sessions (bench/RESULTS.md), the worker halves the stage0
         # step and commit->first audio p50 but the two threads then share one GIL-bound core and the tails grow
         # (unit->decision p99 1724 vs 732 ms, underruns 8.5 vs 1.9 s)
-        self.audio_worker = opts.get("audio_worker", False)
-        if not isinstance(self.audio_worker, bool):
-            raise ConfigError(f"engine_options.stage0.audio_worker must be true or false, not {self.audio_worker!r}")
+        self.use_audio_worker = opts.get("audio_worker", False)
+        if not isinstance(self.use_audio_worker, bool):
+            raise ConfigError(
+                f"engine_options.stage0.audio_worker must be true or false, not {self.use_audio_worker!r}")
         self.terminators = self.engine.ids.terminators
         self.sessions: dict[str, _Session] = {}
 
@@ -202,7 +203,7 @@ class Stage0Bridge(EngineBridge):
     def start(self) -> None:
         # the batched audio front end on its own thread: a unit's Whisper pass no longer holds up the other
         # sessions' rows (engine/stage0/audio_worker.py); without `audio_worker: true` it runs in the step
-        if self.audio_worker:
+        if self.use_audio_worker:
             self.engine.start_audio_worker()
         super().start()
 
