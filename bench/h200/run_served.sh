@@ -121,7 +121,13 @@ do_status() {
 }
 
 do_stop() {
-  if serving; then kill -TERM -- "-$(cat "$PIDFILE")" 2>/dev/null || true; sleep 5; fi
+  # duplex serve stops the gateway, then tritonserver (its stubs free 100 GB), then quits its MPS daemon: wait
+  # for all of it (up to 120 s), so a check after this step sees what a clean stop leaves
+  if serving; then
+    kill -TERM -- "-$(cat "$PIDFILE")" 2>/dev/null || true
+    for _ in $(seq 120); do serving || break; sleep 1; done
+    serving && say "duplex serve still running 120 s after SIGTERM"
+  fi
   rm -f "$PIDFILE"
 }
 
