@@ -25,6 +25,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -51,6 +52,7 @@ RECV_TIMEOUT_S = 60.0
 REFUSAL_BACKOFF_S = 2.0
 MESSAGE_CHARS = 160  # of an error message kept in the tally
 DRAIN_WAIT_S = 90.0  # after the users stop: idle/grace expiries and cleanups settle
+TRACEMALLOC_SITE = ROOT / "bench" / "tracemalloc_site"
 
 
 # ---- the server and its processes ------------------------------------------------------------------------
@@ -130,10 +132,23 @@ class Server:
             return 0, ""
 
 
+def server_env(args: argparse.Namespace) -> dict[str, str]:
+    """`--server-env` pairs, and with `--tracemalloc-every` the bench-only sitecustomize on PYTHONPATH (it
+    traces the gateway alone; bench/tracemalloc_site/sitecustomize.py)."""
+    env = dict(pair.split("=", 1) for pair in args.server_env)
+    if args.tracemalloc_every:
+        out = args.cache_dir / "tracemalloc"
+        if out.exists():
+            shutil.rmtree(out)
+        env |= {"BENCH_TRACEMALLOC_DIR": str(out), "BENCH_TRACEMALLOC_EVERY": str(args.tracemalloc_every),
+                "PYTHONPATH": os.pathsep.join(filter(None, [str(TRACEMALLOC_SITE), os.environ.get("PYTHONPATH")]))}
+    return env
+
+
 def start_server(args: argparse.Namespace, profile: Path, log: Path) -> Server:
     cmd = [sys.executable, "-m", "serve.cli", "serve", "--port", str(args.port), "--profile", str(profile),
            "--max-sessions", str(args.max_sessions or 2 * args.sessions), "--cache-dir", str(args.cache_dir)]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "DUPLEX_READY_CACHE_S": "0"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "DUPLEX_READY_CACHE_S": "0", **server_env(args)}
     with open(log, "ab") as out:
         popen = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env,
                                  start_new_session=True)
@@ -445,6 +460,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cache-dir", type=Path, default=ROOT / ".cache" / "soak")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-kill", action="store_true", help="no Triton kill halfway")
+    ap.add_argument("--tracemalloc-every", type=float, default=0.0,
+                    help="trace the gateway's allocations: sites every S s into CACHE_DIR/tracemalloc "
+                         "(read them with bench/tracemalloc_report.py)")
+    ap.add_argument("--server-env", action="append", default=[], metavar="KEY=VALUE",
+                    help="extra environment for duplex serve (e.g. MALLOC_ARENA_MAX=2, BENCH_GC_COLLECT_EVERY=60)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     result = asyncio.run(run(args))

@@ -1,0 +1,134 @@
+"""Which allocations make the gateway's RSS swing: read what bench/tracemalloc_site/sitecustomize.py wrote during
+a soak (`bench/soak.py --tracemalloc-every S`) and compare allocation sites at RSS peaks and troughs.
+
+Prints the gateway's memory over time (RSS; bytes tracemalloc traces, i.e. Python's allocations; glibc's malloc
+in use and free-but-held, from mallinfo2), every full (generation 2) garbage collection with the RSS and traced
+bytes it freed, and for each climb (trough -> peak) and fall (peak -> trough) of RSS larger than `--min-swing-mb`
+the allocation sites (file:line) whose bytes changed most.
+
+    python bench/tracemalloc_report.py .cache/soak/tracemalloc --out bench/results/soak-tracemalloc.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+MB = 1024  # readings are in KB
+
+
+def load(folder: Path) -> tuple[list[dict], list[dict], list[dict]]:
+    rows = [json.loads(line) for line in (folder / "stats.jsonl").read_text().splitlines() if line.strip()]
+    readings = [r for r in rows if r["kind"] in ("reading", "sites")]
+    events = [r for r in rows if r["kind"] in ("gc2", "trim")]
+    snaps = sorted((json.loads(p.read_text()) for p in folder.glob("sites-*.json")), key=lambda s: s["t_s"])
+    return readings, events, snaps
+
+
+def short(site: str) -> str:
+    """Drop the interpreter's and the venv's prefixes from a file name."""
+    return re.sub(r"^.*?/(site-packages|lib/python3\.\d+|work/main)/", "", site)
+
+
+def zigzag(snaps: list[dict], swing_kb: float) -> list[int]:
+    """Indexes of alternating RSS extremes (trough, peak, trough, ...) that differ by at least `swing_kb`."""
+    if not snaps:
+        return []
+    rss = [s["rss_kb"] for s in snaps]
+    turns, ext, rising = [0], 0, None
+    for i in range(1, len(rss)):
+        if rising is None:
+            if abs(rss[i] - rss[0]) >= swing_kb:
+                rising = rss[i] > rss[0]
+                turns[0] = int(min(range(i), key=rss.__getitem__) if rising else max(range(i), key=rss.__getitem__))
+                ext = i
+            continue
+        if (rss[i] > rss[ext]) == rising and rss[i] != rss[ext]:
+            ext = i
+        elif abs(rss[i] - rss[ext]) >= swing_kb:
+            turns.append(ext)
+            ext, rising = i, not rising
+    if rising is not None:
+        turns.append(ext)
+    return turns
+
+
+def site_delta(a: dict, b: dict, top: int) -> list[dict[str, Any]]:
+    before = {site: (size, count) for site, size, count in a["sites"]}
+    after = {site: (size, count) for site, size, count in b["sites"]}
+    diff = []
+    for site in before.keys() | after.keys():
+        s0, c0 = before.get(site, (0, 0))
+        s1, c1 = after.get(site, (0, 0))
+        diff.append({"site": short(site), "kb": round((s1 - s0) / 1024, 1), "blocks": c1 - c0,
+                     "kb_after": round(s1 / 1024, 1)})
+    diff.sort(key=lambda d: -abs(d["kb"]))
+    return diff[:top]
+
+
+def mem(r: dict) -> dict[str, float]:
+    info = r.get("mallinfo2_kb", {})
+    return {"rss_mb": round(r["rss_kb"] / MB, 1), "traced_mb": round(r["traced_kb"] / MB, 1),
+            "tracemalloc_overhead_mb": round(r["tracemalloc_overhead_kb"] / MB, 1),
+            "malloc_in_use_mb": round((info.get("uordblks", 0) + info.get("hblkd", 0)) / MB, 1),
+            "malloc_free_held_mb": round(info.get("fordblks", 0) / MB, 1),
+            "gc2_runs": r["gc_collections"][2]}
+
+
+def swings(snaps: list[dict], swing_kb: float, top: int) -> list[dict[str, Any]]:
+    turns = zigzag(snaps, swing_kb)
+    out = []
+    for i, j in zip(turns, turns[1:], strict=False):
+        a, b = snaps[i], snaps[j]
+        ma, mb = mem(a), mem(b)
+        out.append({"from_t_s": a["t_s"], "to_t_s": b["t_s"],
+                    "kind": "climb" if b["rss_kb"] > a["rss_kb"] else "fall",
+                    "delta_mb": {k: round(mb[k] - ma[k], 1) for k in ma}, "at_end": mb,
+                    "sites": site_delta(a, b, top)})
+    return out
+
+
+def report(folder: Path, swing_mb: float, top: int) -> dict[str, Any]:
+    readings, events, snaps = load(folder)
+    return {"timeline": [{"t_s": r["t_s"]} | mem(r) for r in readings], "events": events,
+            "swings": swings(snaps, swing_mb * MB, top)}
+
+
+def show(rep: dict[str, Any], every: int) -> str:
+    cols = ("t_s", "rss_mb", "traced_mb", "tracemalloc_overhead_mb", "malloc_in_use_mb", "malloc_free_held_mb",
+            "gc2_runs")
+    lines = [" | ".join(cols)] + [" | ".join(str(r[c]) for c in cols) for r in rep["timeline"][::every]]
+    lines.append("\nfull collections (t_s, ms, objects collected, RSS MB before -> after, traced MB before -> after)")
+    for e in rep["events"]:
+        if e["kind"] == "gc2":
+            lines.append(f"  {e['t_s']} {e['ms']} {e['collected']} {e['rss_kb_before'] / MB:.1f} -> "
+                         f"{e['rss_kb_after'] / MB:.1f}  {e['traced_kb_before'] / MB:.1f} -> "
+                         f"{e['traced_kb_after'] / MB:.1f}")
+    for s in rep["swings"]:
+        lines.append(f"\n{s['kind']} {s['from_t_s']} -> {s['to_t_s']} s: {s['delta_mb']}")
+        lines += [f"  {d['kb']:+10.1f} KB {d['blocks']:+8d} blocks  {d['site']}  (now {d['kb_after']} KB)"
+                  for d in s["sites"]]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("folder", type=Path, help="BENCH_TRACEMALLOC_DIR of the run (the soak's CACHE_DIR/tracemalloc)")
+    ap.add_argument("--min-swing-mb", type=float, default=25.0, help="an RSS climb or fall at least this large")
+    ap.add_argument("--top", type=int, default=12, help="allocation sites per swing")
+    ap.add_argument("--every", type=int, default=6, help="print every Nth reading")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    rep = report(args.folder, args.min_swing_mb, args.top)
+    print(show(rep, args.every))
+    if args.out is not None:
+        args.out.write_text(json.dumps(rep, indent=None, separators=(",", ":")))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
