@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The GPU-only checks in one device call (bench/RESULTS.md): install and checkpoint as final_run.sh does, then
+#   1. the CUDA tests (graph == eager, bf16 batched == solo, no hidden host sync in a step, the batched front end)
+#      -> $OUT/gpu-tests.txt
+#   2. each stage process's GPU memory after load and after warm-up for PROFILE (issue 15) -> $OUT/mem-h200.json
+#   3. the stage0 bench in issue 16's --results layout at the serving context -> $OUT/stage0-h200.json
+# Each under its own time limit (TESTS_S, MEMORY_S, STAGE0_S), so what finishes comes back. From a git archive:
+#   cd .snap && bash bench/h200/gpu_checks.sh        (carry .snap and dist)
+set -u
+cd "$(dirname "$0")/../.."
+export BUNDLE="${BUNDLE:-../dist/duplex-offline-py312.tar.xz}" FIXTURES="${FIXTURES:-../.cache/loadgen-fixtures}"
+export OUT="${OUT:-/tmp/duplex-out}" PROFILE="${PROFILE:-deploy/profiles/h200.yaml}"
+PY=/tmp/duplex-venv/bin/python
+mkdir -p "$OUT"
+bash bench/h200/run_served.sh setup ckpt || exit 1
+# the repository's pytest settings turn warnings into errors; the H200 image's SciPy warns about the venv's numpy
+# at import, so the warnings plugin is off here (the tests that record warnings do it themselves)
+timeout "${TESTS_S:-200}" $PY -m pytest -q -p no:cacheprovider -p no:warnings -rs \
+  tests/engine/test_stage0_syncs.py tests/engine/test_stage0_bf16_batch.py tests/engine/test_stage0_graphs.py \
+  tests/engine/test_stage0_prefill_graphs.py tests/engine/test_audio_frontend_batched.py \
+  tests/engine/test_stage0_audio_worker.py tests/engine/test_tts_graph.py tests/engine/test_llm.py \
+  > "$OUT/gpu-tests.txt" 2>&1
+echo "[gpu] tests rc=$?"; tail -15 "$OUT/gpu-tests.txt"
+timeout "${MEMORY_S:-240}" $PY bench/bench_stage_memory.py --checkpoint /tmp/ckpt --profile "$PROFILE" \
+  --json "$OUT/mem-h200.json" 2> "$OUT/mem-h200.log"
+echo "[gpu] memory rc=$?"
+timeout "${STAGE0_S:-200}" $PY bench/bench_stage0.py --compile default --batches 1,32 --engine-batches 1,32 \
+  --contexts 8192 --no-hf --frontend-batches '' --sampler-batches '' --iters 20 --results "$OUT/stage0-h200.json" \
+  > "$OUT/stage0-h200.log" 2>&1
+echo "[gpu] stage0 bench rc=$?"; tail -25 "$OUT/stage0-h200.log"
+( cd "$OUT" && tar -czf diag.tgz --remove-files ./*.log 2>/dev/null; ls "$OUT" )
