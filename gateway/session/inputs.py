@@ -1,6 +1,9 @@
-"""The input side of the session: appends, unit submission, commits (protocol.md §3.1.1, §3.7, §8.6, §9).
+"""`InputTrack`: the input side of a session — the open input item, unit cutting and submission, commits,
+server-VAD speech events and the overlap episode (protocol.md §3.1, §3.1.1, §3.7, §8, §9).
 
-Validation happens before any mutation, so a rejected append or commit leaves the session unchanged.
+It owns and alone writes the state below. Validation happens before any mutation, so a rejected append or
+commit leaves the session unchanged. It reads and drives the response side through the `ResponseTrack`
+it is given (the active response, the epoch, the conversation record).
 """
 
 from __future__ import annotations
@@ -11,17 +14,20 @@ import numpy as np
 
 from gateway.audio.codec import b64decode, decode_audio
 from gateway.audio.resample import InputResampler
+from gateway.protocol import client_events as ce
 from gateway.protocol import server_events as se
 from gateway.protocol import validate as v
-from gateway.protocol.client_events import InputAudioBufferAppend
-from gateway.protocol.config import check_voice_source
-from gateway.protocol.errors import ProtocolError
-from gateway.runtime.base import UnitSubmission
+from gateway.protocol.config import SessionConfig, check_voice_source, response_defaults
+from gateway.protocol.errors import Effect, ProtocolError
+from gateway.runtime.base import RUNTIME_DEAD, UnitSubmission, map_runtime_code
 from gateway.session import ids
+from gateway.session.core import SessionCore
 from gateway.session.history import HistoryItem
-from gateway.session.output import OutputMixin
-from gateway.session.units import MODEL_RATE_HZ, CutUnit
-from gateway.vad.detector import VadUpdate
+from gateway.session.lane import AppendAcked, AppendFailed, CancelFailed, LaneResult
+from gateway.session.response_track import ResponseTrack
+from gateway.session.units import MODEL_RATE_HZ, CutUnit, UnitCutter, UnitGeometry
+from gateway.session.vad_input import ServerVad
+from gateway.vad.detector import SpeechStarted, VadUpdate
 from gateway.vad.overlap import OverlapEpisode
 
 BARGE_IN_ACTIONS = frozenset({"barge_in", "interrupt", "cancel"})
@@ -37,30 +43,50 @@ class PreparedAudio:
     vad: VadUpdate | None = None  # the server VAD's verdict and speech events for this chunk
 
 
-class InputMixin(OutputMixin):
-    def init_input(self) -> None:
+class InputTrack:
+    def __init__(self, core: SessionCore, responses: ResponseTrack, geometry: UnitGeometry) -> None:
+        self.core, self.responses = core, responses
+        self.cutter = UnitCutter(geometry)
+        self.vad = ServerVad()
+        self.overlap = OverlapEpisode()  # §8.3 episode: overlap_ms and the last decision
         self._resampler = InputResampler()
         self._input_clock_ms = 0.0
-        self._item_id: str | None = None
+        self.item_id: str | None = None  # the open input item
         self._item_start_ms = 0.0
         self._item_has_audio = False
-        self._item_speech_started = False
+        self.item_speech_started = False
         self._unsubmitted_bytes = 0
         self._force_next = False
+        self._force_listen_remaining = core.config.force_listen_count
         self._frames_for_unit: dict[int, tuple[bytes, ...]] = {}
-        self.overlap = OverlapEpisode()  # §8.3 episode: overlap_ms and the last decision
         self._committed_unconsumed: list[str] = []
         self._deferred_item: str | None = None
-        self._promoted_commit_pending = False
-        self._pending_turns = 0
-        self._awaiting_unit: int | None = None
-        self._initial_text_pending = self.config.duplex_initial_user_text is not None
+        self.promoted_commit_pending = False
+        self.pending_turns = 0
+        self.awaiting_unit: int | None = None
+        self._initial_text_pending = core.config.duplex_initial_user_text is not None
+        self._commit_seq = 0
+
+    # ---- host and config ---------------------------------------------------------------------------------
+    def sync_vad(self) -> None:
+        """After open and after every `session.update`: match the detector to `turn_detection`."""
+        self.vad.sync(self.core.config.turn_detection, self._input_clock_ms)
+
+    def on_config(self, config: SessionConfig, touched: set[str]) -> None:
+        """An accepted `session.update` (already swapped into the core): restart what it resets."""
+        if "force_listen_count" in touched:
+            self._force_listen_remaining = config.force_listen_count
+        if "duplex_initial_user_text" in touched:
+            self._initial_text_pending = config.duplex_initial_user_text is not None
+        if "turn_detection" in touched:
+            self.sync_vad()
 
     # ---- validation (no mutation) ------------------------------------------------------------------------
-    def prepare_audio(self, ev: InputAudioBufferAppend) -> PreparedAudio:
-        check_voice_source(self.config, self.ctx)
+    def prepare_audio(self, ev: ce.InputAudioBufferAppend) -> PreparedAudio:
+        config = self.core.config
+        check_voice_source(config, self.core.ctx)
         fmt_raw = ev.format or ev.input_audio_format
-        fmt = v.input_format(fmt_raw, "format") if fmt_raw else self.config.input_audio_format
+        fmt = v.input_format(fmt_raw, "format") if fmt_raw else config.input_audio_format
         raw = b64decode(ev.audio) if ev.audio else b""
         frames = v.check_video_frames(ev.video_frames)
         if not raw and not frames:
@@ -70,38 +96,39 @@ class InputMixin(OutputMixin):
         elif fmt.startswith("g711"):
             rate = v.G711_RATE
         else:
-            rate = self.config.input_audio_sample_rate_hz
+            rate = config.input_audio_sample_rate_hz
         decoded = decode_audio(raw, fmt, rate, rate_given=ev.sample_rate_hz is not None)
         wire = len(raw) + sum(len(f) for f in frames)
-        if not self.lane.can_reserve(self._unsubmitted_bytes + wire):
+        if not self.core.lane.can_reserve(self._unsubmitted_bytes + wire):
             raise ProtocolError("input_backpressure", "pending input bytes over the session limit")
         samples = decoded.samples
         if ev.is_speech is not None:
             speech = ev.is_speech
         else:
-            speech = bool(len(samples)) and float(np.sqrt(np.mean(samples**2))) > self.config.overlap_silence_rms
+            speech = bool(len(samples)) and float(np.sqrt(np.mean(samples**2))) > config.overlap_silence_rms
         resampled = self._resampler.process(samples, decoded.rate_hz, fmt) if len(samples) else samples
-        vad = self.vad_classify(resampled)
+        item_start = self._item_start_ms if self.item_id is not None else self._input_clock_ms
+        vad = self.vad.classify(resampled, item_start)
         if vad is not None:  # §8.2 priority 1
             return PreparedAudio(resampled, wire, frames, vad.is_speech, "server_vad", vad)
         return PreparedAudio(resampled, wire, frames, speech, "client_hint" if ev.is_speech is not None else "rms")
 
-    # ---- transitions -------------------------------------------------------------------------------------
+    # ---- audio and units -----------------------------------------------------------------------------------
     def accept_audio(self, prep: PreparedAudio, *, force_listen: bool, final: bool, keep: bool = True) -> None:
         """Stream the chunk to the model; `keep=False` (overlap `drop`) leaves it out of the open item."""
-        now = self.clock()
-        if self._item_id is None:
-            self._item_id = ids.user_item_id()
+        now = self.core.clock()
+        if self.item_id is None:
+            self.item_id = ids.user_item_id()
             self._item_start_ms = self._input_clock_ms
             self._item_has_audio = False
-            self._item_speech_started = False
+            self.item_speech_started = False
         if keep:
             self._item_has_audio = self._item_has_audio or bool(len(prep.samples16k)) or bool(prep.frames)
-        if keep and prep.is_speech and not self._item_speech_started and prep.vad is None:
-            self._item_speech_started = True
-            self.emit(se.SpeechStarted(item_id=self._item_id, audio_start_ms=int(self._input_clock_ms),
-                                       metadata={"source": prep.speech_source,
-                                                 "epoch": self.epoch}).model_dump())
+        if keep and prep.is_speech and not self.item_speech_started and prep.vad is None:
+            self.item_speech_started = True
+            self.core.emit(se.SpeechStarted(item_id=self.item_id, audio_start_ms=int(self._input_clock_ms),
+                                            metadata={"source": prep.speech_source,
+                                                      "epoch": self.responses.epoch}).model_dump())
         dur_ms = len(prep.samples16k) * 1000 / MODEL_RATE_HZ
         self._input_clock_ms += dur_ms
         if prep.frames:
@@ -114,12 +141,12 @@ class InputMixin(OutputMixin):
         if final:
             self.flush_residual()
         if prep.vad is not None and prep.vad.events:
-            self.on_vad_events(prep.vad)
+            self._on_vad_events(prep.vad)
 
     def flush_residual(self, commit_ids: tuple[int, ...] = ()) -> int | None:
         """Pad and submit the partial unit (final / commit). Returns the unit index, if one was submitted."""
         tail = self._resampler.flush()
-        for unit in self.cutter.push(tail, self.clock()):
+        for unit in self.cutter.push(tail, self.core.clock()):
             self.submit_unit(unit)
         unit = self.cutter.pad(allow_empty=False)
         if unit is None:
@@ -131,26 +158,27 @@ class InputMixin(OutputMixin):
         # U-7: with auto_response off the hold is released only for a response the client asked for
         # (awaiting its decision, or speaking its turn).
         forced = self._force_next or self._force_listen_remaining > 0 or (
-            not self.config.effective_auto_response and self._active is None)
+            not self.core.config.effective_auto_response and self.responses.active is None)
         self._force_next = False
         if self._force_listen_remaining > 0:
             self._force_listen_remaining -= 1
         frames = self._frames_for_unit.pop(unit.index, ())
         self._frames_for_unit = {k: f for k, f in self._frames_for_unit.items() if k > unit.index}
         wire, self._unsubmitted_bytes = (0, self._unsubmitted_bytes) if synthetic else (self._unsubmitted_bytes, 0)
-        self.lane.submit(UnitSubmission(unit.index, unit.samples.astype("<f4").tobytes(), frames, forced,
-                                        synthetic, self.unit_temperature()), wire, commit_ids)
+        self.core.lane.submit(UnitSubmission(unit.index, unit.samples.astype("<f4").tobytes(), frames, forced,
+                                             synthetic, self.unit_temperature()), wire, commit_ids)
 
     def unit_temperature(self) -> float | None:
         """§2.8: the thinker temperature of the response that owns the unit being submitted, if it differs from
         the session's. The owner is the response active when the unit is cut (as for the U-7 hold above): the
         unit's own decision is not known before the runtime samples it."""
-        t = self._active.options.temperature if self._active is not None else None
-        return None if t is None or t == self.config.temperature else t
+        active = self.responses.active
+        t = active.options.temperature if active is not None else None
+        return None if t is None or t == self.core.config.temperature else t
 
     def on_tick(self, now: float) -> None:
         """U-3: complete the unit with silence at its deadline while a response or a commit awaits the model."""
-        if self.state != "open" or (self._active is None and self._awaiting_unit is None):
+        if self.core.state != "open" or (self.responses.active is None and self.awaiting_unit is None):
             return
         deadline = self.cutter.deadline()
         if deadline is not None and now >= deadline:
@@ -158,58 +186,231 @@ class InputMixin(OutputMixin):
             if unit is not None:
                 self.submit_unit(unit, synthetic=True)
 
-    def on_silence_continuation_start(self) -> None:
-        self.cutter.reanchor_if_late(self.clock())
+    # ---- what the response side asks (the session's InputLink routes here) ---------------------------------
+    def on_response_opened(self) -> None:
+        self.cutter.reanchor_if_late(self.core.clock())
 
     def force_next_unit_listen(self) -> None:
         self._force_next = True
 
     def on_unit_decided(self, unit: int) -> None:
-        if self._awaiting_unit is not None and unit >= self._awaiting_unit:
-            self._awaiting_unit = None
+        if self.awaiting_unit is not None and unit >= self.awaiting_unit:
+            self.awaiting_unit = None
 
     def response_input_item(self) -> str | None:
         if self._committed_unconsumed:
             return self._committed_unconsumed[-1]
-        return self._item_id
+        return self.item_id
 
     def consume_committed_input(self) -> None:
         self._committed_unconsumed.clear()
         self._initial_text_pending = False
-        self._promoted_commit_pending = False
+        self.promoted_commit_pending = False
 
     def has_unconsumed_input(self) -> bool:
         return bool(self._committed_unconsumed) or self._deferred_item is not None or self._initial_text_pending
 
+    def after_terminal(self) -> None:
+        if self.responses.phase(self.core.clock()) != "assistant_playing":
+            self.overlap.end()  # §8.3: a still-playing response keeps the episode
+        if self._deferred_item is not None and self.core.state == "open":
+            item, self._deferred_item = self._deferred_item, None
+            self._final_append(True)
+            self._committed_unconsumed.append(item)
+            self.promoted_commit_pending = True
+
+    def drop_deferred(self) -> None:
+        """At close: no deferred commit is promoted by the cancelled response's terminal."""
+        self._deferred_item = None
+
+    # ---- commits (§3.7 commit table) -----------------------------------------------------------------------
+    def check_commit(self, response_create: bool | None) -> None:
+        """Rows checked before any effect, in the order of §3.7: C6, C9, response_already_active."""
+        if self.item_id is None or not self._item_has_audio:
+            raise ProtocolError("input_audio_buffer_empty", "commit with no audio since the last commit")
+        if self.pending_turns >= self.core.limits.max_pending_turns:
+            raise ProtocolError("input_backpressure", "too many pending commits")
+        if response_create and self.responses.active is not None:
+            raise ProtocolError("response_already_active", "a response is already active")
+
+    def commit(self, ev: ce.InputAudioBufferCommit) -> None:
+        self.check_commit(ev.response_create)
+        config, responses = self.core.config, self.responses
+        if ev.is_speech is False:  # C5
+            self.cutter.drop_partial()
+            self._resampler.flush()
+            self._unsubmitted_bytes = 0
+            item, prev, start, end = self.add_user_item()
+            self.commit_events(item, prev, start, end, reason="non_speech", no_response=True)
+            responses.emit_listen(None, "non_speech_commit", None)
+            return
+        if ev.response_create:  # C8
+            self._final_append(ev.final)
+            item = self._committed()
+            responses.open_response("response_create", response_defaults(config), precreated=True,
+                                    input_item_id=item)
+        elif not config.effective_auto_response or responses.active is None:  # C1, C2
+            self._final_append(ev.final)
+            self._committed()
+        elif self.overlap.overlap_ms <= config.overlap_short_ack_ms:  # C3
+            self.core.emit(se.OverlapDecision(session_id=self.core.session_id, epoch=responses.epoch,
+                                              response_id=responses.active.id,
+                                              policy=config.effective_overlap_policy, action="drop",
+                                              reason="short_overlap_ack",
+                                              metadata={"overlap_ms": int(self.overlap.overlap_ms),
+                                                        "buffer_audio": False, "defer_runtime_append": False,
+                                                        "force_listen": False}).model_dump())
+            item, prev, start, end = self.add_user_item()
+            self.commit_events(item, prev, start, end, reason="short_overlap_ack", no_response=True)
+        else:  # C4: one deferred commit, merged, promoted after the active response's R8
+            item, prev, start, end = self.add_user_item()
+            self._deferred_item = item
+            self.commit_events(item, prev, start, end, reason="deferred", deferred=True)
+        self.overlap.end()
+
+    def _committed(self) -> str:
+        item, prev, start, end = self.add_user_item()
+        self._committed_unconsumed.append(item)
+        self.commit_events(item, prev, start, end)
+        return item
+
+    def _final_append(self, final: bool) -> None:
+        """The item's final append: residual padded (final:true) and submitted; U-3 until the decision."""
+        self._commit_seq += 1
+        unit = self.flush_residual((self._commit_seq,)) if final else None
+        if unit is not None:
+            self.pending_turns += 1
+        last = unit if unit is not None else self.cutter.next_index - 1
+        self.awaiting_unit = last if last >= 0 else None
+        if self.awaiting_unit is not None:
+            self.on_response_opened()  # silence continuation starts as for a response
+
     def add_user_item(self) -> tuple[str, str | None, float, float]:
         """Close the open item into history; returns (item_id, previous_item_id, start_ms, end_ms)."""
-        assert self._item_id is not None
-        item_id, start, end = self._item_id, self._item_start_ms, self._input_clock_ms
-        prev = self._history.add(HistoryItem(item_id, "user", "completed", audio_ms=int(end - start)))
-        self._item_id, self._item_has_audio = None, False
+        assert self.item_id is not None
+        item_id, start, end = self.item_id, self._item_start_ms, self._input_clock_ms
+        prev = self.responses.history.add(HistoryItem(item_id, "user", "completed", audio_ms=int(end - start)))
+        self.item_id, self._item_has_audio = None, False
         return item_id, prev, start, end
 
     def commit_events(self, item_id: str, prev: str | None, start: float, end: float, *, reason: str = "committed",
                       deferred: bool = False, no_response: bool = False) -> None:
         """Q1-Q4 (preceded by speech_stopped when speech_started was sent for the item)."""
-        if self._item_speech_started:
-            self._item_speech_started = False
-            self.emit(se.SpeechStopped(item_id=item_id, audio_end_ms=int(end),
-                                       metadata={"source": "client_hint", "epoch": self.epoch}).model_dump())
-        md = {"epoch": self.epoch, "model_turn_id": self.model_turn_id, "history_len": len(self._history),
-              "audio_start_ms": int(start), "audio_end_ms": int(end), "response_create_deferred": deferred,
-              "no_response": no_response, "reason": reason}
-        user = self._history.get(item_id)
+        responses, emit = self.responses, self.core.emit
+        if self.item_speech_started:
+            self.item_speech_started = False
+            emit(se.SpeechStopped(item_id=item_id, audio_end_ms=int(end),
+                                  metadata={"source": "client_hint", "epoch": responses.epoch}).model_dump())
+        md = {"epoch": responses.epoch, "model_turn_id": responses.model_turn_id,
+              "history_len": len(responses.history), "audio_start_ms": int(start), "audio_end_ms": int(end),
+              "response_create_deferred": deferred, "no_response": no_response, "reason": reason}
+        user = responses.history.get(item_id)
         assert user is not None
         evs = [se.InputCommitted(item_id=item_id, previous_item_id=prev, metadata=md).model_dump(),
                se.ItemAdded(previous_item_id=prev, item=user.to_json()).model_dump()]
-        if self.config.input_audio_transcription is not None:
+        if self.core.config.input_audio_transcription is not None:
             evs.append(se.TranscriptionCompleted(item_id=item_id, usage={"type": "duration",
                                                                         "seconds": (end - start) / 1000}
                                                  ).model_dump())
         evs.append(se.ItemDone(previous_item_id=prev, item=user.to_json()).model_dump())
-        self.emit(*evs)
+        emit(*evs)
 
-    # hooks implemented by the server-VAD side (gateway.session.vad_input)
-    def vad_classify(self, samples16k: np.ndarray) -> VadUpdate | None: ...
-    def on_vad_events(self, upd: VadUpdate) -> None: ...
+    def item_create(self, ev: ce.ConversationItemCreate) -> None:
+        item = ev.item
+        content = item.get("content") if isinstance(item, dict) else None
+        parts = content if isinstance(content, list) else []
+        if any(isinstance(p, dict) and p.get("type") == "input_text" for p in parts):
+            raise ProtocolError("native_text_append_unsupported", "user text items are not supported",
+                                param="item.content")
+        if (item.get("type", "message") != "message" or item.get("role") != "user" or len(parts) != 1
+                or not isinstance(parts[0], dict) or parts[0].get("type") != "input_audio"
+                or not isinstance(parts[0].get("audio"), str)):
+            raise ProtocolError("unsupported_item_type", "only a user message with one input_audio part",
+                                param="item")
+        if self.item_id is not None and self._item_has_audio:
+            raise ProtocolError("bad_event", "an input item is open; commit or clear it first", param="item")
+        if ev.previous_item_id is not None and ev.previous_item_id != self.responses.history.last_id:
+            raise ProtocolError("bad_event", "previous_item_id must be the last item", param="previous_item_id")
+        part = parts[0]
+        append = ce.InputAudioBufferAppend(type="input_audio_buffer.append", audio=part["audio"],
+                                           format=part.get("format"), sample_rate_hz=part.get("sample_rate_hz"))
+        prep = self.prepare_audio(append)
+        if not len(prep.samples16k):
+            raise ProtocolError("input_audio_buffer_empty", "the item holds no audio", param="item.content[0]")
+        if self.pending_turns >= self.core.limits.max_pending_turns:
+            raise ProtocolError("input_backpressure", "too many pending commits")
+        self.accept_audio(prep, force_listen=False, final=False)
+        self.commit(ce.InputAudioBufferCommit(type="input_audio_buffer.commit"))
+
+    # ---- clear and cancel (§3.1, T-2) ----------------------------------------------------------------------
+    def clear(self) -> str | None:
+        """Drop the open item's unsubmitted audio; returns its id."""
+        item = self.item_id
+        self.cutter.drop_partial()
+        self._resampler.flush()
+        self._unsubmitted_bytes = 0
+        self.item_id, self._item_has_audio, self.item_speech_started = None, False, False
+        self.overlap.end()
+        self.vad.reset(self._input_clock_ms)
+        return item
+
+    def input_clear(self) -> None:
+        item = self.clear()
+        self.core.emit(se.InputCleared(metadata={"epoch": self.responses.epoch, "item_id": item,
+                                                 "reason": "clear"}).model_dump())
+
+    def input_cancel(self) -> None:
+        """Always advances the epoch exactly once (T-2), with or without an active response."""
+        if not self.responses.cancel_active("input_cancelled", cleared=False):
+            self.responses.advance_epoch()
+        self._deferred_item = None
+        self.promoted_commit_pending = False
+        for commit_ids in self.core.lane.drop_queued():
+            self.pending_turns -= len(commit_ids)
+        self.awaiting_unit = None
+        item = self.clear()
+        self.core.emit(se.InputCleared(metadata={"epoch": self.responses.epoch, "item_id": item,
+                                                 "reason": "input_cancel"}).model_dump())
+
+    # ---- lane results ------------------------------------------------------------------------------------
+    def on_lane(self, result: LaneResult) -> None:
+        if isinstance(result, CancelFailed):
+            self.core.emit_error(ProtocolError("runtime_signal_failed", f"{result.code}: {result.message}"))
+            return
+        self.pending_turns -= len(result.commit_ids)
+        if isinstance(result, AppendAcked) or self.core.state != "open":
+            return
+        # stale input is expected after a cancellation and is never reported (§4.4); an append failed by the
+        # runtime stream's end is not either: that end closes the session with `runtime_dead`, reported once
+        if isinstance(result, AppendFailed) and result.code not in ("stale_fence", RUNTIME_DEAD):
+            code = map_runtime_code("append", result.code)
+            self.responses.fail_or_report(ProtocolError(code, f"{result.code}: {result.message}",
+                                                        effect=Effect.REPORT if code == "runtime_backpressure"
+                                                        else None))
+
+    # ---- server VAD speech events (§8.2) -------------------------------------------------------------------
+    def _on_vad_events(self, upd: VadUpdate) -> None:
+        for ev in upd.events:
+            if self.item_id is None:
+                continue  # the item was closed meanwhile (commit/clear): the utterance has no item left
+            if isinstance(ev, SpeechStarted):
+                if not self.item_speech_started:
+                    self.item_speech_started = True
+                    self.core.emit(se.SpeechStarted(item_id=self.item_id, audio_start_ms=int(ev.audio_start_ms),
+                                                    metadata={"source": "server_vad",
+                                                              "epoch": self.responses.epoch}).model_dump())
+            elif self.item_speech_started:
+                self.item_speech_started = False  # the commit below must not send a second speech_stopped
+                self.core.emit(se.SpeechStopped(item_id=self.item_id, audio_end_ms=int(ev.audio_end_ms),
+                                                metadata={"source": "server_vad",
+                                                          "epoch": self.responses.epoch}).model_dump())
+                self._auto_commit()
+
+    def _auto_commit(self) -> None:
+        """§8.2: Q1-Q4 follow `speech_stopped`. A refused commit (C9 backpressure) is reported; the item stays
+        open and the next stop commits it."""
+        try:
+            self.commit(ce.InputAudioBufferCommit(type="input_audio_buffer.commit"))
+        except ProtocolError as err:
+            err.effect = Effect.REPORT
+            self.core.emit_error(err)

@@ -16,7 +16,7 @@ class RuntimeDefaults:
     Every key `derive` sends is applied by some stage or refused with `invalid_runtime_config`
     (model_repository/common/bridges/options.py). Not sent: what the reference duplex loop has no use for
     (`min_speak_tokens_before_chunk_boundary`; talker top-k/top-p, Q14) and what the gateway enforces itself
-    (`max_output_tokens`, in gateway/session/output.py).
+    (`max_output_tokens`, in gateway/session/response_track.py).
     """
     thinker_top_p: float = 0.8
     thinker_top_k: int = 20

@@ -5,25 +5,21 @@ from __future__ import annotations
 from typing import Any
 
 from gateway.protocol.config import SessionConfig
-
-# `s` is a DuplexSession; InputMixin is its lowest layer that holds everything read here (input and response
-# state). Naming that layer keeps the mixins that use these views free of an import cycle (issue 19).
-from gateway.session.inputs import InputMixin
+from gateway.session.core import SessionCore
+from gateway.session.inputs import InputTrack
+from gateway.session.response_track import ResponseTrack
 
 _GA_IN = {"pcm16": "audio/pcm", "g711_ulaw": "audio/pcmu", "g711_alaw": "audio/pcma"}
 GA_PCM_RATE = 24000
 
 
-def turn_state(s: InputMixin) -> str:
-    now = s.clock()
-    if s._active is not None:
-        return "assistant_generating"
-    last = s._responses.get(s._last_audio_response) if s._last_audio_response else None
-    if last is not None and last.playback is not None and last.playback.playing(now):
-        return "assistant_playing"
-    if s._awaiting_unit is not None:
+def turn_state(responses: ResponseTrack, inputs: InputTrack, now: float) -> str:
+    phase = responses.phase(now)
+    if phase is not None:
+        return phase
+    if inputs.awaiting_unit is not None:
         return "user_committed"
-    if s._item_speech_started:
+    if inputs.item_speech_started:
         return "user_speaking"
     return "idle"
 
@@ -66,11 +62,14 @@ def config_object(c: SessionConfig) -> dict[str, Any]:
     }
 
 
-def session_object(s: InputMixin, capabilities: dict[str, Any], limits: dict[str, Any]) -> dict[str, Any]:
-    last = s._responses.get(s._last_audio_response) if s._last_audio_response else None
+def session_object(core: SessionCore, responses: ResponseTrack, inputs: InputTrack, capabilities: dict[str, Any],
+                   limits: dict[str, Any]) -> dict[str, Any]:
+    last = responses.last_audio()
     playback = dict(response_id=last.id, **last.playback.cursors()) if last and last.playback else None
-    return {"id": s.session_id, "object": "realtime.session", "type": "realtime", "model": s.config.model,
-            "state": s.state, "turn_state": turn_state(s), "epoch": s.epoch, "model_turn_id": s.model_turn_id,
-            "active_response_id": s._active.id if s._active else None, "open_input_item_id": s._item_id,
-            "config_generation": s.config_generation, "prefix_committed": s.prefix_committed,
-            **config_object(s.config), "playback": playback, "capabilities": capabilities, "limits": limits}
+    active = responses.active
+    return {"id": core.session_id, "object": "realtime.session", "type": "realtime", "model": core.config.model,
+            "state": core.state, "turn_state": turn_state(responses, inputs, core.clock()), "epoch": responses.epoch,
+            "model_turn_id": responses.model_turn_id, "active_response_id": active.id if active else None,
+            "open_input_item_id": inputs.item_id, "config_generation": core.config_generation,
+            "prefix_committed": core.prefix_committed, **config_object(core.config), "playback": playback,
+            "capabilities": capabilities, "limits": limits}

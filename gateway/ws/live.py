@@ -26,7 +26,6 @@ from gateway.runtime.base import RuntimeFailure
 from gateway.session.lane import LaneResult
 from gateway.session.outbox import Kind, Outbox, OutboxLimits, OutItem
 from gateway.session.session import DuplexSession
-from gateway.session.view import session_object
 from gateway.state import GatewayState
 from gateway.ws import faults
 from gateway.ws.handshake import ConnectionParams
@@ -83,19 +82,16 @@ class LiveSession:
         """H6: bind the opened session, queue `session.created` (+ `session.updated`), start the host, which
         runs `actor` (gateway.ws.actor.run_actor, passed in: the actor module imports this one)."""
         self.session = session
-        session.seq_source = self.writer.last_seq
         self.writer.is_stale = session.is_stale
         session.lane.on_submit = self.meters.unit_submitted
-        session.vad_model, session.vad_onset_confirm_ms = self.gw.vad_model, self.gw.settings.vad_onset_confirm_ms
-        session.sync_vad()
+        session.bind_host(self.writer.last_seq, self.gw.vad_model, self.gw.settings.vad_onset_confirm_ms)
         sid = session.session_id
         gw = self.gw
         gw.sessions[sid] = self
         gw.leases.add(sid)
         gw.leases.set_idle_ttl(sid, session.config.idle_timeout_s)
         self.attach(socket, 1)
-        created = {"type": "session.created", "session": session_object(session, session.capabilities,
-                                                                         session.limits_json),
+        created = {"type": "session.created", "session": session.session_json(),
                    "incarnation": session.incarnation, "attachment_generation": 1, "resume_token": self._token}
         self._token = ""  # the token string lives only in that one unsequenced event (§6.1)
         self.outbox.put(OutItem(events=(created,), kind=Kind.UNSEQUENCED))
