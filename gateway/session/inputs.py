@@ -1,5 +1,6 @@
-"""`InputTrack`: the input side of a session — the open input item, unit cutting and submission, commits,
-server-VAD speech events and the overlap episode (protocol.md §3.1, §3.1.1, §3.7, §8, §9).
+"""`InputTrack`: the input side of a session — the open input item, commits, server-VAD speech events and
+the overlap episode (protocol.md §3.1, §3.1.1, §3.7, §8); its audio goes to the model through its
+`UnitFeed` (units, the input clock, the lane).
 
 It owns and alone writes the state below. Validation happens before any mutation, so a rejected append or
 commit leaves the session unchanged. It reads and drives the response side through the `ResponseTrack`
@@ -13,24 +14,22 @@ from dataclasses import dataclass
 import numpy as np
 
 from gateway.audio.codec import b64decode, decode_audio
-from gateway.audio.resample import InputResampler
 from gateway.protocol import client_events as ce
 from gateway.protocol import server_events as se
 from gateway.protocol import validate as v
 from gateway.protocol.config import SessionConfig, check_voice_source, response_defaults
 from gateway.protocol.errors import Effect, ProtocolError
-from gateway.runtime.base import RUNTIME_DEAD, UnitSubmission, map_runtime_code
+from gateway.runtime.base import RUNTIME_DEAD, map_runtime_code
 from gateway.session import ids
 from gateway.session.core import SessionCore
 from gateway.session.history import HistoryItem
 from gateway.session.lane import AppendAcked, AppendFailed, CancelFailed, LaneResult
 from gateway.session.response_track import ResponseTrack
-from gateway.session.units import MODEL_RATE_HZ, CutUnit, UnitCutter, UnitGeometry
+from gateway.session.unit_feed import UnitFeed
+from gateway.session.units import UnitGeometry
 from gateway.session.vad_input import ServerVad
 from gateway.vad.detector import SpeechStarted, VadUpdate
 from gateway.vad.overlap import OverlapEpisode
-
-BARGE_IN_ACTIONS = frozenset({"barge_in", "interrupt", "cancel"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,19 +45,13 @@ class PreparedAudio:
 class InputTrack:
     def __init__(self, core: SessionCore, responses: ResponseTrack, geometry: UnitGeometry) -> None:
         self.core, self.responses = core, responses
-        self.cutter = UnitCutter(geometry)
+        self.feed = UnitFeed(core, responses, geometry)
         self.vad = ServerVad()
         self.overlap = OverlapEpisode()  # §8.3 episode: overlap_ms and the last decision
-        self._resampler = InputResampler()
-        self._input_clock_ms = 0.0
         self.item_id: str | None = None  # the open input item
         self._item_start_ms = 0.0
         self._item_has_audio = False
         self.item_speech_started = False
-        self._unsubmitted_bytes = 0
-        self._force_next = False
-        self._force_listen_remaining = core.config.force_listen_count
-        self._frames_for_unit: dict[int, tuple[bytes, ...]] = {}
         self._committed_unconsumed: list[str] = []
         self._deferred_item: str | None = None
         self.promoted_commit_pending = False
@@ -70,12 +63,12 @@ class InputTrack:
     # ---- host and config ---------------------------------------------------------------------------------
     def sync_vad(self) -> None:
         """After open and after every `session.update`: match the detector to `turn_detection`."""
-        self.vad.sync(self.core.config.turn_detection, self._input_clock_ms)
+        self.vad.sync(self.core.config.turn_detection, self.feed.clock_ms)
 
     def on_config(self, config: SessionConfig, touched: set[str]) -> None:
         """An accepted `session.update` (already swapped into the core): restart what it resets."""
         if "force_listen_count" in touched:
-            self._force_listen_remaining = config.force_listen_count
+            self.feed.reset_force_listen(config.force_listen_count)
         if "duplex_initial_user_text" in touched:
             self._initial_text_pending = config.duplex_initial_user_text is not None
         if "turn_detection" in touched:
@@ -99,99 +92,52 @@ class InputTrack:
             rate = config.input_audio_sample_rate_hz
         decoded = decode_audio(raw, fmt, rate, rate_given=ev.sample_rate_hz is not None)
         wire = len(raw) + sum(len(f) for f in frames)
-        if not self.core.lane.can_reserve(self._unsubmitted_bytes + wire):
+        if not self.feed.can_take(wire):
             raise ProtocolError("input_backpressure", "pending input bytes over the session limit")
         samples = decoded.samples
         if ev.is_speech is not None:
             speech = ev.is_speech
         else:
             speech = bool(len(samples)) and float(np.sqrt(np.mean(samples**2))) > config.overlap_silence_rms
-        resampled = self._resampler.process(samples, decoded.rate_hz, fmt) if len(samples) else samples
-        item_start = self._item_start_ms if self.item_id is not None else self._input_clock_ms
+        resampled = self.feed.resample(samples, decoded.rate_hz, fmt)
+        item_start = self._item_start_ms if self.item_id is not None else self.feed.clock_ms
         vad = self.vad.classify(resampled, item_start)
         if vad is not None:  # §8.2 priority 1
             return PreparedAudio(resampled, wire, frames, vad.is_speech, "server_vad", vad)
         return PreparedAudio(resampled, wire, frames, speech, "client_hint" if ev.is_speech is not None else "rms")
 
-    # ---- audio and units -----------------------------------------------------------------------------------
+    # ---- audio -------------------------------------------------------------------------------------------
     def accept_audio(self, prep: PreparedAudio, *, force_listen: bool, final: bool, keep: bool = True) -> None:
         """Stream the chunk to the model; `keep=False` (overlap `drop`) leaves it out of the open item."""
         now = self.core.clock()
         if self.item_id is None:
             self.item_id = ids.user_item_id()
-            self._item_start_ms = self._input_clock_ms
+            self._item_start_ms = self.feed.clock_ms
             self._item_has_audio = False
             self.item_speech_started = False
         if keep:
             self._item_has_audio = self._item_has_audio or bool(len(prep.samples16k)) or bool(prep.frames)
         if keep and prep.is_speech and not self.item_speech_started and prep.vad is None:
             self.item_speech_started = True
-            self.core.emit(se.SpeechStarted(item_id=self.item_id, audio_start_ms=int(self._input_clock_ms),
+            self.core.emit(se.SpeechStarted(item_id=self.item_id, audio_start_ms=int(self.feed.clock_ms),
                                             metadata={"source": prep.speech_source,
                                                       "epoch": self.responses.epoch}).model_dump())
-        dur_ms = len(prep.samples16k) * 1000 / MODEL_RATE_HZ
-        self._input_clock_ms += dur_ms
-        if prep.frames:
-            self._frames_for_unit[self.cutter.next_index] = prep.frames  # V-3: last append before submission wins
-        self._unsubmitted_bytes += prep.wire_bytes
-        if force_listen:
-            self._force_next = True
-        for unit in self.cutter.push(prep.samples16k, now):
-            self.submit_unit(unit)
-        if final:
-            self.flush_residual()
+        self.feed.push(prep.samples16k, prep.frames, prep.wire_bytes, now, force_listen=force_listen, final=final)
         if prep.vad is not None and prep.vad.events:
             self._on_vad_events(prep.vad)
-
-    def flush_residual(self, commit_ids: tuple[int, ...] = ()) -> int | None:
-        """Pad and submit the partial unit (final / commit). Returns the unit index, if one was submitted."""
-        tail = self._resampler.flush()
-        for unit in self.cutter.push(tail, self.core.clock()):
-            self.submit_unit(unit)
-        unit = self.cutter.pad(allow_empty=False)
-        if unit is None:
-            return None
-        self.submit_unit(unit, commit_ids=commit_ids)
-        return unit.index
-
-    def submit_unit(self, unit: CutUnit, *, commit_ids: tuple[int, ...] = (), synthetic: bool = False) -> None:
-        # U-7: with auto_response off the hold is released only for a response the client asked for
-        # (awaiting its decision, or speaking its turn).
-        forced = self._force_next or self._force_listen_remaining > 0 or (
-            not self.core.config.effective_auto_response and self.responses.active is None)
-        self._force_next = False
-        if self._force_listen_remaining > 0:
-            self._force_listen_remaining -= 1
-        frames = self._frames_for_unit.pop(unit.index, ())
-        self._frames_for_unit = {k: f for k, f in self._frames_for_unit.items() if k > unit.index}
-        wire, self._unsubmitted_bytes = (0, self._unsubmitted_bytes) if synthetic else (self._unsubmitted_bytes, 0)
-        self.core.lane.submit(UnitSubmission(unit.index, unit.samples.astype("<f4").tobytes(), frames, forced,
-                                             synthetic, self.unit_temperature()), wire, commit_ids)
-
-    def unit_temperature(self) -> float | None:
-        """§2.8: the thinker temperature of the response that owns the unit being submitted, if it differs from
-        the session's. The owner is the response active when the unit is cut (as for the U-7 hold above): the
-        unit's own decision is not known before the runtime samples it."""
-        active = self.responses.active
-        t = active.options.temperature if active is not None else None
-        return None if t is None or t == self.core.config.temperature else t
 
     def on_tick(self, now: float) -> None:
         """U-3: complete the unit with silence at its deadline while a response or a commit awaits the model."""
         if self.core.state != "open" or (self.responses.active is None and self.awaiting_unit is None):
             return
-        deadline = self.cutter.deadline()
-        if deadline is not None and now >= deadline:
-            unit = self.cutter.pad(allow_empty=True)
-            if unit is not None:
-                self.submit_unit(unit, synthetic=True)
+        self.feed.tick(now)
 
     # ---- what the response side asks (the session's InputLink routes here) ---------------------------------
     def on_response_opened(self) -> None:
-        self.cutter.reanchor_if_late(self.core.clock())
+        self.feed.reanchor()
 
     def force_next_unit_listen(self) -> None:
-        self._force_next = True
+        self.feed.force_next_listen()
 
     def on_unit_decided(self, unit: int) -> None:
         if self.awaiting_unit is not None and unit >= self.awaiting_unit:
@@ -237,9 +183,7 @@ class InputTrack:
         self.check_commit(ev.response_create)
         config, responses = self.core.config, self.responses
         if ev.is_speech is False:  # C5
-            self.cutter.drop_partial()
-            self._resampler.flush()
-            self._unsubmitted_bytes = 0
+            self.feed.drop_partial()
             item, prev, start, end = self.add_user_item()
             self.commit_events(item, prev, start, end, reason="non_speech", no_response=True)
             responses.emit_listen(None, "non_speech_commit", None)
@@ -277,18 +221,18 @@ class InputTrack:
     def _final_append(self, final: bool) -> None:
         """The item's final append: residual padded (final:true) and submitted; U-3 until the decision."""
         self._commit_seq += 1
-        unit = self.flush_residual((self._commit_seq,)) if final else None
+        unit = self.feed.flush_residual((self._commit_seq,)) if final else None
         if unit is not None:
             self.pending_turns += 1
-        last = unit if unit is not None else self.cutter.next_index - 1
+        last = unit if unit is not None else self.feed.cutter.next_index - 1
         self.awaiting_unit = last if last >= 0 else None
         if self.awaiting_unit is not None:
-            self.on_response_opened()  # silence continuation starts as for a response
+            self.feed.reanchor()  # silence continuation starts, as for a response
 
     def add_user_item(self) -> tuple[str, str | None, float, float]:
         """Close the open item into history; returns (item_id, previous_item_id, start_ms, end_ms)."""
         assert self.item_id is not None
-        item_id, start, end = self.item_id, self._item_start_ms, self._input_clock_ms
+        item_id, start, end = self.item_id, self._item_start_ms, self.feed.clock_ms
         prev = self.responses.history.add(HistoryItem(item_id, "user", "completed", audio_ms=int(end - start)))
         self.item_id, self._item_has_audio = None, False
         return item_id, prev, start, end
@@ -346,12 +290,10 @@ class InputTrack:
     def clear(self) -> str | None:
         """Drop the open item's unsubmitted audio; returns its id."""
         item = self.item_id
-        self.cutter.drop_partial()
-        self._resampler.flush()
-        self._unsubmitted_bytes = 0
+        self.feed.drop_partial()
         self.item_id, self._item_has_audio, self.item_speech_started = None, False, False
         self.overlap.end()
-        self.vad.reset(self._input_clock_ms)
+        self.vad.reset(self.feed.clock_ms)
         return item
 
     def input_clear(self) -> None:
