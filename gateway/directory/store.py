@@ -53,9 +53,10 @@ def lease_key(addr: str) -> str:
 class SessionDirectory:
     def __init__(self, url: str, addr: str, lease_s: float, *, client: Any = None) -> None:
         self.url, self.addr, self.lease_s = url, addr, lease_s
-        # one refresh period: a refresh ends (or fails) before the next is due, so a lost reply costs one refresh,
-        # which the lease survives; and the caller of any call hears back within ATTEMPTS refresh periods
-        self.call_timeout_s = lease_s / REFRESHES_PER_LEASE
+        # half a lease per attempt, so a call gives up within about one lease (ATTEMPTS): waiting longer is
+        # pointless (a refresh that late has lost the lease anyway), and a shorter bound fails calls spuriously when
+        # the gateway's own loop stalls for a second under load (seen with lease / 3 on a 2-core CI machine)
+        self.call_timeout_s = lease_s / ATTEMPTS
         self._redis = client
         self._heartbeat: asyncio.Task[None] | None = None
         self._closing = False

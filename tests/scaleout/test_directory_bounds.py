@@ -14,7 +14,7 @@ import redis.asyncio as redis
 
 from gateway.directory.store import ATTEMPTS, SessionDirectory
 
-LEASE_S = 0.3  # calls are bounded by LEASE_S / 3
+LEASE_S = 0.3  # each call attempt is bounded by LEASE_S / 2
 DEADLINE_S = 3.0  # each test ends well within this, or fails here (not at pytest-timeout's 300 s)
 
 Handler = Callable[[int, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
