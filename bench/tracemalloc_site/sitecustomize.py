@@ -73,12 +73,11 @@ class Tracer:
         return row
 
     def sites(self, n: int) -> None:
+        row = self.reading("sites")  # first: the snapshot itself costs tens of MB for a moment
         snap = tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(False, tracemalloc.__file__)])
-        rows = [[f"{s.traceback[0].filename}:{s.traceback[0].lineno}", s.size, s.count]
-                for s in snap.statistics("lineno")]
+        row["sites"] = [[f"{s.traceback[0].filename}:{s.traceback[0].lineno}", s.size, s.count]
+                        for s in snap.statistics("lineno")]
         del snap
-        row = self.reading("sites")
-        row["sites"] = rows
         (self.out / f"sites-{n:05d}.json").write_text(json.dumps(row))
         self.line({k: v for k, v in row.items() if k != "sites"})
 
