@@ -18,6 +18,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 MB = 1024  # readings are in KB
 
 
@@ -34,26 +36,33 @@ def short(site: str) -> str:
     return re.sub(r"^.*?/(site-packages|lib/python3\.\d+|work/main)/", "", site)
 
 
-def zigzag(snaps: list[dict], swing_kb: float) -> list[int]:
-    """Indexes of alternating RSS extremes (trough, peak, trough, ...) that differ by at least `swing_kb`."""
-    if not snaps:
-        return []
-    rss = [s["rss_kb"] for s in snaps]
-    turns, ext, rising = [0], 0, None
-    for i in range(1, len(rss)):
+def zigzag(values: list[float], swing: float) -> list[int]:
+    """Indexes of alternating extremes (trough, peak, ... or peak, trough, ...) that differ by at least `swing`."""
+    turns: list[int] = []
+    lo = hi = 0
+    rising: bool | None = None
+    for i, v in enumerate(values):
         if rising is None:
-            if abs(rss[i] - rss[0]) >= swing_kb:
-                rising = rss[i] > rss[0]
-                turns[0] = int(min(range(i), key=rss.__getitem__) if rising else max(range(i), key=rss.__getitem__))
-                ext = i
-            continue
-        if (rss[i] > rss[ext]) == rising and rss[i] != rss[ext]:
-            ext = i
-        elif abs(rss[i] - rss[ext]) >= swing_kb:
-            turns.append(ext)
-            ext, rising = i, not rising
+            lo = i if v < values[lo] else lo
+            hi = i if v > values[hi] else hi
+            if values[hi] - values[lo] >= swing:
+                rising = hi > lo
+                turns.append(lo if rising else hi)
+                lo = hi = i
+        elif rising:
+            if v > values[hi]:
+                hi = i
+            elif values[hi] - v >= swing:
+                turns.append(hi)
+                rising, lo = False, i
+        else:
+            if v < values[lo]:
+                lo = i
+            elif v - values[lo] >= swing:
+                turns.append(lo)
+                rising, hi = True, i
     if rising is not None:
-        turns.append(ext)
+        turns.append(hi if rising else lo)
     return turns
 
 
@@ -72,34 +81,66 @@ def site_delta(a: dict, b: dict, top: int) -> list[dict[str, Any]]:
 
 def mem(r: dict) -> dict[str, float]:
     info = r.get("mallinfo2_kb", {})
-    return {"rss_mb": round(r["rss_kb"] / MB, 1), "traced_mb": round(r["traced_kb"] / MB, 1),
+    return {"rss_mb": round(r["rss_kb"] / MB, 1), "rss_anon_mb": round(r.get("rss_anon_kb", 0) / MB, 1),
+            "rss_file_mb": round(r.get("rss_file_kb", 0) / MB, 1), "traced_mb": round(r["traced_kb"] / MB, 1),
             "tracemalloc_overhead_mb": round(r["tracemalloc_overhead_kb"] / MB, 1),
             "malloc_in_use_mb": round((info.get("uordblks", 0) + info.get("hblkd", 0)) / MB, 1),
             "malloc_free_held_mb": round(info.get("fordblks", 0) / MB, 1),
             "gc2_runs": r["gc_collections"][2]}
 
 
-def swings(snaps: list[dict], swing_kb: float, top: int) -> list[dict[str, Any]]:
-    turns = zigzag(snaps, swing_kb)
+def nearest(snaps: list[dict], t: float) -> dict:
+    return min(snaps, key=lambda s: abs(s["t_s"] - t))
+
+
+def swings(readings: list[dict], snaps: list[dict], swing_kb: float, top: int) -> list[dict[str, Any]]:
+    """RSS climbs and falls from the plain readings (a snapshot's own cost stays out), each with the allocation
+    sites that changed between the snapshots nearest to its ends."""
+    turns = zigzag([r["rss_kb"] for r in readings], swing_kb)
     out = []
     for i, j in zip(turns, turns[1:], strict=False):
-        a, b = snaps[i], snaps[j]
+        a, b = readings[i], readings[j]
         ma, mb = mem(a), mem(b)
-        out.append({"from_t_s": a["t_s"], "to_t_s": b["t_s"],
-                    "kind": "climb" if b["rss_kb"] > a["rss_kb"] else "fall",
-                    "delta_mb": {k: round(mb[k] - ma[k], 1) for k in ma}, "at_end": mb,
-                    "sites": site_delta(a, b, top)})
+        row = {"from_t_s": a["t_s"], "to_t_s": b["t_s"], "kind": "climb" if b["rss_kb"] > a["rss_kb"] else "fall",
+               "delta_mb": {k: round(mb[k] - ma[k], 1) for k in ma}, "at_end": mb}
+        if snaps:
+            sa, sb = nearest(snaps, a["t_s"]), nearest(snaps, b["t_s"])
+            row |= {"sites_from_t_s": sa["t_s"], "sites_to_t_s": sb["t_s"], "sites": site_delta(sa, sb, top)}
+        out.append(row)
     return out
 
 
-def report(folder: Path, swing_mb: float, top: int) -> dict[str, Any]:
+def correlation(readings: list[dict]) -> dict[str, float]:
+    """How each part of the gateway's memory follows RSS over the run (Pearson r) and how far it moves."""
+    rows = [mem(r) for r in readings]
+    rss = np.array([r["rss_mb"] for r in rows])
+    out: dict[str, float] = {"rss_range_mb": round(float(np.ptp(rss)), 1)}
+    for key in ("rss_anon_mb", "rss_file_mb", "traced_mb", "malloc_in_use_mb", "malloc_free_held_mb"):
+        x = np.array([r[key] for r in rows])
+        out[f"{key}_range"] = round(float(np.ptp(x)), 1)
+        out[f"{key}_r_with_rss"] = round(float(np.corrcoef(rss, x)[0, 1]), 2) if np.std(x) and np.std(rss) else 0.0
+    return out
+
+
+def trims(events: list[dict]) -> dict[str, float] | None:
+    freed = [(e["rss_kb_before"] - e["rss_kb_after"]) / MB for e in events if e["kind"] == "trim"]
+    if not freed:
+        return None
+    return {"trims": len(freed), "freed_mb_median": round(float(np.median(freed)), 1),
+            "freed_mb_max": round(max(freed), 1), "freed_mb_total": round(sum(freed), 1)}
+
+
+def report(folder: Path, swing_mb: float, top: int, warm_s: float) -> dict[str, Any]:
     readings, events, snaps = load(folder)
-    return {"timeline": [{"t_s": r["t_s"]} | mem(r) for r in readings], "events": events,
-            "swings": swings(snaps, swing_mb * MB, top)}
+    plain = [r for r in readings if r["kind"] == "reading"]
+    warm = [r for r in plain if r["t_s"] >= warm_s] or plain
+    return {"timeline": [{"t_s": r["t_s"]} | mem(r) for r in plain], "events": events,
+            "correlation_after_warmup": correlation(warm), "trims": trims(events),
+            "swings": swings(warm, [s for s in snaps if s["t_s"] >= warm_s] or snaps, swing_mb * MB, top)}
 
 
 def show(rep: dict[str, Any], every: int) -> str:
-    cols = ("t_s", "rss_mb", "traced_mb", "tracemalloc_overhead_mb", "malloc_in_use_mb", "malloc_free_held_mb",
+    cols = ("t_s", "rss_mb", "rss_anon_mb", "rss_file_mb", "traced_mb", "tracemalloc_overhead_mb", "malloc_in_use_mb", "malloc_free_held_mb",
             "gc2_runs")
     lines = [" | ".join(cols)] + [" | ".join(str(r[c]) for c in cols) for r in rep["timeline"][::every]]
     lines.append("\nfull collections (t_s, ms, objects collected, RSS MB before -> after, traced MB before -> after)")
@@ -108,10 +149,14 @@ def show(rep: dict[str, Any], every: int) -> str:
             lines.append(f"  {e['t_s']} {e['ms']} {e['collected']} {e['rss_kb_before'] / MB:.1f} -> "
                          f"{e['rss_kb_after'] / MB:.1f}  {e['traced_kb_before'] / MB:.1f} -> "
                          f"{e['traced_kb_after'] / MB:.1f}")
+        elif e["kind"] == "trim":
+            lines.append(f"  malloc_trim at {e['t_s']}: RSS {e['rss_kb_before'] / MB:.1f} -> {e['rss_kb_after'] / MB:.1f}")
+    lines.append(f"\nafter warm-up: {rep['correlation_after_warmup']}\ntrims: {rep['trims']}")
     for s in rep["swings"]:
-        lines.append(f"\n{s['kind']} {s['from_t_s']} -> {s['to_t_s']} s: {s['delta_mb']}")
+        lines.append(f"\n{s['kind']} {s['from_t_s']} -> {s['to_t_s']} s: {s['delta_mb']}"
+                     f"  (sites {s.get('sites_from_t_s')} -> {s.get('sites_to_t_s')} s)")
         lines += [f"  {d['kb']:+10.1f} KB {d['blocks']:+8d} blocks  {d['site']}  (now {d['kb_after']} KB)"
-                  for d in s["sites"]]
+                  for d in s.get("sites", [])]
     return "\n".join(lines)
 
 
@@ -121,9 +166,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--min-swing-mb", type=float, default=25.0, help="an RSS climb or fall at least this large")
     ap.add_argument("--top", type=int, default=12, help="allocation sites per swing")
     ap.add_argument("--every", type=int, default=6, help="print every Nth reading")
+    ap.add_argument("--warm-s", type=float, default=120.0, help="leave out the gateway's first seconds (start-up)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
-    rep = report(args.folder, args.min_swing_mb, args.top)
+    rep = report(args.folder, args.min_swing_mb, args.top, args.warm_s)
     print(show(rep, args.every))
     if args.out is not None:
         args.out.write_text(json.dumps(rep, indent=None, separators=(",", ":")))

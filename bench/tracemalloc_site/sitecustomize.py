@@ -5,7 +5,8 @@ start-up, and only the gateway (`-m gateway.serving`) acts on it. Nothing in the
 
     BENCH_TRACEMALLOC_DIR     where to write (unset: do nothing)
     BENCH_TRACEMALLOC_EVERY   seconds between snapshots (allocation sites); memory figures every tenth of that
-    BENCH_TRACEMALLOC_FRAMES  frames kept per allocation (default 1: site = the allocating line)
+    BENCH_TRACEMALLOC_FRAMES  frames kept per allocation (default 1: site = the allocating line; 0: no tracemalloc,
+                              the readings alone)
     BENCH_GC_COLLECT_EVERY    seconds between forced full collections (a hypothesis test; unset: none)
     BENCH_MALLOC_TRIM_EVERY   seconds between glibc malloc_trim(0) calls (a hypothesis test; unset: none)
 
@@ -42,11 +43,19 @@ def _libc() -> ctypes.CDLL | None:
         return None
 
 
-def _rss_kb() -> int:
+def _status_kb() -> dict[str, int]:
+    """VmRSS and its parts: anonymous (the heap), file-backed (code and data of the libraries: the kernel may
+    drop these pages under memory pressure and fault them back later), shared memory."""
+    out = {}
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    return 0
+        key = line.partition(":")[0]
+        if key in ("VmRSS", "RssAnon", "RssFile", "RssShmem"):
+            out[key] = int(line.split()[1])
+    return out
+
+
+def _rss_kb() -> int:
+    return _status_kb().get("VmRSS", 0)
 
 
 class Tracer:
@@ -63,7 +72,9 @@ class Tracer:
 
     def reading(self, kind: str = "reading") -> dict:
         traced, peak = tracemalloc.get_traced_memory()
-        row = {"kind": kind, "t_s": round(time.monotonic() - self.t0, 1), "rss_kb": _rss_kb(),
+        status = _status_kb()
+        row = {"kind": kind, "t_s": round(time.monotonic() - self.t0, 1), "rss_kb": status.get("VmRSS", 0),
+               "rss_anon_kb": status.get("RssAnon", 0), "rss_file_kb": status.get("RssFile", 0),
                "traced_kb": traced // 1024, "traced_peak_kb": peak // 1024,
                "tracemalloc_overhead_kb": tracemalloc.get_tracemalloc_memory() // 1024,
                "gc_collections": [g["collections"] for g in gc.get_stats()], "gc_count": list(gc.get_count())}
@@ -112,7 +123,7 @@ class Tracer:
                 self.line({"kind": "trim", "t_s": round(now - self.t0, 1), "rss_kb_before": before,
                            "rss_kb_after": _rss_kb()})
                 last_trim = now
-            if n % 10 == 0:
+            if n % 10 == 0 and tracemalloc.is_tracing():
                 self.sites(n // 10)
             else:
                 self.line(self.reading())
@@ -125,7 +136,9 @@ def _start() -> None:
         return
     path = Path(out)
     path.mkdir(parents=True, exist_ok=True)
-    tracemalloc.start(int(os.environ.get("BENCH_TRACEMALLOC_FRAMES") or 1))
+    frames = int(os.environ.get("BENCH_TRACEMALLOC_FRAMES") or 1)
+    if frames:  # 0: the memory readings alone, without tracemalloc's own cost
+        tracemalloc.start(frames)
     tracer = Tracer(path, float(os.environ.get("BENCH_TRACEMALLOC_EVERY") or 60))
     gc.callbacks.append(tracer.on_gc)
     threading.Thread(target=tracer.run, name="bench-tracemalloc", daemon=True).start()
