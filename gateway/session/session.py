@@ -25,6 +25,7 @@ from gateway.protocol.config import ConfigContext, SessionConfig, apply_patch, r
 from gateway.protocol.errors import ProtocolError
 from gateway.runtime.base import Fence, Runtime, RuntimeEvent, RuntimeFailure, SessionKey, map_runtime_code
 from gateway.session import runtime_config as rc
+from gateway.session import view
 from gateway.session.commands import ADVISORY_SIGNALS, REDISPATCHED_SIGNALS, ResponseCommands
 from gateway.session.core import SessionCore, SessionLimits
 from gateway.session.inputs import InputTrack
@@ -32,7 +33,6 @@ from gateway.session.lane import LaneResult, RuntimeLane
 from gateway.session.outbox import Kind, Outbox, OutItem
 from gateway.session.response_track import ResponseTrack
 from gateway.session.units import MODEL_RATE_HZ, UnitGeometry
-from gateway.session.view import session_object, turn_state
 from gateway.vad.model import SileroVad
 from gateway.vad.overlap import OverlapChunk, client_action
 
@@ -65,7 +65,7 @@ class DuplexSession(SessionCore):
         return self.responses.is_stale(item)
 
     def session_json(self) -> Json:
-        return session_object(self, self.responses, self.inputs, self.capabilities, self.limits_json)
+        return view.session_object(self, self.responses, self.inputs, self.capabilities, self.limits_json)
 
     def bind_host(self, seq_source: Callable[[], int], vad_model: Callable[[], SileroVad] | None,
                   vad_onset_confirm_ms: int) -> None:
@@ -169,7 +169,7 @@ class DuplexSession(SessionCore):
                 raise AssertionError("session.close is handled by the actor")
 
     def turn_state(self) -> str:
-        return turn_state(self.responses, self.inputs, self.clock())
+        return view.turn_state(self.responses, self.inputs, self.clock())
 
     # ---- commands that need both tracks ------------------------------------------------------------------
     def append(self, ev: ce.InputAudioBufferAppend) -> None:
