@@ -39,11 +39,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 
 from bench.stage0_frontend import FULL_AUDIO, TINY_AUDIO, bench_frontend, build_frontend
 from engine.config import LLMConfig
+from engine.hostio import read_back
 from engine.model.llm import Qwen3LLM, SlotKVCache
 from engine.stage0 import DecodeRules, Fence, SamplingParams, Stage0Config, Stage0Engine
 from engine.stage0.frontend import AudioFrontEndAdapter
 from engine.stage0.graphs import DecodeGraphs, PrefillGraphs
-from engine.stage0.hostio import read_back
 from engine.stage0.penalty import HistoryRing
 from engine.stage0.runner import KV_LIMIT_QUANTUM
 from engine.stage0.sampling import TOP_CANDIDATES, SamplerIds, SamplingBatch, sample

@@ -1,4 +1,4 @@
-"""Host ↔ device copies for the step path (STYLE.md practice 4: no host syncs but the id read-back).
+"""Host ↔ device copies for the engines' step paths (STYLE.md practice 4: no host syncs but the id read-back).
 
 A copy from pageable host memory is synchronous with the device stream, so small step inputs go through
 pinned memory (the caching host allocator makes that cheap after warm-up) with a non-blocking copy, and
@@ -14,7 +14,7 @@ import torch
 def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """Host tensor → device without blocking the host on a CUDA device; a no-op copy elsewhere."""
     device = torch.device(device)
-    if device.type != "cuda":
+    if device.type != "cuda" or t.device.type == "cuda":  # device to device is asynchronous already
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
 

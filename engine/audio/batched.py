@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from engine.audio.framing import UnitMel
+from engine.hostio import to_device
 from engine.model.audio import AudioKVCache, WhisperEncoder, WhisperEncoderLayer, cnn_length
 
 
@@ -61,7 +62,7 @@ def forward_stream_batch(encoder: WhisperEncoder, units: Sequence[UnitMel],
             cache.resets += 1
     x = _embed_units(encoder, units)  # [B, S, d]
     s = x.shape[1]
-    starts = torch.tensor([c.length for c in caches], device=dev)
+    starts = to_device(torch.tensor([c.length for c in caches]), dev)  # no blocking copy (tests/engine/test_stage0_syncs.py)
     at = starts[:, None] + torch.arange(s, device=dev)  # [B, S]: each session's new frames, positions
     x = x + encoder.embed_positions.weight[at]
     span = max(c.length for c in caches) + s  # every cache has room: the reset rule ran above
@@ -101,9 +102,9 @@ def _embed_units(encoder: WhisperEncoder, units: Sequence[UnitMel]) -> torch.Ten
         raise ValueError(f"units of different encoder lengths cannot share a batch: {[k for _, k in trims]}")
     t_max = max(u.mel.shape[-1] for u in units)
     # Right zero-padding is what conv1's own padding adds at a slice edge: the kept frames are unchanged.
-    mel = torch.stack([F.pad(u.mel.to(dev), (0, t_max - u.mel.shape[-1])) for u in units])  # [B, n_mels, T]
+    mel = torch.stack([F.pad(to_device(u.mel, dev), (0, t_max - u.mel.shape[-1])) for u in units])  # [B, n_mels, T]
     x = encoder.embed_cnn(mel)  # [B, ceil(T / 2), d]
-    frames = torch.tensor([left for left, _ in trims], device=dev)[:, None] + torch.arange(s, device=dev)
+    frames = to_device(torch.tensor([left for left, _ in trims]), dev)[:, None] + torch.arange(s, device=dev)
     return x.gather(1, frames[..., None].expand(-1, -1, x.shape[-1]))  # [B, S, d]
 
 

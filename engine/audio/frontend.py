@@ -18,6 +18,7 @@ from engine.audio.batched import forward_stream_batch
 from engine.audio.framing import MelStreamer, MelStreamState, StreamConfig, UnitMel
 from engine.audio.mel import FloorMode
 from engine.config import AudioConfig
+from engine.hostio import to_device
 from engine.model.audio import (
     ENCODER_FRAMES_PER_SECOND,
     AudioKVCache,
@@ -131,8 +132,8 @@ class AudioFrontEnd:
             return torch.zeros(0, self.projector.linear2.out_features, device=self.device)
         # Batch like the reference: mel zero-padded to the longest piece, padding + block masks.
         t_max = max(m.shape[1] for m in mels)
-        batch = torch.stack([F.pad(m, (0, t_max - m.shape[1])) for m in mels]).to(self.device)
-        lengths = torch.tensor([cnn_length(m.shape[1]) for m in mels], device=self.device)
+        batch = to_device(torch.stack([F.pad(m, (0, t_max - m.shape[1])) for m in mels]), self.device)
+        lengths = to_device(torch.tensor([cnn_length(m.shape[1]) for m in mels]), self.device)
         hidden = self.encoder(batch, lengths=lengths, block=self.block)  # [B, S, d]
         emb = self.projector.embed(hidden, self.cfg.audio_pool_step)  # [B, S // 5, llm_hidden]
         counts = [max(0, pooled_length(m.shape[1], self.cfg.audio_pool_step)) for m in mels]
@@ -144,6 +145,6 @@ def _on_device(pcms: list[torch.Tensor | None], device: torch.device) -> list[to
     host = [p for p in pcms if p is not None and p.device != device]
     if not host:
         return pcms
-    flat = torch.cat([p.detach().reshape(-1).to(torch.float32) for p in host]).to(device)
+    flat = to_device(torch.cat([p.detach().reshape(-1).to(torch.float32) for p in host]), device)
     parts = iter(flat.split([p.numel() for p in host]))
     return [next(parts) if p is not None and p.device != device else p for p in pcms]

@@ -16,6 +16,8 @@ from functools import lru_cache
 import numpy as np
 import torch
 
+from engine.hostio import to_device
+
 
 class FloorMode(StrEnum):
     FIXED = "fixed"  # max(x, fixed_floor)
@@ -125,7 +127,7 @@ class LogMel:
         """
         cfg, half = self.cfg, self.cfg.n_fft // 2
         frames = [w.numel() // cfg.hop_length for w in waveforms]
-        padded = [torch.nn.functional.pad(w.to(self.device, torch.float32).reshape(1, -1), (half, half),
+        padded = [torch.nn.functional.pad(to_device(w, self.device).to(torch.float32).reshape(1, -1), (half, half),
                                           mode="reflect")[0] for w in waveforms]
         width = max(p.numel() for p in padded)
         wav = torch.stack([torch.nn.functional.pad(p, (0, width - p.numel())) for p in padded])  # [B, L]
@@ -134,9 +136,9 @@ class LogMel:
         t_max = max(frames)
         power = (stft[..., :t_max].abs() ** 2).contiguous()  # [B, n_freqs, T_max]
         log_spec = torch.clamp(self.filters_t @ power, min=cfg.log_clamp).log10()  # [B, n_mels, T_max]
-        valid = torch.arange(t_max, device=self.device)[None, :] < torch.tensor(frames, device=self.device)[:, None]
+        valid = torch.arange(t_max, device=self.device)[None, :] < to_device(torch.tensor(frames), self.device)[:, None]
         peak = log_spec.masked_fill(~valid[:, None, :], float("-inf")).amax(dim=(1, 2))  # [B]
-        dynamic = torch.tensor([m is FloorMode.DYNAMIC for m in modes], device=self.device)
+        dynamic = to_device(torch.tensor([m is FloorMode.DYNAMIC for m in modes]), self.device)
         floor = torch.where(dynamic, peak - cfg.dynamic_range, torch.full_like(peak, cfg.fixed_floor))
         out = (torch.maximum(log_spec, floor[:, None, None]) + cfg.scale_offset) / cfg.scale_divisor
         return [out[i, :, :n] for i, n in enumerate(frames)]

@@ -26,10 +26,10 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.hostio import to_device
 from engine.model.layers import LayerFn, compile_layers, mark_static_kv
 from engine.model.llm import Qwen3LLM, SlotKVCache
 from engine.stage0.config import COMPILE_MODES
-from engine.stage0.hostio import to_device
 
 
 class GraphShapeError(RuntimeError):

@@ -17,8 +17,8 @@ import traceback
 
 import torch
 
+from engine.hostio import read_back, to_device
 from engine.stage0.decode import Feed, Stop, UnitDecoder
-from engine.stage0.hostio import read_back, to_device
 from engine.stage0.recovery import StepRecovery
 from engine.stage0.runner import Row
 from engine.stage0.sampling import SamplingBatch, sample

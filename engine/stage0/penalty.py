@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.stage0.hostio import to_device
+from engine.hostio import to_device
 
 
 class HistoryRing:

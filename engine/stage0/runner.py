@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.hostio import to_device
 from engine.model.llm import Qwen3LLM, SlotKVCache
 from engine.stage0.graphs import DecodeGraphs, PrefillGraphs
-from engine.stage0.hostio import to_device
 
 KV_LIMIT_QUANTUM = 256  # eager attention spans a multiple of this many positions (fewer shapes)
 

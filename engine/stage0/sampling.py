@@ -10,14 +10,15 @@ candidates (else it draws that row again with the full-vocabulary rule, `sample(
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections import deque
 from dataclasses import dataclass
 
 import torch
 
+from engine.hostio import to_device
 from engine.sampling_draw import draw, draw_uniforms, session_generator
-from engine.stage0.hostio import to_device
 from engine.stage0.penalty import HistoryRing
 from engine.stage0.topkp import candidate_draw, full_draw
 
@@ -138,6 +139,12 @@ class SamplingBatch:
         return cls(**_fields(table), history=hist, slots=slot_t, count=count)
 
 
+@functools.lru_cache(maxsize=8)
+def _masked_index(masked: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """The Step B1 ids on the device, copied once per device (read-only)."""
+    return to_device(torch.tensor(masked, dtype=torch.long), device)
+
+
 def _table(params: list[SamplingParams], uniforms: list[list[float]], slots: list[int], counts: list[int],
            device: torch.device | str) -> torch.Tensor:
     """Every per-row scalar in one fp64 block [13, B], one copy (exact for these ints, bools and fp32s)."""
@@ -166,8 +173,9 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, ids: SamplerIds, candidat
     x = logits.float()
     a_hit = _chunk_end(x, batch, ids.chunk_eos)  # Step A
     # Step B1: masks
-    y = x.clone()
-    y[:, to_device(torch.tensor(ids.masked, dtype=torch.long), x.device)] = float("-inf")  # no pageable copy
+    # index_fill_ with a scalar: `y[:, idx] = -inf` copies the scalar to the device first, a blocking copy that
+    # made the host wait for the step's forward before it could queue the sampling (CUDA sync debug mode)
+    y = x.clone().index_fill_(1, _masked_index(ids.masked, x.device), float("-inf"))
     # B2: repetition penalty divides regardless of sign (Q2)
     y = torch.where(batch.history, y / batch.repetition_penalty[:, None], y)
     # B3: `<|turn_eos|>` length penalty (Q3)

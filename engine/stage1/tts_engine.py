@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.hostio import to_device
 from engine.model.tts import TTSModel
 from engine.stage1.config import TTSEngineConfig
 from engine.stage1.runner import TTSRunner
@@ -199,9 +200,9 @@ class TTSEngine:
         for b, w in enumerate(work):
             n = w.req.n_rows
             ids[b, :n] = torch.tensor(w.req.text_ids, dtype=torch.int64)
-            hidden[b, :n] = w.req.hidden.to(device=dev, dtype=dtype)  # row i pairs t_i with its own h_i
-        cond = self.model.condition(ids.to(dev), hidden)  # [B, T, H]
-        n_rows = torch.tensor([w.req.n_rows for w in work], device=dev)
+            hidden[b, :n] = to_device(w.req.hidden, dev).to(dtype)  # row i pairs t_i with its own h_i
+        cond = self.model.condition(to_device(ids, dev), hidden)  # [B, T, H]
+        n_rows = to_device(torch.tensor([w.req.n_rows for w in work]), dev)
         is_bos = torch.arange(t_max, device=dev)[None] == n_rows[:, None]  # [B, T]
         return torch.where(is_bos[..., None], self.model.audio_bos_row(), cond)
 

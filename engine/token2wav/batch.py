@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
+from engine.hostio import to_device
 from engine.token2wav.assets import Token2WavModels
 from engine.token2wav.call import FlowSession, PendingCall
 from engine.token2wav.cfm import EstimatorFn
@@ -66,7 +67,7 @@ def run_flow_batch(models: Token2WavModels, sessions: Sequence[FlowSession], cal
                    estimator: EstimatorFn | None = None, encoder: EncoderFn | None = None) -> None:
     """Flow phase + trims for sessions whose calls share (m, last) and whose caches share shapes."""
     dev = sessions[0].voice.spk_proj.device
-    tokens = torch.tensor([c.tokens for c in calls], dtype=torch.long, device=dev)
+    tokens = to_device(torch.tensor([c.tokens for c in calls], dtype=torch.long), dev)
     spk = torch.cat([s.voice.spk_proj for s in sessions], dim=0)
     cache = sessions[0].flow_cache if len(sessions) == 1 else stack_flow_caches([s.flow_cache for s in sessions])
     mel, new = models.flow.forward_chunk(tokens, spk, cache, calls[0].last, sessions[0].voice.n_timesteps,

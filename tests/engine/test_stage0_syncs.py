@@ -9,14 +9,16 @@ stage0 thread's samples at 16 sessions, bench/RESULTS.md stop 15).
 
 from __future__ import annotations
 
+import os
+import traceback
 import warnings
 
 import pytest
 import torch
 
 from engine.audio import AudioFrontEnd, StreamConfig
+from engine.hostio import to_device
 from engine.stage0 import DecodeRules, Stage0Config, Stage0Engine
-from engine.stage0.hostio import to_device
 from tests.engine.test_audio_encoder import build, tiny_audio
 from tests.engine.test_stage0_engine import run_schedule
 from tests.engine.test_stage0_helpers import FakeFrontEnd, tiny_llm, tiny_tokenizer
@@ -26,15 +28,25 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 
 def _syncs_while(run) -> list[str]:
-    """file:line of each synchronizing call made by `run()` (sync debug mode "warn")."""
-    with warnings.catch_warnings(record=True) as caught:
+    """file:line of each synchronizing call made by `run()` (sync debug mode "warn"): the innermost frame
+    outside torch, so a sync inside a torch helper names its caller."""
+    sites: set[str] = set()
+
+    def note(message, category, filename, lineno, file=None, line=None) -> None:  # noqa: ANN001 - showwarning's
+        if "synchronizing" in str(message):
+            ours = [f for f in traceback.extract_stack()[:-1] if f"{os.sep}torch{os.sep}" not in f.filename
+                    and not f.filename.endswith("warnings.py")]
+            sites.add(f"{ours[-1].filename}:{ours[-1].lineno}" if ours else f"{filename}:{lineno}")
+
+    with warnings.catch_warnings():
         warnings.simplefilter("always")
+        warnings.showwarning = note
         torch.cuda.set_sync_debug_mode("warn")
         try:
             run()
         finally:
             torch.cuda.set_sync_debug_mode(0)
-    return sorted({f"{w.filename}:{w.lineno}" for w in caught if "synchronizing" in str(w.message)})
+    return sorted(sites)
 
 
 class DeviceFakeFrontEnd(FakeFrontEnd):
