@@ -84,7 +84,7 @@ async def _owner_to_client(upstream: Any, ws: WebSocket) -> None:
         pass
     except (WebSocketDisconnect, RuntimeError, OSError):
         return  # the client is gone: leaving closes the upstream socket as a client loss (the owner detaches)
-    rcvd = upstream.close_rcvd
+    rcvd = upstream.protocol.close_rcvd  # the owner's close frame (None: the connection just dropped)
     await _close(ws, *((rcvd.code, rcvd.reason) if rcvd is not None else OWNER_LOST))
 
 
