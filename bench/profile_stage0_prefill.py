@@ -1,0 +1,77 @@
+"""Where a batched unit prefill's GPU time goes (issue 16): the kernels of one Stage0 prefill forward.
+
+    python bench/profile_stage0_prefill.py --batches 1,8,32 --context 8192
+
+Full-size dummy weights (bench_stage0's model), `batch` sessions with `context` retained positions each, one
+13-position unit (the merged close + `<unit>` + 10 audio embeddings) per session through the gathered-slot
+forward the prefill graphs capture (eager kernels here, so the profiler names them). Prints the wall time of
+the forward and the top kernels by GPU time. `--tiny` runs the tiny model on the CPU (a smoke test).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.bench_stage0 import FULL, MERGED_PREFILL, TINY, dummy_init, quantized, random_kv  # noqa: E402
+from engine.config import LLMConfig  # noqa: E402
+from engine.model.llm import Qwen3LLM  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--context", type=int, default=8192)
+    ap.add_argument("--rows", type=int, default=20, help="kernels listed per batch")
+    ap.add_argument("--tiny", action="store_true")
+    args = ap.parse_args(argv)
+    dev = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
+    dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
+    cfg = TINY if args.tiny else FULL
+    with torch.device(dev):
+        model = Qwen3LLM(cfg).to(dtype).eval()
+    dummy_init(model)
+    model.fuse_projections()
+    for b in (int(x) for x in args.batches.split(",")):
+        profile_one(model, cfg, b, args, dev, dtype)
+
+
+def profile_one(model: Qwen3LLM, cfg: LLMConfig, b: int, args: argparse.Namespace, dev: torch.device,
+                dtype: torch.dtype) -> None:
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA]
+                                                          if dev.type == "cuda" else [])
+    kv = random_kv(cfg, b, args.context + 64, dev, dtype)
+    span, n = quantized(args.context + MERGED_PREFILL), MERGED_PREFILL
+    x = torch.randn(b, n, cfg.hidden_size, dtype=dtype, device=dev)
+    pos = (args.context + torch.arange(n, device=dev))[None].expand(b, n).contiguous()
+    slots = torch.arange(b, device=dev)
+    valid = torch.ones(b, n, dtype=torch.bool, device=dev)
+
+    def forward() -> None:
+        model(x, pos, slots, kv, valid=valid, kv_limit=span)
+
+    with torch.no_grad():
+        for _ in range(3):
+            forward()
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(5):
+            forward()
+        sync()
+        wall = (time.perf_counter() - t0) / 5 * 1e3
+        with torch.profiler.profile(activities=activities) as prof:
+            forward()
+            sync()
+    key = "self_cuda_time_total" if dev.type == "cuda" else "self_cpu_time_total"
+    print(f"\n== batch {b}, context {args.context}, {n} positions per row: eager forward {wall:.1f} ms ==")
+    print(prof.key_averages().table(sort_by=key, row_limit=args.rows, max_name_column_width=70))
+
+if __name__ == "__main__":
+    main()
