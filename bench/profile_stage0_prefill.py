@@ -11,6 +11,8 @@ the forward and the top kernels by GPU time. `--tiny` runs the tiny model on the
 from __future__ import annotations
 
 import argparse
+import contextlib
+import re
 import sys
 import time
 from pathlib import Path
@@ -19,9 +21,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+
 from bench.bench_stage0 import FULL, MERGED_PREFILL, TINY, dummy_init, quantized, random_kv  # noqa: E402
 from engine.config import LLMConfig  # noqa: E402
 from engine.model.llm import Qwen3LLM  # noqa: E402
+
+SDPA_SETS = {"efficient": [SDPBackend.EFFICIENT_ATTENTION], "flash": [SDPBackend.FLASH_ATTENTION],
+             "math": [SDPBackend.MATH], "no-cudnn": [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                                                     SDPBackend.MATH]}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -29,6 +37,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--context", type=int, default=8192)
     ap.add_argument("--rows", type=int, default=20, help="kernels listed per batch")
+    ap.add_argument("--sdpa", default="default",
+                    help="SDPA kernel sets to compare: default (PyTorch's choice), efficient, flash, math, no-cudnn")
     ap.add_argument("--tiny", action="store_true")
     args = ap.parse_args(argv)
     dev = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
@@ -38,12 +48,22 @@ def main(argv: list[str] | None = None) -> None:
         model = Qwen3LLM(cfg).to(dtype).eval()
     dummy_init(model)
     model.fuse_projections()
+    summary = []
     for b in (int(x) for x in args.batches.split(",")):
-        profile_one(model, cfg, b, args, dev, dtype)
+        for name in args.sdpa.split(","):
+            try:
+                with sdpa_kernel(SDPA_SETS[name]) if name != "default" else contextlib.nullcontext():
+                    summary.append((name, b, *profile_one(model, cfg, b, args, dev, dtype)))
+            except RuntimeError as exc:  # e.g. no kernel of the set takes this mask on this device
+                print(f"\n== batch {b}, sdpa {name}: {exc} ==")
+    print("\nsdpa | batch | eager wall ms | GPU ms | attention ms | KV gather ms")
+    for name, b, wall, gpu, attn, gather in summary:
+        print(f"{name} | {b} | {wall:.1f} | {gpu:.1f} | {attn:.1f} | {gather:.1f}")
 
 
 def profile_one(model: Qwen3LLM, cfg: LLMConfig, b: int, args: argparse.Namespace, dev: torch.device,
-                dtype: torch.dtype) -> None:
+                dtype: torch.dtype) -> tuple[float, float, float, float]:
+    """(wall ms of the eager forward, its GPU ms, of which attention and the KV gather) for b rows."""
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA]
                                                           if dev.type == "cuda" else [])
@@ -71,7 +91,18 @@ def profile_one(model: Qwen3LLM, cfg: LLMConfig, b: int, args: argparse.Namespac
             sync()
     key = "self_cuda_time_total" if dev.type == "cuda" else "self_cpu_time_total"
     print(f"\n== batch {b}, context {args.context}, {n} positions per row: eager forward {wall:.1f} ms ==")
-    print(prof.key_averages().table(sort_by=key, row_limit=args.rows, max_name_column_width=70))
+    table = prof.key_averages().table(sort_by=key, row_limit=args.rows, max_name_column_width=70)
+    print(table)
+    ops = {e.key: getattr(e, key) / 1e3 for e in prof.key_averages()}  # ms
+    attention = sum(v for k, v in ops.items() if k.startswith("aten::_") and "attention" in k)
+    return wall, _total_ms(table), attention, ops.get("aten::index", 0.0)
+
+
+def _total_ms(table: str) -> float:
+    """The profiler's own GPU (else CPU) total, as its table prints it."""
+    m = re.search(r"Self CUDA time total: ([\d.]+)(us|ms|s)\b", table) or re.search(
+        r"Self CPU time total: ([\d.]+)(us|ms|s)\b", table)
+    return float(m.group(1)) * {"us": 1e-3, "ms": 1.0, "s": 1e3}[m.group(2)] if m else float("nan")
 
 if __name__ == "__main__":
     main()

@@ -31,9 +31,10 @@ def _syncs_while(run) -> list[str]:
     """file:line of each synchronizing call made by `run()` (sync debug mode "warn"): the innermost frame
     outside torch, so a sync inside a torch helper names its caller."""
     sites: set[str] = set()
+    running = False  # only what run() does counts (the first switch into the mode may report on its own)
 
     def note(message, category, filename, lineno, file=None, line=None) -> None:  # noqa: ANN001 - showwarning's
-        if "synchronizing" in str(message):
+        if running and "synchronizing" in str(message):
             ours = [f for f in traceback.extract_stack()[:-1] if f"{os.sep}torch{os.sep}" not in f.filename
                     and not f.filename.endswith("warnings.py")]
             sites.add(f"{ours[-1].filename}:{ours[-1].lineno}" if ours else f"{filename}:{lineno}")
@@ -43,8 +44,10 @@ def _syncs_while(run) -> list[str]:
         warnings.showwarning = note
         torch.cuda.set_sync_debug_mode("warn")
         try:
+            running = True
             run()
         finally:
+            running = False
             torch.cuda.set_sync_debug_mode(0)
     return sorted(sites)
 
