@@ -333,8 +333,11 @@ def write_results(path: Path, rows: list[dict], device: str) -> None:
 
 
 def commit() -> str:
-    """The checkout's commit, `+dirty` when it has uncommitted changes."""
+    """The checkout's commit, `+dirty` when it has uncommitted changes; in a `git archive` snapshot (the device
+    runs, bench/h200/README.md) the COMMIT file it carries, not the enclosing checkout's HEAD."""
     repo = Path(__file__).resolve().parents[1]
+    if (repo / "COMMIT").is_file():
+        return (repo / "COMMIT").read_text().strip()
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True, text=True)
     dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo,
                            capture_output=True, text=True)
