@@ -26,7 +26,7 @@ MB = 1024  # readings are in KB
 def load(folder: Path) -> tuple[list[dict], list[dict], list[dict]]:
     rows = [json.loads(line) for line in (folder / "stats.jsonl").read_text().splitlines() if line.strip()]
     readings = [r for r in rows if r["kind"] in ("reading", "sites")]
-    events = [r for r in rows if r["kind"] in ("gc2", "trim")]
+    events = [r for r in rows if r["kind"] in ("gc2", "trim", "garbage")]
     snaps = sorted((json.loads(p.read_text()) for p in folder.glob("sites-*.json")), key=lambda s: s["t_s"])
     return readings, events, snaps
 
@@ -149,6 +149,11 @@ def show(rep: dict[str, Any], every: int) -> str:
             lines.append(f"  {e['t_s']} {e['ms']} {e['collected']} {e['rss_kb_before'] / MB:.1f} -> "
                          f"{e['rss_kb_after'] / MB:.1f}  {e['traced_kb_before'] / MB:.1f} -> "
                          f"{e['traced_kb_after'] / MB:.1f}")
+        elif e["kind"] == "garbage":
+            lines.append(f"  garbage at {e['t_s']}: {e['objects']} objects in cycles, {e['shallow_kb'] / MB:.1f} MB "
+                         f"+ {e['payload_kb'] / MB:.1f} MB they alone hold; RSS {e['rss_kb_before'] / MB:.1f} -> "
+                         f"{e['rss_kb_after'] / MB:.1f}")
+            lines += [f"      {n:7d} {size:8d} KB + {payload:8d} KB  {name}" for name, n, size, payload in e["types"][:10]]
         elif e["kind"] == "trim":
             lines.append(f"  malloc_trim at {e['t_s']}: RSS {e['rss_kb_before'] / MB:.1f} -> {e['rss_kb_after'] / MB:.1f}")
     lines.append(f"\nafter warm-up: {rep['correlation_after_warmup']}\ntrims: {rep['trims']}")

@@ -9,6 +9,8 @@ start-up, and only the gateway (`-m gateway.serving`) acts on it. Nothing in the
                               the readings alone)
     BENCH_GC_COLLECT_EVERY    seconds between forced full collections (a hypothesis test; unset: none)
     BENCH_MALLOC_TRIM_EVERY   seconds between glibc malloc_trim(0) calls (a hypothesis test; unset: none)
+    BENCH_GC_GARBAGE_EVERY    seconds between full collections that tally what they free (objects in reference
+                              cycles, by type: count and shallow bytes) before freeing it (unset: none)
 
 Writes `stats.jsonl` (one line per reading: RSS, traced bytes, glibc's mallinfo2, gc counters; one line per full
 collection) and `sites-NNNNN.json` (every allocation site: file:line, bytes, blocks) for bench/tracemalloc_report.py.
@@ -52,6 +54,12 @@ def _status_kb() -> dict[str, int]:
         if key in ("VmRSS", "RssAnon", "RssFile", "RssShmem"):
             out[key] = int(line.split()[1])
     return out
+
+
+def _size(obj: object) -> int:
+    """Shallow bytes, with the data of an array that owns it."""
+    own = getattr(obj, "base", 1) is None and isinstance(getattr(obj, "nbytes", None), int)
+    return sys.getsizeof(obj, 0) + (obj.nbytes if own else 0)  # type: ignore[attr-defined]
 
 
 def _rss_kb() -> int:
@@ -106,17 +114,53 @@ class Tracer:
                    "traced_kb_before": self.traced_before,
                    "traced_kb_after": tracemalloc.get_traced_memory()[0] // 1024})
 
+    def garbage(self) -> None:
+        """A full collection that keeps what it finds (DEBUG_SAVEALL), tallies it by type, then frees it."""
+        before = _rss_kb()
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        try:
+            gc.collect()
+            found = list(gc.garbage)
+            gc.garbage.clear()
+        finally:
+            gc.set_debug(0)
+        tally: dict[str, list[int]] = {}
+        seen: set[int] = set()
+        for obj in found:  # noqa: B007 - the last one is dropped with the list below
+            kind = type(obj)
+            row = tally.setdefault(f"{kind.__module__}.{kind.__qualname__}", [0, 0, 0])
+            row[0] += 1
+            row[1] += _size(obj)
+            # what only the garbage holds and the collector does not track: bytes, str, arrays (the payload)
+            for ref in gc.get_referents(obj):
+                if not gc.is_tracked(ref) and id(ref) not in seen:
+                    seen.add(id(ref))
+                    row[2] += _size(ref)
+        del found
+        held = _rss_kb()
+        gc.collect()
+        top = sorted(tally.items(), key=lambda kv: -(kv[1][1] + kv[1][2]))[:25]
+        self.line({"kind": "garbage", "t_s": round(time.monotonic() - self.t0, 1),
+                   "objects": sum(v[0] for v in tally.values()), "shallow_kb": sum(v[1] for v in tally.values()) // 1024,
+                   "payload_kb": sum(v[2] for v in tally.values()) // 1024,
+                   "rss_kb_before": before, "rss_kb_held": held, "rss_kb_after": _rss_kb(),
+                   "types": [[name, n, size // 1024, payload // 1024] for name, (n, size, payload) in top]})
+
     def run(self) -> None:
         tick, n = self.every_s / 10, 0
         gc_every = float(os.environ.get("BENCH_GC_COLLECT_EVERY") or 0)
         trim_every = float(os.environ.get("BENCH_MALLOC_TRIM_EVERY") or 0)
-        last_gc = last_trim = time.monotonic()
+        garbage_every = float(os.environ.get("BENCH_GC_GARBAGE_EVERY") or 0)
+        last_gc = last_trim = last_garbage = time.monotonic()
         while True:
             time.sleep(tick)
             now = time.monotonic()
             if gc_every and now - last_gc >= gc_every:
                 gc.collect()
                 last_gc = now
+            if garbage_every and now - last_garbage >= garbage_every:
+                self.garbage()
+                last_garbage = now
             if trim_every and self.libc is not None and now - last_trim >= trim_every:
                 before = _rss_kb()
                 self.libc.malloc_trim(0)
