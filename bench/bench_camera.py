@@ -39,7 +39,7 @@ from engine.model.llm import Qwen3LLM
 from engine.model.vision import Resampler, SiglipVisionTower
 from engine.stage0 import DecodeRules, Fence, SamplingParams, Stage0Config, Stage0Engine
 from engine.stage0.frontend import AudioFrontEndAdapter, VisionFrames
-from engine.stage0.script import DecisionScript, ScriptPlan
+from engine.stage0.script import ScriptPlan
 from engine.stage0.session import UnitRecord
 
 FRAME_SIDE = 448
@@ -85,11 +85,9 @@ def engine_for(model: Qwen3LLM, vision: VisionFrames, audio: object, b: int, arg
     room = (args.units + 3) * Stage0Config().unit_max_positions(rules)
     config = Stage0Config(max_sessions=b, eviction="off", max_context=args.context + room,
                           use_cuda_graphs=dev.type == "cuda", merge_unit_close=True, scripted_decisions=True,
-                          benchmark_mode=True)
+                          benchmark_mode=True, script_plan=ScriptPlan(listen_units=0, tail_listen_units=0))
     tok = BenchTokenizer(model.cfg.vocab_size)
     engine = Stage0Engine(model, tok, AudioFrontEndAdapter(audio, vision), lambda event: None, config, rules)
-    engine.script = DecisionScript(engine.ids, tok.decode, model.cfg.vocab_size,
-                                   ScriptPlan(listen_units=0, tail_listen_units=0))
     for i in range(b):
         engine.open(f"s{i}", Fence(1, 0), params=SamplingParams(seed=i))
     engine.run_until_idle()

@@ -47,7 +47,7 @@ from engine.stage0.graphs import DecodeGraphs, PrefillGraphs
 from engine.stage0.penalty import HistoryRing
 from engine.stage0.runner import KV_LIMIT_QUANTUM
 from engine.stage0.sampling import TOP_CANDIDATES, SamplerIds, SamplingBatch, sample
-from engine.stage0.script import DecisionScript, ScriptPlan
+from engine.stage0.script import ScriptPlan
 from engine.stage0.session import Phase, UnitRecord
 
 FULL = LLMConfig(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
@@ -223,15 +223,15 @@ def bench_engine(model: Qwen3LLM, cfg: LLMConfig, b: int, args: argparse.Namespa
         prefill_batch_buckets=(b,), use_cuda_graphs=not args.no_graphs,
         eager_replay_graphs=dev.type != "cuda" and not args.no_graphs, compile_mode=args.compile,
         compile_dynamic=False if args.compile_static else None,
-        fuse_projections=not args.no_fuse, merge_unit_close=True, scripted_decisions=True, benchmark_mode=True)
+        fuse_projections=not args.no_fuse, merge_unit_close=True, scripted_decisions=True, benchmark_mode=True,
+        # all speak units, so every session decodes in lock step (turn-end every `speak_units`)
+        script_plan=ScriptPlan(listen_units=0, tail_listen_units=0))
     tok = BenchTokenizer(cfg.vocab_size)
     front: object = BenchFrontEnd(cfg, config.audio_embeddings_per_unit, dev, dtype)
     if not args.no_engine_frontend:  # the real batched front end: a unit step is front end + prefill
         audio_cfg = TINY_AUDIO if args.tiny else FULL_AUDIO
         front = AudioFrontEndAdapter(build_frontend(audio_cfg, cfg.hidden_size, dev, dtype))
     engine = Stage0Engine(model, tok, front, lambda event: None, config, rules)
-    # all speak units, so every session decodes in lock step (turn-end every `speak_units`)
-    engine.script = DecisionScript(engine.ids, tok.decode, cfg.vocab_size, ScriptPlan(listen_units=0, tail_listen_units=0))
     sids = [f"s{i}" for i in range(b)]
     for i, sid in enumerate(sids):
         engine.open(sid, Fence(1, 0), params=SamplingParams(seed=i))

@@ -93,7 +93,8 @@ def profile_one(model: Qwen3LLM, cfg: LLMConfig, b: int, args: argparse.Namespac
     print(f"\n== batch {b}, context {args.context}, {n} positions per row: eager forward {wall:.1f} ms ==")
     table = prof.key_averages().table(sort_by=key, row_limit=args.rows, max_name_column_width=70)
     print(table)
-    ops = {e.key: getattr(e, key) / 1e3 for e in prof.key_averages()}  # ms
+    own = "self_device_time_total" if dev.type == "cuda" else "self_cpu_time_total"  # per-op name since torch 2.4
+    ops = {e.key: getattr(e, own) / 1e3 for e in prof.key_averages()}  # ms
     attention = sum(v for k, v in ops.items() if k.startswith("aten::_") and "attention" in k)
     return wall, _total_ms(table), attention, ops.get("aten::index", 0.0)
 

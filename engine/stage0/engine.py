@@ -1,8 +1,10 @@
 """Stage0 engine: many duplex sessions on one device (model.md §3, issue 3).
 
 The public calls (`open`, `append`, `cancel`, `update`, `close`) validate, change session bookkeeping
-under the engine lock and return; GPU work happens in `step()` (see `loop.py`), driven by the engine
-thread or by a test. Every bad request raises a `Stage0Error` subclass before any state changes.
+under the engine lock and return; GPU work happens in `step()`, driven by the engine thread (`serve`) or
+by a test. The step is the engine's `StepScheduler` (loop.py), built here with the parts it shares with the
+requests (parts.py: the session table, the prefix encoder). Every bad request raises a `Stage0Error`
+subclass before any state changes.
 """
 
 from __future__ import annotations
@@ -20,13 +22,13 @@ from engine.stage0.audio_worker import AudioWorker
 from engine.stage0.config import DecodeRules, SpecialIds, Stage0Config, TextTokenizer
 from engine.stage0.frontend import UnitFrontEnd
 from engine.stage0.graphs import DecodeGraphs, PrefillGraphs
-from engine.stage0.loop import StepLoop
+from engine.stage0.loop import StepScheduler
+from engine.stage0.parts import PrefixEncoder, SessionTable
 from engine.stage0.penalty import HistoryRing
 from engine.stage0.runner import ModelRunner
 from engine.stage0.sampling import SamplerIds, SamplingParams, UniformStream
 from engine.stage0.script import DecisionScript
 from engine.stage0.session import Phase, Session, UnitJob
-from engine.stage0.slots import SlotTable
 from engine.stage0.types import (
     BadAudioError,
     BadFrameError,
@@ -36,7 +38,6 @@ from engine.stage0.types import (
     Fence,
     FrontEndError,
     InvalidFenceError,
-    SessionClosedError,
     SessionExistsError,
     StaleFenceError,
     TooManyFramesError,
@@ -44,17 +45,14 @@ from engine.stage0.types import (
 )
 
 
-class Stage0Engine(StepLoop):
+class Stage0Engine:
     def __init__(self, model: Qwen3LLM, tokenizer: TextTokenizer, frontend: UnitFrontEnd,
                  on_event: Callable[[Event], None], config: Stage0Config | None = None,
                  rules: DecodeRules | None = None) -> None:
         config, rules = config or Stage0Config(), rules or DecodeRules()
         self.model, self.tokenizer, self.frontend = model, tokenizer, frontend
-        self.on_event, self.config, self.rules = on_event, config, rules
-        self.ids = SpecialIds.from_tokenizer(tokenizer, model.cfg.vocab_size)
-        self.sampler_ids = SamplerIds(chunk_eos=self.ids.chunk_eos, turn_eos=self.ids.turn_eos,
-                                      listen_bias=self.ids.listen,
-                                      masked=(self.ids.tts_pad, *self.ids.bad_token_ids, self.ids.chunk_eos))
+        self.config, self.rules = config, rules
+        self.ids = ids = SpecialIds.from_tokenizer(tokenizer, model.cfg.vocab_size)
         if config.fuse_projections and not model.fused:
             model.fuse_projections()  # same parameters (views), so the caller's model is unchanged in value
         p = next(model.parameters())
@@ -66,35 +64,73 @@ class Stage0Engine(StepLoop):
         prefill = PrefillGraphs.create(model, kv, config.prefill_batch_buckets, config.prefill_lengths(),
                                        config.decode_kv_buckets, **how)
         self.runner = ModelRunner(model, kv, graphs, prefill)
-        # B2's history on the device, one ring per slot (grows if a session's window is wider)
-        self.history_ring = HistoryRing(config.max_sessions, SamplingParams().repetition_window,
-                                        model.cfg.vocab_size, p.device)
-        self.script = DecisionScript(self.ids, tokenizer.decode, model.cfg.vocab_size, config.script_plan) \
-            if config.scripted_decisions else None
-        self.slots = SlotTable(config.max_sessions)
-        self.sessions: dict[str, Session] = {}
-        self.closed: set[str] = set()
+        self.table = SessionTable(config.max_sessions)
+        self.prefix = PrefixEncoder(tokenizer, frontend, self.runner, config, model.cfg.hidden_size)
         self.lock = threading.RLock()
         self.wake = threading.Event()  # set by every request so an idle `serve()` loop steps at once
-        self.audio_worker: AudioWorker | None = None
-        self.last_rows = 0
+        sampler_ids = SamplerIds(chunk_eos=ids.chunk_eos, turn_eos=ids.turn_eos, listen_bias=ids.listen,
+                                 masked=(ids.tts_pad, *ids.bad_token_ids, ids.chunk_eos))
+        # B2's history on the device, one ring per slot (grows if a session's window is wider)
+        history_ring = HistoryRing(config.max_sessions, SamplingParams().repetition_window, model.cfg.vocab_size,
+                                   p.device)
+        script = DecisionScript(ids, tokenizer.decode, model.cfg.vocab_size, config.script_plan) \
+            if config.scripted_decisions else None
+        self.scheduler = StepScheduler(
+            model=model, tokenizer=tokenizer, frontend=frontend, config=config, ids=ids, runner=self.runner,
+            table=self.table, prefix=self.prefix, sampler_ids=sampler_ids, history_ring=history_ring,
+            script=script, lock=self.lock, emit=on_event)
 
-    # ---- the audio worker -------------------------------------------------------------------------
+    # ---- what tests, metrics and the Triton bridge read -------------------------------------------
+    @property
+    def sessions(self) -> dict[str, Session]:
+        return self.table.sessions
+
+    @property
+    def history_ring(self) -> HistoryRing:
+        return self.scheduler.history_ring
+
+    @property
+    def script(self) -> DecisionScript | None:
+        """The §9.5 benchmark script (`Stage0Config.scripted_decisions`, its plan `script_plan`)."""
+        return self.scheduler.script
+
+    @property
+    def audio_worker(self) -> AudioWorker | None:
+        return self.scheduler.audio_worker
+
+    @property
+    def last_rows(self) -> int:
+        """Rows the last step fed (batch occupancy)."""
+        return self.scheduler.last_rows
+
+    # ---- the step loop ----------------------------------------------------------------------------
     def start_audio_worker(self) -> bool:
-        """Run the batched audio front end on its own thread (audio_worker.py) from now on; False when the
-        front end has no batched `encode_units` (units are then encoded in the step, one by one)."""
-        encode = getattr(self.frontend, "encode_units", None)
-        if encode is None or self.audio_worker is not None:
-            return self.audio_worker is not None
-        worker = AudioWorker(encode, self.runner.device)
-        worker.start()
-        self.audio_worker = worker
-        return True
+        return self.scheduler.start_audio_worker()
 
     def stop_audio_worker(self) -> None:
-        worker, self.audio_worker = self.audio_worker, None
-        if worker is not None:
-            worker.stop()
+        self.scheduler.stop_audio_worker()
+
+    def step(self) -> bool:
+        return self.scheduler.step()
+
+    def has_work(self) -> bool:
+        with self.lock:
+            return any(s.phase is not Phase.IDLE or s.queue for s in self.table.sessions.values())
+
+    def serve(self, stop: threading.Event, idle_wait_s: float = 0.005) -> None:
+        """The engine thread's loop: step while there is work, else sleep until a request arrives."""
+        while not stop.is_set():
+            if not self.step():
+                self.wake.wait(idle_wait_s)
+                self.wake.clear()
+
+    def run_until_idle(self, max_steps: int = 100_000) -> int:
+        steps = 0
+        while self.step():
+            steps += 1
+            if steps >= max_steps:
+                raise RuntimeError("engine did not become idle")
+        return steps
 
     # ---- public API -------------------------------------------------------------------------------
     def open(self, session_id: str, fence: Fence, *, prompt: str | None = None,
@@ -104,21 +140,20 @@ class Stage0Engine(StepLoop):
         params = params or SamplingParams()
         rules = self._session_rules(rules or self.rules, force_listen_count)
         with self.lock:
-            if session_id in self.sessions:
+            if session_id in self.table.sessions:
                 raise SessionExistsError(session_id)
-            if self.slots.free == 0:
+            if self.table.slots.free == 0:
                 raise CapacityError(f"all {self.config.max_sessions} session slots are in use")
             prompt = self.config.default_prompt if prompt is None else prompt
-            prefix = self._prefix_embeds(prompt, ref_audio)
+            prefix = self.prefix.embeds(prompt, ref_audio)
             if prefix.shape[0] + self.config.unit_max_positions(rules) > self.runner.kv.reserved_pos:
                 raise CapacityError(f"system prefix of {prefix.shape[0]} positions leaves no room for a unit")
-            slot = self.slots.take()
+            slot = self.table.slots.take()
             assert slot is not None
-            self.closed.discard(session_id)
-            self.sessions[session_id] = Session(
+            self.table.add(Session(
                 session_id=session_id, slot=slot, rules=rules, fence=fence, params=params, prompt=prompt,
                 ref_audio=ref_audio, frontend_state=self.frontend.new_state(),
-                stream=UniformStream(params.seed), prefix_rows=prefix)
+                stream=UniformStream(params.seed), prefix_rows=prefix))
             self.wake.set()
 
     def append(self, session_id: str, fence: Fence, pcm: torch.Tensor, frames: Sequence[Any] = (),
@@ -128,7 +163,7 @@ class Stage0Engine(StepLoop):
         if temperature is not None and not (math.isfinite(temperature) and temperature >= 0):
             raise BadSamplingError(f"{session_id}: unit temperature {temperature} must be finite and >= 0")
         with self.lock:
-            s = self._live(session_id)
+            s = self.table.live(session_id)
             self._check_fence(s, fence)
             if fence.seq <= s.last_seq:
                 raise StaleFenceError(f"{session_id}: append seq {fence.seq} <= last accepted {s.last_seq}")
@@ -157,7 +192,7 @@ class Stage0Engine(StepLoop):
     def cancel(self, session_id: str, fence: Fence, next_fence: Fence) -> bool:
         """F-1..F-5 of protocol.md §4.4. Returns False for a late (no-op) cancel."""
         with self.lock:
-            s = self._live(session_id)
+            s = self.table.live(session_id)
             if (next_fence.incarnation != fence.incarnation or fence.incarnation != s.fence.incarnation
                     or next_fence.epoch != fence.epoch + 1):
                 raise InvalidFenceError(f"{session_id}: bad cancel {fence} → {next_fence}")
@@ -185,7 +220,7 @@ class Stage0Engine(StepLoop):
         """Applies from the next unit. A new prompt rebuilds the prefix and drops the retained units. New
         `rules` replace the session's; a `force_listen_count` restarts the count of forced units (§2.4)."""
         with self.lock:
-            s = self._live(session_id)
+            s = self.table.live(session_id)
             self._check_fence(s, fence)
             new_rules = self._session_rules(rules or s.rules, force_listen_count)
             if params is not None:
@@ -198,22 +233,20 @@ class Stage0Engine(StepLoop):
 
     def close(self, session_id: str, fence: Fence) -> bool:
         with self.lock:
-            s = self.sessions.get(session_id)
+            s = self.table.sessions.get(session_id)
             if s is None:
-                if session_id in self.closed:
+                if session_id in self.table.closed:
                     return False
                 raise UnknownSessionError(session_id)
             if fence.incarnation != s.fence.incarnation:
                 return False  # a stale close is a no-op
-            del self.sessions[session_id]
-            self.slots.give(s.slot)
-            self.closed.add(session_id)
+            self.table.remove(s)
             return True
 
     def session(self, session_id: str) -> Session:
         """Read-only view for tests and metrics (do not mutate)."""
         with self.lock:
-            return self._live(session_id)
+            return self.table.live(session_id)
 
     # ---- helpers ----------------------------------------------------------------------------------
     def _session_rules(self, rules: DecodeRules, force_listen_count: int | None) -> DecodeRules:
@@ -235,12 +268,6 @@ class Stage0Engine(StepLoop):
             return tuple(prepare(f) for f in frames)
         except ValueError as exc:
             raise BadFrameError(f"{session_id}: {exc}") from None
-
-    def _live(self, session_id: str) -> Session:
-        s = self.sessions.get(session_id)
-        if s is None:
-            raise (SessionClosedError if session_id in self.closed else UnknownSessionError)(session_id)
-        return s
 
     @staticmethod
     def _check_fence(s: Session, fence: Fence) -> None:

@@ -5,8 +5,12 @@ frames + audio), an A1 `<|turn_eos|>`, a decoded token, or a unit close `[termin
 `merge_unit_close` the close is owed instead and fed in front of the next unit's prefill (one forward per
 unit, §3.6), and the unit is finished as soon as its terminator is known. The runner routes the rows
 (decode graphs, prefill graphs, eager); sampling then runs batched over every row that needs a draw, with
-the session's own uniforms, and the ids come back in one read-back, the step's only host sync. What a step
-does when something in it raises is in `recovery.py`."""
+the session's own uniforms, and the ids come back in one read-back, the step's only host sync.
+
+`StepScheduler` is built by the engine (engine.py) with the parts it shares (the session table, the
+runner, the sampler's state, the lock, the event callback) and owns what only the step writes: the audio
+worker and the rows of the last step. What a step does when something in it raises is its
+`StepRecovery` (recovery.py)."""
 
 from __future__ import annotations
 
@@ -14,60 +18,81 @@ import dataclasses
 import threading
 import time
 import traceback
+from collections.abc import Callable
 
 import torch
 
 from engine.hostio import read_back, to_device
+from engine.model.llm import Qwen3LLM
+from engine.stage0.audio_worker import AudioWorker
+from engine.stage0.config import SpecialIds, Stage0Config, TextTokenizer
 from engine.stage0.decode import Feed, Stop, UnitDecoder
+from engine.stage0.frontend import UnitFrontEnd
+from engine.stage0.parts import PrefixEncoder, SessionTable
+from engine.stage0.penalty import HistoryRing
 from engine.stage0.recovery import StepRecovery
-from engine.stage0.runner import Row
-from engine.stage0.sampling import SamplingBatch, sample
+from engine.stage0.runner import ModelRunner, Row
+from engine.stage0.sampling import SamplerIds, SamplingBatch, sample
+from engine.stage0.script import DecisionScript
 from engine.stage0.session import Phase, Session, UnitRecord, UnitRun
 from engine.stage0.slots import compact, evict_span
-from engine.stage0.types import FrontEndError, TokenEvent, UnitDone
+from engine.stage0.types import Event, FrontEndError, TokenEvent, UnitDone
 
 AUDIO_WAIT_S = 1.0  # the longest a step with nothing else to run waits on the audio worker before looking again
 
 
-class StepLoop(StepRecovery):
-    def has_work(self) -> bool:
-        with self.lock:
-            return any(s.phase is not Phase.IDLE or s.queue for s in self.sessions.values())
+class StepScheduler:
+    def __init__(self, *, model: Qwen3LLM, tokenizer: TextTokenizer, frontend: UnitFrontEnd, config: Stage0Config,
+                 ids: SpecialIds, runner: ModelRunner, table: SessionTable, prefix: PrefixEncoder,
+                 sampler_ids: SamplerIds, history_ring: HistoryRing, script: DecisionScript | None,
+                 lock: threading.RLock, emit: Callable[[Event], None]) -> None:
+        self.model, self.tokenizer, self.frontend, self.config = model, tokenizer, frontend, config
+        self.ids, self.runner, self.table, self.prefix = ids, runner, table, prefix
+        # the sampler's state: B2's history on the device (one ring per slot), the §9.5 script
+        self.sampler_ids, self.history_ring, self.script = sampler_ids, history_ring, script
+        self.lock, self.emit = lock, emit  # the engine's lock: the requests change sessions under it too
+        self.recovery = StepRecovery(runner, table, ids, emit)
+        self.audio_worker: AudioWorker | None = None  # the front end on its own thread, else in the step
+        self.last_rows = 0  # rows the last step fed (batch occupancy)
 
-    def serve(self, stop: threading.Event, idle_wait_s: float = 0.005) -> None:
-        """The engine thread's loop: step while there is work, else sleep until a request arrives."""
-        while not stop.is_set():
-            if not self.step():
-                self.wake.wait(idle_wait_s)
-                self.wake.clear()
+    # ---- the audio worker -------------------------------------------------------------------------
+    def start_audio_worker(self) -> bool:
+        """Run the batched audio front end on its own thread (audio_worker.py) from now on; False when the
+        front end has no batched `encode_units` (units are then encoded in the step, one by one)."""
+        encode = getattr(self.frontend, "encode_units", None)
+        if encode is None or self.audio_worker is not None:
+            return self.audio_worker is not None
+        worker = AudioWorker(encode, self.runner.device)
+        worker.start()
+        self.audio_worker = worker
+        return True
 
-    def run_until_idle(self, max_steps: int = 100_000) -> int:
-        steps = 0
-        while self.step():
-            steps += 1
-            if steps >= max_steps:
-                raise RuntimeError("engine did not become idle")
-        return steps
+    def stop_audio_worker(self) -> None:
+        worker, self.audio_worker = self.audio_worker, None
+        if worker is not None:
+            worker.stop()
 
+    # ---- the step ---------------------------------------------------------------------------------
     def step(self) -> bool:
+        table = self.table
         with self.lock:
-            compact(list(self.sessions.values()), self.slots, self.runner.kv)  # decode buckets by live sessions
-            sessions = sorted(self.sessions.values(), key=lambda s: s.slot)
+            compact(list(table.sessions.values()), table.slots, self.runner.kv)  # decode buckets by live sessions
+            sessions = sorted(table.sessions.values(), key=lambda s: s.slot)
             for s in sessions:
                 try:
                     self._prepare(s)
                 except Exception as exc:  # noqa: BLE001 - e.g. a new prompt whose prefix cannot be built
                     traceback.print_exc()
-                    self._close_failed(s, f"{type(exc).__name__}: {exc}")
-            sessions = [s for s in sessions if self.sessions.get(s.session_id) is s]
+                    self.recovery.close_failed(s, f"{type(exc).__name__}: {exc}")
+            sessions = [s for s in sessions if table.holds(s)]
         # Outside the lock: requests are accepted while the front end runs. Only this thread (or the audio
         # worker it hands a unit to) touches a session's front-end state and its unit in PREFILL (a cancel
         # only marks that unit aborted).
         self._encode_audio(sessions)
         with self.lock:
-            sessions = [s for s in sessions if self.sessions.get(s.session_id) is s]  # closed meanwhile: gone
+            sessions = [s for s in sessions if table.holds(s)]  # closed meanwhile: gone
             self._encode_frames(sessions)
-            work = [(s, row) for s in sessions if (row := self._guarded_schedule(s, self._schedule)) is not None]
+            work = [(s, row) for s in sessions if (row := self._row(s)) is not None]
             self.last_rows = len(work)
             if work:
                 self._run_rows(work)
@@ -79,9 +104,9 @@ class StepLoop(StepRecovery):
         return False
 
     def _run_rows(self, work: list[tuple[Session, Row]]) -> None:
-        hidden, failed = self._forward(work)
+        hidden, failed = self.recovery.forward(work)
         for s, exc in failed:
-            self._fail_step(s, exc)
+            self.recovery.fail_step(s, exc)
         work = [(s, row) for s, row in work if s.session_id in hidden]
         for s, row in work:
             s.cached_len += row.length
@@ -91,7 +116,16 @@ class StepLoop(StepRecovery):
             self._postprocess([s for s, _ in work], hidden)
         except Exception as exc:  # noqa: BLE001 - fails the units of this step, never the engine
             for s, _ in work:
-                self._fail_step(s, exc)
+                self.recovery.fail_step(s, exc)
+
+    def _row(self, s: Session) -> Row | None:
+        """This step's row of `s`; a failure building it, or a row past the KV slot, fails `s` alone."""
+        try:
+            return self.recovery.check_fits(s, self._schedule(s))
+        except Exception as exc:  # noqa: BLE001 - building one session's row fails that session's unit only
+            traceback.print_exc()
+            self.recovery.fail_step(s, exc)
+            return None
 
     # ---- schedule ---------------------------------------------------------------------------------
     def _schedule(self, s: Session) -> Row | None:
@@ -110,7 +144,7 @@ class StepLoop(StepRecovery):
                     embeds = torch.cat([self.runner.embed(list(s.pending_close)), embeds])
                 return Row(s.slot, s.cached_len, embeds)
             except Exception as exc:  # noqa: BLE001 - any encoder failure fails this unit only; nothing was fed
-                self._fail_unit(s, f"{type(exc).__name__}: {exc}")
+                self.recovery.fail_unit(s, f"{type(exc).__name__}: {exc}")
                 return None
         if s.phase is Phase.TURN_EOS:
             return Row(s.slot, s.cached_len, token=ids.turn_eos)
@@ -126,7 +160,7 @@ class StepLoop(StepRecovery):
         """Phase changes due before this step's row: a new prefix, an owed close, the next unit."""
         if s.phase is Phase.IDLE and s.pending_prompt is not None:
             s.prompt, s.pending_prompt = s.pending_prompt, None
-            s.prefix_rows = self._prefix_embeds(s.prompt, s.ref_audio)
+            s.prefix_rows = self.prefix.embeds(s.prompt, s.ref_audio)
             s.cached_len, s.prefix_len, s.ledger, s.pending_close = 0, 0, [], ()
             s.phase = Phase.PREFIX
         if s.phase is Phase.CLOSE and self.config.merge_unit_close:
@@ -284,10 +318,10 @@ class StepLoop(StepRecovery):
             return
         unit.terminator, s.phase = action.terminator, Phase.CLOSE
         if unit.decoder.j == 0:  # a terminator decision is reported before the close runs
-            self._emit(TokenEvent(session_id=s.session_id, fence=unit.job.fence, unit_index=unit.index, j=0,
-                                  token_id=action.terminator, text="", hidden=None, end_of_turn=False,
-                                  is_tts_row=False, decision=True, listen=unit.decoder.is_listen,
-                                  forced=unit.decoder.force))
+            self.emit(TokenEvent(session_id=s.session_id, fence=unit.job.fence, unit_index=unit.index, j=0,
+                                 token_id=action.terminator, text="", hidden=None, end_of_turn=False,
+                                 is_tts_row=False, decision=True, listen=unit.decoder.is_listen,
+                                 forced=unit.decoder.force))
         if self.config.merge_unit_close:
             self._defer_close(s)
 
@@ -305,9 +339,9 @@ class StepLoop(StepRecovery):
         text = dec.text
         piece = text[len(s.text_sent):] if text.startswith(s.text_sent) else text
         s.text_sent = text
-        self._emit(TokenEvent(session_id=s.session_id, fence=unit.job.fence, unit_index=unit.index, j=j,
-                              token_id=unit.pending_token, text=piece, hidden=h, end_of_turn=dec.end_of_turn,
-                              is_tts_row=row is not None, decision=j == 0, listen=False, forced=dec.force))
+        self.emit(TokenEvent(session_id=s.session_id, fence=unit.job.fence, unit_index=unit.index, j=j,
+                             token_id=unit.pending_token, text=piece, hidden=h, end_of_turn=dec.end_of_turn,
+                             is_tts_row=row is not None, decision=j == 0, listen=False, forced=dec.force))
         unit.pending_token = None
 
     def _finish_unit(self, s: Session) -> None:
@@ -317,10 +351,10 @@ class StepLoop(StepRecovery):
         s.ledger.append(UnitRecord(unit.index, s.owed_len - unit.start_len, tuple(dec.unit_ids), dec.text,
                                    dec.is_listen))
         rows = () if dec.is_listen or unit.aborted else tuple(dec.rows)
-        self._emit(UnitDone(session_id=s.session_id, fence=unit.job.fence, unit_index=unit.index,
-                            is_listen=dec.is_listen, terminator=unit.terminator, rows=rows, text=dec.text,
-                            end_of_turn=dec.end_of_turn, aborted=unit.aborted, metrics=unit.metrics(),
-                            forced=dec.force))
+        self.emit(UnitDone(session_id=s.session_id, fence=unit.job.fence, unit_index=unit.index,
+                           is_listen=dec.is_listen, terminator=unit.terminator, rows=rows, text=dec.text,
+                           end_of_turn=dec.end_of_turn, aborted=unit.aborted, metrics=unit.metrics(),
+                           forced=dec.force))
         s.unit, s.phase, s.text_sent = None, Phase.IDLE, ""
         self._evict(s)
         s.check_accounting()

@@ -1,59 +1,63 @@
-"""The parts of a Stage0 engine that its request API and its step loop share (issue 19: no import cycle).
+"""The parts a Stage0 engine's request API (engine.py) and its step scheduler (loop.py) share (issue 19).
 
-`Stage0Engine.__init__` (engine.py) builds them; the step (loop.py) and its recovery (recovery.py) use them.
-Declaring them here, below all three, lets the loop's files name what they touch without importing the
-engine class that is built on top of them.
+`SessionTable` is the one owner of the live sessions, their KV slots and the ids closed: the requests open
+and close sessions through it, the step compacts its slots and closes a session whose prefix fails.
+`PrefixEncoder` builds a session's system prefix, checked on `open` and rebuilt by the step for a new
+prompt. Both sit below the engine and the scheduler, so neither imports the other's module.
 """
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable
-
 import torch
 
-from engine.model.llm import Qwen3LLM
-from engine.stage0.audio_worker import AudioWorker
-from engine.stage0.config import DecodeRules, SpecialIds, Stage0Config, TextTokenizer
+from engine.stage0.config import Stage0Config, TextTokenizer
 from engine.stage0.frontend import UnitFrontEnd
-from engine.stage0.penalty import HistoryRing
 from engine.stage0.runner import ModelRunner
-from engine.stage0.sampling import SamplerIds
-from engine.stage0.script import DecisionScript
 from engine.stage0.session import Session
 from engine.stage0.slots import SlotTable
-from engine.stage0.types import Event, FrontEndError
+from engine.stage0.types import FrontEndError, SessionClosedError, UnknownSessionError
 
 
-class EngineParts:
-    model: Qwen3LLM
-    tokenizer: TextTokenizer
-    frontend: UnitFrontEnd
-    on_event: Callable[[Event], None]
-    config: Stage0Config
-    rules: DecodeRules
-    ids: SpecialIds
-    sampler_ids: SamplerIds
-    runner: ModelRunner
-    history_ring: HistoryRing
-    script: DecisionScript | None
-    slots: SlotTable
-    sessions: dict[str, Session]
-    closed: set[str]
-    lock: threading.RLock
-    wake: threading.Event  # set by every request so an idle `serve()` loop steps at once
-    audio_worker: AudioWorker | None  # the front end on its own thread (`start_audio_worker`), else in the step
-    last_rows: int  # rows the last step fed (batch occupancy)
+class SessionTable:
+    def __init__(self, max_sessions: int) -> None:
+        self.sessions: dict[str, Session] = {}
+        self.slots = SlotTable(max_sessions)
+        self.closed: set[str] = set()
 
-    def _emit(self, event: Event) -> None:
-        self.on_event(event)
+    def add(self, s: Session) -> None:
+        """`s` holds a slot from `slots.take()`; its id, once closed, is live again."""
+        self.closed.discard(s.session_id)
+        self.sessions[s.session_id] = s
 
-    def _prefix_embeds(self, prompt: str, ref_audio: torch.Tensor | None) -> torch.Tensor:
+    def remove(self, s: Session) -> None:
+        """Close `s`: its slot is free, and later requests on its id get `session_closed`."""
+        del self.sessions[s.session_id]
+        self.slots.give(s.slot)
+        self.closed.add(s.session_id)
+
+    def live(self, session_id: str) -> Session:
+        s = self.sessions.get(session_id)
+        if s is None:
+            raise (SessionClosedError if session_id in self.closed else UnknownSessionError)(session_id)
+        return s
+
+    def holds(self, s: Session) -> bool:
+        """False once `s` was closed (by a request between the step's two locked parts, or by the step)."""
+        return self.sessions.get(s.session_id) is s
+
+
+class PrefixEncoder:
+    def __init__(self, tokenizer: TextTokenizer, frontend: UnitFrontEnd, runner: ModelRunner,
+                 config: Stage0Config, hidden_size: int) -> None:
+        self.tokenizer, self.frontend, self.runner = tokenizer, frontend, runner
+        self.config, self.hidden_size = config, hidden_size
+
+    def embeds(self, prompt: str, ref_audio: torch.Tensor | None) -> torch.Tensor:
         """System prefix (§3.2) → [P, H]."""
         ref = None
         if ref_audio is not None:
             ref = self.frontend.encode_reference(ref_audio).to(self.runner.device, self.runner.dtype)
-            if ref.dim() != 2 or ref.shape[1] != self.model.cfg.hidden_size:
+            if ref.dim() != 2 or ref.shape[1] != self.hidden_size:
                 raise FrontEndError(f"reference audio embeddings have shape {tuple(ref.shape)}")
         if ref is None and not self.config.empty_ref_audio_markers:
             return self.runner.embed(self.tokenizer.encode(f"<|im_start|>system\n{prompt}<|im_end|>"))

@@ -29,7 +29,7 @@ def fed_sequence(engine: Stage0Engine, sid: str, events: list,
     """Rebuilds the session's input embeddings from its events (optionally only `units`); returns them and
     (position, event) pairs."""
     s = engine.session(sid)
-    parts = [engine._prefix_embeds(s.prompt, s.ref_audio)]
+    parts = [engine.prefix.embeds(s.prompt, s.ref_audio)]
     n = parts[0].shape[0]
     located = []
     emb = engine.runner.embed

@@ -68,7 +68,7 @@ def test_a_failing_step_fails_only_its_units_and_the_engine_goes_on() -> None:
 def test_a_failure_after_the_forward_rolls_back_every_unit_of_the_step() -> None:
     engine, events = make_engine(sessions=2)
     _open(engine, "a", "b")
-    sample = engine._sample
+    sample = engine.scheduler._sample
     calls = {"n": 0}
 
     def broken(rows: list, logits: Any) -> None:
@@ -77,7 +77,7 @@ def test_a_failure_after_the_forward_rolls_back_every_unit_of_the_step() -> None
             raise RuntimeError("injected sampling failure")
         sample(rows, logits)
 
-    engine._sample = broken  # type: ignore[method-assign]
+    engine.scheduler._sample = broken  # type: ignore[method-assign]
     for sid in ("a", "b"):
         engine.append(sid, Fence(1, 0, 1), unit_pcm(4, 0))
     engine.run_until_idle()
@@ -132,14 +132,14 @@ def test_a_new_prompt_whose_prefix_cannot_be_built_closes_only_its_session() -> 
     engine, events = make_engine(sessions=2)
     _open(engine, "a", "b")
     engine.run_until_idle()
-    build = engine._prefix_embeds
+    build = engine.prefix.embeds
 
     def broken(prompt: str, ref: Any) -> Any:
         if prompt == "bad":
             raise RuntimeError("injected prefix failure")
         return build(prompt, ref)
 
-    engine._prefix_embeds = broken  # type: ignore[method-assign]
+    engine.prefix.embeds = broken  # type: ignore[method-assign]
     engine.update("a", Fence(1, 0), prompt="bad")
     for sid in ("a", "b"):
         engine.append(sid, Fence(1, 0, 1), unit_pcm(7, 0))

@@ -38,7 +38,7 @@ def test_units_beyond_the_queue_cap_are_refused_until_the_engine_catches_up() ->
 
 def test_a_row_past_the_kv_fails_its_unit_not_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
     engine, events = make_engine(sessions=2, window_high=64, window_low=32)
-    monkeypatch.setattr(engine, "_evict", lambda s: None)  # as if eviction had a gap: the cache keeps growing
+    monkeypatch.setattr(engine.scheduler, "_evict", lambda s: None)  # as if eviction had a gap: the cache keeps growing
     engine.open("a", Fence(1, 0), params=params(2))
     engine.open("b", Fence(1, 0), params=params(3))
     units = 12  # ~13+ positions each: far past a slot of 64 + one unit
