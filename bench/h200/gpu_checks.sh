@@ -23,6 +23,7 @@ timeout "${TESTS_S:-200}" $HOST_PY -c 'import sys; sys.path.append("/tmp/duplex-
   tests/engine/test_stage0_syncs.py tests/engine/test_stage0_bf16_batch.py tests/engine/test_stage0_graphs.py \
   tests/engine/test_stage0_prefill_graphs.py tests/engine/test_audio_frontend_batched.py \
   tests/engine/test_stage0_audio_worker.py tests/engine/test_tts_graph.py tests/engine/test_llm.py \
+  tests/engine/test_cuda_graph.py tests/engine/test_token2wav_engine.py::test_cuda_graph_equals_eager \
   > "$OUT/gpu-tests.txt" 2>&1
 echo "[gpu] tests rc=$?"; tail -15 "$OUT/gpu-tests.txt"
 timeout "${MEMORY_S:-240}" $PY bench/bench_stage_memory.py --checkpoint /tmp/ckpt --profile "$PROFILE" \

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.cuda_graph import capture
 from engine.hostio import to_device
 from engine.model.layers import LayerFn, compile_layers, mark_static_kv
 from engine.model.llm import Qwen3LLM, SlotKVCache
@@ -118,15 +119,7 @@ class StepGraphs:
                 st.out = self._call(st).clone()
                 st.replay = lambda: st.out.copy_(self._call(st))
             else:
-                stream = torch.cuda.Stream()
-                stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(stream):  # warm-up outside the graph (allocator, kernels, compile)
-                    for _ in range(2):
-                        self._call(st)
-                torch.cuda.current_stream().wait_stream(stream)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self._pool):
-                    st.out = self._call(st)
+                graph, st.out = capture(lambda: self._call(st), pool=self._pool)
                 self._pool = graph.pool()
                 st.replay = graph.replay
         self.steps[key] = st

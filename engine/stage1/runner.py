@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.cuda_graph import capture
 from engine.model.layers import LayerFn, compile_layers, compile_symbolic, mark_static_kv
 from engine.model.tts import TTSKVCache, TTSModel
 from engine.stage1.config import TTSEngineConfig
@@ -122,17 +123,7 @@ class TTSRunner:
 
         `reset` runs before each warm-up call but is NOT captured: the graph must not rewind `t`.
         """
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(3):
-                reset()
-                fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        reset()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            fn()
+        graph, _ = capture(fn, pool=self._pool, warmup=3, reset=reset)
         self._pool = graph.pool()
         self._graphs[key] = _Graph(graph, None)
 

@@ -13,34 +13,12 @@ from collections.abc import Callable
 
 import torch
 
+from engine.cuda_graph import StaticGraph
 from engine.token2wav.dit import DiT
 from engine.token2wav.encoder import UpsampleConformerEncoder
 from engine.token2wav.hift import HiFT
 from engine.token2wav.static_io import StaticIO
 from engine.warmup import GraphMisses
-
-
-class _Graph:
-    def __init__(self, fn: Callable[..., tuple[torch.Tensor, ...]], inputs: tuple[torch.Tensor, ...],
-                 pool: object) -> None:
-        self.inputs = inputs                        # static inputs (StaticIO), filled
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):                      # warm-up: cuBLAS/cuFFT plans before capture
-                fn(*self.inputs)
-        torch.cuda.current_stream().wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
-            self.outputs = fn(*self.inputs)
-
-    def run(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        for dst, src in zip(self.inputs, inputs, strict=True):
-            if dst.shape != src.shape:
-                raise RuntimeError(f"graph input shape drift: {tuple(src.shape)} != {tuple(dst.shape)}")
-            dst.copy_(src)
-        self.graph.replay()
-        return self.outputs
 
 
 class GraphCache:
@@ -51,14 +29,14 @@ class GraphCache:
         self.dit, self.hift, self.enc, self.max_graphs = dit, hift, encoder, max_graphs
         self.enabled = enabled and torch.cuda.is_available() and next(dit.parameters()).is_cuda
         self.pool = torch.cuda.graph_pool_handle() if self.enabled else None
-        self.dit_graphs: dict[tuple, _Graph] = {}
-        self.hift_graphs: dict[tuple, _Graph] = {}
-        self.enc_graphs: dict[tuple, _Graph] = {}
+        self.dit_graphs: dict[tuple, StaticGraph] = {}
+        self.hift_graphs: dict[tuple, StaticGraph] = {}
+        self.enc_graphs: dict[tuple, StaticGraph] = {}
         self.io = StaticIO()                    # static inputs / outputs, shared by the graphs of a kind
         self.misses = GraphMisses("token2wav")  # the engine shares one across its graph caches
 
-    def _get(self, table: dict[tuple, _Graph], fn: Callable, inputs: tuple[torch.Tensor, ...],
-             extra: tuple = ()) -> _Graph | None:
+    def _get(self, table: dict[tuple, StaticGraph], fn: Callable, inputs: tuple[torch.Tensor, ...],
+             extra: tuple = ()) -> StaticGraph | None:
         key = (*extra, *(tuple(t.shape) for t in inputs))
         graph = table.get(key)
         if graph is None:
@@ -66,7 +44,7 @@ class GraphCache:
             kind = "dit" if table is self.dit_graphs else "hift" if table is self.hift_graphs else "encoder"
             self.misses.record(kind, key, "eager" if full else "captured now")
             if not full:
-                graph = table[key] = _Graph(self.io.outputs(kind, fn), self.io.inputs(kind, inputs), self.pool)
+                graph = table[key] = StaticGraph(self.io.outputs(kind, fn), self.io.inputs(kind, inputs), self.pool)
         return graph
 
     def estimator(self, x: torch.Tensor, mu: torch.Tensor, t: torch.Tensor, spks: torch.Tensor,

@@ -37,6 +37,7 @@ from collections.abc import Callable
 
 import torch
 
+from engine.cuda_graph import StaticGraph
 from engine.token2wav.buckets import bucket_rows
 from engine.token2wav.cfm import solve_ragged
 from engine.token2wav.dit import DiT
@@ -47,32 +48,6 @@ from engine.warmup import GraphMisses
 
 KV_INPUT = 4     # position of the pool's estimator K/V in the solver's input tuple (read and written in place)
 TOK_INPUT, MEL_INPUT = 4, 6   # positions of the conformer histories in the encoder's input tuple
-
-
-class _Graph:
-    def __init__(self, fn: Callable[..., tuple[torch.Tensor, ...]], inputs: tuple[torch.Tensor, ...],
-                 pool: object, shared: int | None) -> None:
-        self.shared = shared                        # index of the input read in place (never copied), or None
-        self.inputs = inputs                        # static inputs (StaticIO), filled
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):                      # warm-up: cuBLAS plans and allocator state before capture
-                fn(*self.inputs)
-        torch.cuda.current_stream().wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
-            self.outputs = fn(*self.inputs)
-
-    def run(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        for i, (dst, src) in enumerate(zip(self.inputs, inputs, strict=True)):
-            if i == self.shared:
-                if dst.data_ptr() != src.data_ptr() or dst.shape != src.shape:
-                    raise RuntimeError("ragged graph: the pool's estimator K/V must be passed in place")
-                continue
-            dst.copy_(src)
-        self.graph.replay()
-        return self.outputs
 
 
 def step_window(est: torch.Tensor, slot: torch.Tensor, tg: int, wpos: torch.Tensor
@@ -104,8 +79,8 @@ class RaggedSolver:
         self.dit, self.max_graphs, self.buckets = dit, max_graphs, buckets
         self.enabled = enabled and torch.cuda.is_available() and next(dit.parameters()).is_cuda
         self.pool = torch.cuda.graph_pool_handle() if self.enabled else None
-        self.graphs: dict[tuple, _Graph] = {}
-        self.enc_graphs: dict[tuple, _Graph] = {}
+        self.graphs: dict[tuple, StaticGraph] = {}
+        self.enc_graphs: dict[tuple, StaticGraph] = {}
         self.io = StaticIO()                    # static inputs / outputs, shared by the graphs of a kind
         self.misses = GraphMisses("token2wav")  # the engine shares one across its graph caches
 
@@ -148,7 +123,7 @@ class RaggedSolver:
         key = tuple(tuple(t.shape) for t in inputs)
         return self._replay(self.enc_graphs, "encode", key, fn, inputs, None)
 
-    def _replay(self, graphs: dict[tuple, _Graph], kind: str, key: tuple, fn: Callable[..., tuple[torch.Tensor, ...]],
+    def _replay(self, graphs: dict[tuple, StaticGraph], kind: str, key: tuple, fn: Callable[..., tuple[torch.Tensor, ...]],
                 inputs: tuple[torch.Tensor, ...], shared: int | None) -> tuple[torch.Tensor, ...]:
         graph = graphs.get(key)
         if graph is None:
@@ -156,6 +131,6 @@ class RaggedSolver:
             self.misses.record(kind, key, "eager" if full else "captured now")
             if full:
                 return fn(*inputs)
-            graph = graphs[key] = _Graph(self.io.outputs(kind, fn), self.io.inputs(kind, inputs, shared), self.pool,
+            graph = graphs[key] = StaticGraph(self.io.outputs(kind, fn), self.io.inputs(kind, inputs, shared), self.pool,
                                          shared)
         return graph.run(inputs)
