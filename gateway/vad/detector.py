@@ -57,8 +57,8 @@ class SpeechStopped:
 @dataclass(frozen=True, slots=True)
 class VadUpdate:
     events: tuple[SpeechStarted | SpeechStopped, ...]
-    is_speech: bool  # §8.2 priority 1: the chunk had a speech window or ran inside an utterance
-    onset_confirmed: bool  # §8.3 O4: a speech start was confirmed in this chunk
+    is_speech: bool  # a speech window, or inside an utterance; with VAD on this decides (§8.2 priority 1)
+    onset_confirmed: bool  # a speech start was confirmed here: barge_in_on_speech barges in (§8.3 O4)
     probabilities: tuple[float, ...] = field(default=(), repr=False)
 
 

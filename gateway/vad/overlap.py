@@ -19,7 +19,8 @@ POLICIES = ("listen_only", "barge_in_on_speech", "auto")
 
 
 def client_action(overlap_action: str | None, force_barge_in: bool | None) -> str | None:
-    """O1 input: `force_barge_in` or a known `overlap_action`, canonicalised; None when absent."""
+    """The client's overlap verdict, which wins over every policy (O1): `force_barge_in` or a known
+    `overlap_action`, canonicalised; None when absent."""
     if force_barge_in:
         return "barge_in"
     return CLIENT_ACTIONS.get(overlap_action.lower()) if overlap_action else None
@@ -31,9 +32,9 @@ class OverlapChunk:
     is_speech: bool  # §8.2 classification (VAD, client hint, or RMS)
     duration_ms: float
     vad_on: bool = False
-    onset_confirmed: bool = False  # VAD confirmed a speech start in this chunk (O4)
-    client_action: str | None = None  # canonical O1 verdict
-    auto_response: bool = True  # effective auto_response (O3 reason)
+    onset_confirmed: bool = False  # VAD confirmed a speech start here: barge_in_on_speech barges in (O4)
+    client_action: str | None = None  # the client's canonical verdict; it decides first (O1)
+    auto_response: bool = True  # effective auto_response: names the listen_only reason (O3)
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,20 +82,23 @@ class OverlapEpisode:
 
 
 def _rule(c: OverlapChunk, policy: str, overlap_ms: float, short_ack_ms: int, barge_in_ms: int) -> tuple[str, str]:
+    """(action, reason) by the §8.3 table, first match wins: the client's verdict (O1), non-speech is ignored
+    (O2), then the policy's rows: barge_in_on_speech (O4-O6), auto (O7-O9), listen_only (O3)."""
     if c.client_action is not None:
-        return c.client_action, "client_overlap_action"  # O1
+        return c.client_action, "client_overlap_action"
     if not c.is_speech:
-        return "ignore", "non_speech"  # O2
+        return "ignore", "non_speech"
     if policy == "barge_in_on_speech":
         if c.vad_on and c.onset_confirmed:
-            return "barge_in", "server_vad_utterance_active"  # O4
+            return "barge_in", "server_vad_utterance_active"
         if not c.vad_on and overlap_ms >= barge_in_ms:
-            return "barge_in", "long_overlap_speech"  # O5
-        return "listen", "overlap_pending"  # O6
+            return "barge_in", "long_overlap_speech"
+        return "listen", "overlap_pending"
     if policy == "auto":
         if overlap_ms <= short_ack_ms:
-            return "listen", "short_overlap"  # O7
+            return "listen", "short_overlap"
         if overlap_ms < barge_in_ms:
-            return "listen", "overlap_pending"  # O8
-        return "barge_in", "long_overlap_speech"  # O9
-    return "listen", "auto_response_continuous" if c.auto_response else "listen_only_policy"  # O3 (listen_only)
+            return "listen", "overlap_pending"
+        return "barge_in", "long_overlap_speech"
+    # listen_only: speech is listened to, never a barge-in; the model keeps its own decision (O3)
+    return "listen", "auto_response_continuous" if c.auto_response else "listen_only_policy"
