@@ -51,10 +51,12 @@ async def _handle(live: LiveSession, ev: ce.ClientEvent) -> None:
                      kind=Kind.UNSEQUENCED)
         return
     if isinstance(ev, ce.SessionEventAck):
-        live.journal.ack(ev.server_event_seq)  # J-2; invalid_event_ack is reject-frame
+        # trims the journal through that seq (J-2); a seq past the last one is invalid_event_ack, reject-frame
+        live.journal.ack(ev.server_event_seq)
         return
     if isinstance(ev, CANCELS):
-        live.meters.cancel_requested()  # K0 clock for duplex_cancel_to_response_done_seconds
+        # starts duplex_cancel_to_response_done_seconds: cancel accepted (K0) to response.done written (K8)
+        live.meters.cancel_requested()
     await session.handle(ev)
     if isinstance(ev, ce.InputAudioBufferAppend):
         gw.metrics.appends.inc()

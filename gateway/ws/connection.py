@@ -67,7 +67,7 @@ class Connection:
             return
         if generation is None:
             self.state = ConnState.CLOSED
-            return  # the handshake already answered and closed (J-5 resync)
+            return  # already answered and closed: a journal gap at resume (resync_required, J-5), or a relay
         self.state = ConnState.OPEN
         await self._attached(generation)
         self.state = ConnState.CLOSED
@@ -96,7 +96,8 @@ class Connection:
         self.state = ConnState.CLOSED
 
     async def _handshake(self) -> int | None:
-        """H2-H6 and §6.4. Returns the attachment generation of this socket (None: already closed)."""
+        """Readiness, the opening frame and the open transaction (H2-H6), or the resume procedure (§6.4).
+        Returns the attachment generation of this socket (None: already answered and closed)."""
         ready, _, _ = await self.gw.readiness()
         if not ready:
             raise ProtocolError("runtime_unavailable", "runtime not ready", effect=Effect.HANDSHAKE)

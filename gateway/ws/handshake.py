@@ -38,7 +38,8 @@ def _flag(query: Mapping[str, str], name: str, default: bool) -> bool:
 
 def parse_params(route: str, query: Mapping[str, str], headers: Mapping[str, str],
                  subprotocols: list[str]) -> ConnectionParams:
-    """H1. Raises ProtocolError (handshake effect) for invalid parameters."""
+    """Validate the route's query and headers and select the profile (H1). Raises ProtocolError (handshake
+    effect) for invalid parameters."""
     duplex = query.get("duplex")
     if duplex is not None:
         low = duplex.lower()

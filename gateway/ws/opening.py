@@ -45,7 +45,7 @@ async def read_opener(next_text: Callable[[], Awaitable[str]], params: Connectio
     allowed = ("session.resume",) if params.resume else (
         ("session.update", "session.create") if native else ("session.update",))
     if ev.type == "session.resume":
-        return ev, raw  # §6.4 on either kind of socket (H4)
+        return ev, raw  # a first frame may resume on either kind of socket (H4; procedure in §6.4)
     if ev.type not in allowed:
         err = ProtocolError("bad_event", f"{ev.type} cannot open a session", param="type", effect=Effect.HANDSHAKE)
         err.client_event_id = ev.event_id
@@ -80,7 +80,8 @@ async def open_session(state: GatewayState, params: ConnectionParams, session_pa
         check_voice_source(config, ctx)
     session_id = config.id or ids.session_id()
     state.registry.check_free(session_id)  # session_exists before capacity
-    state.admission.reserve(session_id)  # AD-1; resource_exhausted, close 1013 (a refusal consumes nothing)
+    # one atomic check-and-reserve of a slot (AD-1); a refusal (resource_exhausted, close 1013) holds nothing
+    state.admission.reserve(session_id)
     incarnation = state.registry.reserve(session_id)
     try:
         limits = SessionLimits(max_pending_input_bytes=s.max_pending_input_bytes_per_session,

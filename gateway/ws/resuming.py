@@ -33,12 +33,13 @@ async def resume_session(gw: GatewayState, params: ConnectionParams, ws: WebSock
                          ) -> tuple[LiveSession, int | None]:
     """Returns the session and this socket's attachment generation (None: answered with a resync).
     `send_and_close` is the connection's: it writes a handshake answer on `ws` and closes it."""
-    req = ResumeRequest.parse(fields)  # RS1
+    req = ResumeRequest.parse(fields)  # fields present and well-typed, else invalid_session_resume (RS1)
     target = gw.sessions.get(req.session_id)
     assert target is None or isinstance(target, LiveSession)  # only LiveSession.start registers a session
     route, profile = params.route, params.profile.value
     try:
-        check_resume(req, target, route=route, profile=profile)  # RS2-RS6
+        # session live, token, route and profile, cursor, no journal gap (RS2-RS6)
+        check_resume(req, target, route=route, profile=profile)
     except JournalGap:  # J-5: tell the client, end the session, close this socket with 1000
         assert target is not None
         target.attachments.mark_unresumable()
@@ -57,10 +58,12 @@ async def resume_session(gw: GatewayState, params: ConnectionParams, ws: WebSock
             raise ProtocolError("runtime_resume_failed", "session.resumed could not be written",
                                 effect=Effect.HANDSHAKE)  # nothing was committed: old token and timer stand
         old_socket, old_generation = writer.socket, writer.generation
-        takeover = commit_resume(target, plan, gw.leases)  # RS8
+        # activate (RS8): takeover of an attached socket, generation + 1, new token, grace timer stopped
+        takeover = commit_resume(target, plan, gw.leases)
         gw.admission.set_state(req.session_id, SlotState.OPEN)
         replaced = takeover.replaced_event(req.session_id)
-        if replaced is not None and old_socket is not None:  # TK-2, unsequenced and never journaled
+        # the old socket gets session.replaced, unsequenced and never journaled, then close 1000 (TK-2)
+        if replaced is not None and old_socket is not None:
             for t in writer.frames(replaced, False):
                 await writer.send(t, old_socket)
             await writer.close_socket(*REPLACED_CLOSE, socket=old_socket)
