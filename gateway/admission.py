@@ -31,7 +31,9 @@ class SlotState(enum.StrEnum):
 @dataclass(frozen=True, slots=True)
 class AdmissionConfig:
     max_sessions: int
-    cleanup_timeout_s: float = 10.0  # close_ack_timeout_s (§3.10 X5)
+    # close_ack_timeout_s: a slower cleanup counts as failed, so session.closed is not held back longer and
+    # goes out with cleanup_pending:true while the slot stays held (§3.10 X5)
+    cleanup_timeout_s: float = 10.0
     retry_base_s: float = 0.5  # first retry delay; doubles per failure
     retry_max_s: float = 5.0  # reaper_interval_s: retries never spread further apart than the reaper cadence
 
@@ -52,7 +54,7 @@ class _Slot:
 
 
 def capacity_error(limit: int) -> ProtocolError:
-    """AD-2: retryable `rate_limit_error`, close 1013 (from the code table)."""
+    """The refusal at capacity: a retryable `rate_limit_error`, close 1013 (AD-2, from the code table)."""
     return ProtocolError("resource_exhausted", f"duplex_session_capacity_exhausted: limit={limit}",
                          effect=Effect.HANDSHAKE)
 
@@ -87,11 +89,13 @@ class Admission:
 
     # ---- transitions ---------------------------------------------------------------------------------
     def reserve(self, session_id: str) -> None:
-        """AD-1 check-and-reserve (synchronous, so atomic on the event loop). Raises `resource_exhausted`."""
+        """One check-and-reserve counting open, detached and closing sessions (AD-1); synchronous, so atomic
+        on the event loop. Raises `resource_exhausted`."""
         if session_id in self._slots:
             raise ValueError(f"slot for {session_id!r} already held")  # the registry rejects live ids first
         if len(self._slots) >= self.config.max_sessions:
-            log.info("admission refused: %d/%d slots held", len(self._slots), self.config.max_sessions)  # AD-2
+            # a full replica is a normal state: logged at INFO, not as an error (AD-2)
+            log.info("admission refused: %d/%d slots held", len(self._slots), self.config.max_sessions)
             raise capacity_error(self.config.max_sessions)
         self._slots[session_id] = _Slot()
         self._changed()

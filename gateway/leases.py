@@ -94,7 +94,7 @@ class LeaseManager:
         return self._leases[session_id].generation
 
     def compare_and_set(self, session_id: str, expected_generation: int) -> bool:
-        """RS7: one resume wins per lease generation; the loser sees `session_resume_conflict`."""
+        """One resume wins per lease generation; the loser sees `session_resume_conflict` (RS7)."""
         lease = self._leases.get(session_id)
         if lease is None or lease.expired or lease.generation != expected_generation:
             return False

@@ -144,7 +144,7 @@ class GatewayMetrics:
 
     def render(self) -> tuple[bytes, str]:
         """Body and content type for `GET /metrics` (text format 0.0.4)."""
-        return generate_latest(self.registry), CONTENT_TYPE_PLAIN_0_0_4  # §11.5 pins format 0.0.4
+        return generate_latest(self.registry), CONTENT_TYPE_PLAIN_0_0_4  # text format 0.0.4, as §11.5 pins it
 
 
 # Query parameters that may carry a credential. The gateway reads keys only from headers or the subprotocol,

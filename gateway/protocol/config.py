@@ -184,7 +184,8 @@ def response_options(resp: dict[str, Any] | None, cfg: SessionConfig) -> Respons
     extra = r.get("extra_body") or {}
     stage_metrics = base.return_stage_metrics
     if isinstance(extra, dict):
-        extra = {k: x for k, x in extra.items() if k not in SERVER_OWNED_KEYS}  # dropped silently (§2.5)
+        # server-owned keys are an error in session.update, but a response drops them silently (§2.5)
+        extra = {k: x for k, x in extra.items() if k not in SERVER_OWNED_KEYS}
         if "return_stage_metrics" in extra:
             stage_metrics = v.check_boolean(extra["return_stage_metrics"], "response.extra_body.return_stage_metrics")
     return ResponseOptions(text_only=text_only, output_format=fmt, temperature=temperature, max_output_tokens=cap,
