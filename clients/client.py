@@ -165,10 +165,10 @@ class DuplexClient(Inbox):
         elif isinstance(ev, HeartbeatAck) and self._heartbeat_sent_t is not None:
             self.heartbeat_rtt_ms = round((t - self._heartbeat_sent_t) * 1000.0, 3)
         elif isinstance(ev, SessionEnded) and ev.type == "session.resync_required":
-            self._creds = None  # CL-2: the next disconnect ends the session
+            self._creds = None  # discard the resume token: the next disconnect ends the session (CL-2)
         self.add(ev, t)
         if isinstance(ev, SessionEnded) and ev.type != "session.resync_required":
-            self.end()  # closed / expired / replaced: this client is done (CL-4)
+            self.end()  # closed / expired / replaced: the session is gone, this client is done (CL-4)
 
     async def _reader(self) -> None:
         try:
@@ -185,7 +185,7 @@ class DuplexClient(Inbox):
                 try:
                     await self._resume()
                 except DuplexError as exc:
-                    self.failure = exc  # CL-3: final, or retries exhausted; the session is lost to us
+                    self.failure = exc  # a final code, or retries exhausted (CL-3): the session is lost to us
                     return
         finally:
             self.end()

@@ -13,7 +13,7 @@ from clients.events import ErrorEvent, ServerEvent, SessionCreated, parse_event
 from clients.resume import ResumeCredentials
 
 HANDSHAKE_TIMEOUT_S = 10.0
-MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # §1.5 library limit
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # the largest WebSocket message the gateway's library takes (§1.5)
 INPUT_RATE = 16_000
 DEFAULT_SESSION: dict[str, Any] = {
     "type": "realtime",

@@ -206,7 +206,7 @@ def _response_done(raw: Mapping[str, Any], e: dict[str, Any]) -> ServerEvent:
 
 def _error(raw: Mapping[str, Any], e: dict[str, Any]) -> ServerEvent:
     err = raw.get("error")
-    if isinstance(err, Mapping):  # nested (§1.6)
+    if isinstance(err, Mapping):  # the nested shape of /v1/realtime (§1.6)
         return ErrorEvent(**e, code=str(err.get("code") or ""), message=str(err.get("message") or ""),
                           error_type=str(err.get("type") or "invalid_request_error"),
                           retryable=bool(err.get("retryable")), param=err.get("param"),

@@ -10,7 +10,7 @@ ACK_EVERY_S = 1.0  # J-2: ack at least every 1 s or every 32 events
 ACK_EVERY_EVENTS = 32
 FINAL_RESUME_CODES = frozenset({
     "invalid_session_resume", "session_resume_expired", "unsupported_session_resume", "invalid_resume_token",
-    "session_resume_conflict"})  # CL-3: never retried
+    "session_resume_conflict"})  # final: a resume failing with these is never retried (CL-3)
 RETRYABLE_RESUME_CODES = frozenset({"runtime_resume_failed"})
 RESUME_ATTEMPTS = 5
 BACKOFF_BASE_S = 0.25
