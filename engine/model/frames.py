@@ -16,7 +16,7 @@ import torch
 from PIL import Image, UnidentifiedImageError
 
 SCALE_RESOLUTION = 448  # preprocessor_config.json `scale_resolution`
-FORMATS = ("JPEG", "PNG")  # protocol.md §9.4 V-1
+FORMATS = ("JPEG", "PNG")  # a frame is a bare-base64 JPEG or PNG image (protocol.md §9.4 V-1)
 MAX_SOURCE_PIXELS = 4096 * 4096  # refuse larger images before decoding them (a decompression bomb)
 
 

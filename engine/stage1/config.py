@@ -18,16 +18,17 @@ class TTSEngineConfig:
     max_new_tokens: int = 26
     use_cuda_graphs: bool = True
     # torch.compile the single-code step's decoder layers before graph capture (regional compilation: a
-    # couple of compiles for all buckets; on CPU the warm-up compiles ahead, no graphs). Needed for P4 on
-    # an H200 (one unit 31 ms vs 65 ms graph-only at batch 1, whole-step compile); fused kernels round
-    # differently from eager, so exact graph == eager (I10) holds for the uncompiled graph only.
+    # couple of compiles for all buckets; on CPU the warm-up compiles ahead, no graphs). Needed for the
+    # 40 ms TTS unit at batch 1 (targets.md P4) on an H200 (one unit 31 ms vs 65 ms graph-only, whole-step
+    # compile); fused kernels round differently from eager, so exact graph == eager (I10) holds for the
+    # uncompiled graph only.
     compile_step: bool = False
     batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
     # condition-row counts (n + 1) with a captured prefill graph; longer units prefill eagerly
     row_buckets: tuple[int, ...] = (8, 16, 32, 64)
     # smallest attended-key bucket; buckets double up to max_turn_positions
     min_kv_bucket: int = 256
-    # Q13: false reproduces the reference (a Stage0 turn start does not reset a TTS turn left open)
+    # false reproduces the reference: a Stage0 turn start does not reset a TTS turn left open (Q13)
     turn_start_resets_kv: bool = False
 
     def __post_init__(self) -> None:

@@ -252,7 +252,8 @@ class Token2WavEngine:
         s.queue.append(_Item(unit_index, fence, False, True, zeros=self.cfg.stream.unit_samples))
 
     def cancel(self, session_id: str, fence: Fence, next_fence: Fence) -> Token2WavCancelResult:
-        """Adopt `next_fence`, drop this session's queued work and reset its turn (F-1…F-3, Q13)."""
+        """Adopt `next_fence` (epoch + 1 only; a late cancel is a no-op) and drop this session's queued
+        work of older epochs (F-1…F-3). Its Token2Wav turn restarts; the TTS keeps its own turn (Q13)."""
         s = self.sessions.get(session_id)
         if s is None:
             raise UnknownSessionError(f"no open Token2Wav session {session_id!r}")
