@@ -1,4 +1,5 @@
-"""Exact-shape flow batches of sessions that own their FlowCache tensors (model.md §6.8, I6).
+"""Exact-shape flow batches of sessions that own their FlowCache tensors (model.md §6.8); a batch gives each
+session what it gets alone (I6).
 
 This path batches sessions only when their shapes match exactly (bucket key below) and stacks /
 splits whole caches; the engine's default is the ragged slot-pool path (pool.py, pooled.py). It stays

@@ -147,7 +147,8 @@ ForceFlush = Literal["always", "turn_start"]
 
 @dataclass(frozen=True)
 class StreamConfig:
-    """Streaming rules of §6.2–§6.7 with the Q17/Q18/Q19 options."""
+    """Streaming rules of §6.2–§6.7, with options for three reference quirks: the estimator cache trim (Q17),
+    the conformer cache trim (Q18) and when to force-flush the code buffer (Q19)."""
 
     silence_code: int = 4218
     prefix_len: int = 3                       # silence codes before a turn (= pre_lookahead_len)
@@ -159,7 +160,8 @@ class StreamConfig:
     flow_cache_trim: FlowCacheTrim = "reference"
     conformer_cache_trim: ConformerCacheTrim = "v0.1.2"
     force_flush: ForceFlush = "always"
-    prompt_pad: Literal["silence", "prompt_head"] = "silence"   # layout A vs B (§6.10)
+    # the base cache pads the prompt with silence codes (layout A) or its own first codes (layout B, §6.10)
+    prompt_pad: Literal["silence", "prompt_head"] = "silence"
     first_hop: int = 0                        # > 0: a turn's first call takes prefix + this many codes
     flow_noise_seed: int = 0
     unit_samples: int = 24000                 # 1 s at 24 kHz

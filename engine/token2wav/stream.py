@@ -80,7 +80,8 @@ class SessionStream:
         self.reset_turn()
 
     def reset_turn(self) -> None:
-        """Turn start / A1 / cancel: both the planning and the execution state (§6.3)."""
+        """Turn start, a turn closed by force-listen (A1) or a cancel: both the planning and the execution
+        state (§6.3)."""
         self.reset_plan()
         self.reset_exec()
 
@@ -104,7 +105,7 @@ class SessionStream:
         flow = self.slot.views() if self.flow_cache is None else list(self.flow_cache.tensors())
         return [*flow, h.mel, h.source, h.speech]
 
-    # ------------------------------------------------------------------ unit planning (§6.4)
+    # ---------------------------------------------------------------- unit planning: buffer and flush (§6.4)
     def check_codes(self, codes: Sequence[int]) -> None:
         vocab = self.models.flow_cfg.vocab_size
         bad = [c for c in codes if not isinstance(c, (int, np.integer)) or not 0 <= int(c) < vocab]
@@ -112,7 +113,8 @@ class SessionStream:
             raise StreamInputError(f"codes out of range [0, {vocab}): {bad[:5]}")
 
     def plan_unit(self, codes: Sequence[int], end_of_turn: bool) -> UnitPlan:
-        """Apply §6.4 rules 1–3 (and the optional smaller first hop) to the planning buffer.
+        """Buffer the codes and cut them into `stream` calls, the last one at end of turn (§6.4 rules 1–3,
+        plus the optional smaller first hop), on the planning buffer.
 
         Planning runs ahead of execution, so an engine can queue several units; the end-of-turn
         unit resets the planning state at once and the execution state after its last call.
@@ -200,7 +202,7 @@ class SessionStream:
     # ------------------------------------------------------------------ single-session entry points
     @torch.inference_mode()
     def stream(self, tokens: Sequence[int], last: bool, estimator: EstimatorFn | None = None) -> np.ndarray:
-        """One §6.5 call for this session alone; returns int16 PCM at 24 kHz."""
+        """One `stream(tokens, last)` call (§6.5) for this session alone; returns int16 PCM at 24 kHz."""
         self.check_codes(tokens)
         # a non-last call must leave >= 2 frames for the look-ahead conv cache
         min_len = 1 if last else self.scfg.prefix_len + self.models.flow_cfg.pre_lookahead_conv2_kernel - 1
@@ -216,7 +218,8 @@ class SessionStream:
         return self.finish_phase(call, mel, speech, source)
 
     def synthesize_unit(self, codes: Sequence[int], end_of_turn: bool) -> np.ndarray:
-        """§6.4 + §6.6 for one speak unit; returns the unit's float32 audio (int16 / 32768)."""
+        """Buffer and flush one speak unit's codes (§6.4), a short unit left-padded to 1 s (§6.6); returns the
+        unit's float32 audio (int16 / 32768)."""
         plan = self.plan_unit(codes, end_of_turn)
         pcm = [np.zeros(plan.pad, np.int16)] + [self.stream(c.tokens, c.last) for c in plan.calls]
         if end_of_turn:
