@@ -39,7 +39,7 @@ F0 = Fence(1, 0)
 
 
 class _HiFTGraph:
-    """Stands in for graphs._Graph on CPU (HiFT batches): runs the function on the replay's inputs."""
+    """Stands in for engine.cuda_graph.StaticGraph on CPU (HiFT batches): runs the function on the replay's inputs."""
 
     def __init__(self, fn: Any, inputs: tuple[torch.Tensor, ...], pool: object) -> None:
         self.fn = fn
@@ -63,7 +63,7 @@ def test_row_buckets() -> None:
 
 
 def padded_solver(t2w: Any, buckets: tuple[int, ...], monkeypatch: pytest.MonkeyPatch) -> RaggedSolver:
-    monkeypatch.setattr(ragged_graphs, "_Graph", FakeGraph)
+    monkeypatch.setattr(ragged_graphs, "StaticGraph", FakeGraph)
     solver = RaggedSolver(t2w.flow.decoder.estimator, enabled=False, buckets=buckets)
     solver.enabled = True             # the static-buffer and padding plumbing of the GPU path, run on CPU
     return solver
@@ -113,8 +113,8 @@ def test_dummy_rows_change_no_real_row(models: Any, monkeypatch: pytest.MonkeyPa
 
 
 def _engine(t2w: Any, max_batch: int, monkeypatch: pytest.MonkeyPatch, graph: type = FakeGraph) -> Token2WavEngine:
-    monkeypatch.setattr(ragged_graphs, "_Graph", graph)
-    monkeypatch.setattr(graphs, "_Graph", _HiFTGraph)
+    monkeypatch.setattr(ragged_graphs, "StaticGraph", graph)
+    monkeypatch.setattr(graphs, "StaticGraph", _HiFTGraph)
     eng = Token2WavEngine(t2w, Token2WavEngineConfig(stream=StreamConfig(n_timesteps=N_TS), max_batch=max_batch,
                                                      max_graphs=1000))
     eng.add_voice("a", make_voice(1))

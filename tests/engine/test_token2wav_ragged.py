@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from engine.cuda_graph import StaticGraph
 from engine.token2wav import ragged_graphs
 from engine.token2wav.assets import TINY_HIFT, Token2WavModels, build_tiny_modules
 from engine.token2wav.config import TINY_FLOW, StreamConfig
@@ -72,7 +73,7 @@ def random_call(rng: random.Random, first: bool, silence: int) -> tuple[list[int
     return toks, last
 
 
-class FakeGraph(ragged_graphs._Graph):
+class FakeGraph(StaticGraph):
     """CPU stand-in for a captured graph with the same static-buffer semantics: the static inputs are the
     solver's (views of storage shared by every graph of a kind, the K/V window of the solve read in place),
     replay recomputes from them into the SAME output tensors, which the solver also shares per kind, so a
@@ -81,7 +82,7 @@ class FakeGraph(ragged_graphs._Graph):
     replays = 0
 
     def __init__(self, fn, inputs, pool, shared) -> None:
-        self.fn, self.graph, self.shared = fn, self, shared
+        self.fn, self.graph, self.in_place = fn, self, shared
         self.inputs = inputs
         self.outputs = fn(*self.inputs)
 
@@ -92,7 +93,7 @@ class FakeGraph(ragged_graphs._Graph):
 
 
 def graph_solver(models, monkeypatch) -> RaggedSolver:
-    monkeypatch.setattr(ragged_graphs, "_Graph", FakeGraph)
+    monkeypatch.setattr(ragged_graphs, "StaticGraph", FakeGraph)
     solver = RaggedSolver(models.flow.decoder.estimator, enabled=False)
     solver.enabled = True             # the static-buffer plumbing of the GPU path, run on CPU
     return solver

@@ -90,7 +90,7 @@ def test_tts_warm_up_is_a_no_op_without_graphs(tiny_ckpt: Path) -> None:
 # ---- Token2Wav -------------------------------------------------------------------------------------------
 
 class _EagerGraph:
-    """Stands in for ragged_graphs._Graph on CPU: records nothing, runs the function."""
+    """Stands in for engine.cuda_graph.StaticGraph on CPU: records nothing, runs the function."""
 
     def __init__(self, fn: Any, inputs: tuple[torch.Tensor, ...], pool: object, shared: int | None) -> None:
         self.fn = fn
@@ -116,7 +116,7 @@ def _turn(eng: Token2WavEngine, sessions: int) -> None:
 
 def test_token2wav_warm_up_runs_every_row_bucket_and_counts_later_misses(
         models: Any, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811 - the fixture
-    monkeypatch.setattr(ragged_graphs, "_Graph", _EagerGraph)
+    monkeypatch.setattr(ragged_graphs, "StaticGraph", _EagerGraph)
     eng = Token2WavEngine(models, Token2WavEngineConfig(stream=StreamConfig(n_timesteps=2), max_batch=5,
                                                         max_graphs=1000))
     eng.add_voice("a", make_voice(1))
