@@ -115,7 +115,7 @@ def _cuda(**fields: object) -> dict[str, object]:
 
 
 @pytest.mark.parametrize("name,starts", [("default.yaml", False), ("h200.yaml", True), ("h200-scripted.yaml", True),
-                                         ("h20.yaml", True), ("h200x2.yaml", True)])
+                                         ("h20.yaml", True), ("h200x2.yaml", True), ("h200x2-scripted.yaml", True)])
 def test_shipped_profiles(name: str, starts: bool, fake: FakeMps, no_system_daemon: Path) -> None:
     """The CPU profile runs no daemon; every GPU profile puts two or more stage processes on a GPU (h200x2:
     TTS and Token2Wav on GPU 1) and gets one, read through the launcher's own profile check."""
