@@ -38,7 +38,9 @@ WEIGHT_STD = 0.02
 PCM_STD = 0.1
 
 
-def build_frontend(cfg: AudioConfig, llm_hidden: int, dev: torch.device, dtype: torch.dtype) -> AudioFrontEnd:
+def build_frontend(cfg: AudioConfig, llm_hidden: int, dev: torch.device, dtype: torch.dtype,
+                   kv_slots: int = 0) -> AudioFrontEnd:
+    """`kv_slots`: sessions whose audio KV the front end pools (as served: the engine's max_sessions)."""
     torch.manual_seed(0)
     with torch.device(dev):
         enc = WhisperEncoder(cfg).to(dtype).eval()
@@ -46,7 +48,7 @@ def build_frontend(cfg: AudioConfig, llm_hidden: int, dev: torch.device, dtype: 
     with torch.no_grad():
         for name, p in [*enc.named_parameters(), *proj.named_parameters()]:
             p.fill_(1.0) if "norm" in name and name.endswith("weight") else p.normal_(0.0, WEIGHT_STD)
-    return AudioFrontEnd(enc, proj, cfg, mel_device=dev)
+    return AudioFrontEnd(enc, proj, cfg, mel_device=dev, kv_slots=kv_slots)
 
 
 def _pcm(unit: int, n: int, dev: torch.device) -> list[torch.Tensor]:
@@ -122,9 +124,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     dev = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    fe = build_frontend(TINY_AUDIO if args.tiny else FULL_AUDIO, 128 if args.tiny else 4096, dev, dtype)
+    batches = [int(n) for n in args.batches.split(",")]
+    fe = build_frontend(TINY_AUDIO if args.tiny else FULL_AUDIO, 128 if args.tiny else 4096, dev, dtype,
+                        kv_slots=max(batches))  # one row's sessions are dropped before the next row's start
     rows = [bench_frontend(fe, int(n), args.start_unit, args.iters, dev, int(k), sdpa)
-            for sdpa in args.sdpa.split(",") for k in args.stagger.split(",") for n in args.batches.split(",")]
+            for sdpa in args.sdpa.split(",") for k in args.stagger.split(",") for n in batches]
     print(f"{'sessions':>8s} {'stagger':>7s} {'sdpa':>9s} {'median ms':>10s} {'p99 ms':>8s}  units timed (slides, KV resets)")
     for r in rows:
         print(f"{r['batch']:8d} {r['stagger']:7d} {r['sdpa']:>9s} {r['ms'][0]:10.2f} {r['ms'][1]:8.2f}  "

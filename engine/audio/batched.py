@@ -3,10 +3,13 @@
 `forward_stream_batch` equals `WhisperEncoder.forward_stream` run once per session: every unit yields
 the same 50 encoder frames (unit 0: T = 102, no left trim; later units: T = 104, one CNN frame trimmed
 per side), so the CNN, the projections and the MLP run as one [B, 50, d] batch. Attention is one SDPA
-per layer over a stack of each session's cache up to the longest past + 50, into which the unit's own
-K/V are scattered at the session's positions (one copy of the caches per layer, one small scatter); a key
-counts for a session below its own past + 50. The new K/V of every layer go back into each session's
-cache once, at the end.
+per layer over every session's cache up to the longest past + 50, after the unit's own K/V went into it at
+the session's positions; a key counts for a session below its own past + 50 (the padding mask).
+
+Sessions whose caches are slots of one `AudioKVPool` (the front end's, engine/audio/frontend.py) are read
+with one gather and written with one scatter per layer, so the ops dispatched per call do not grow with the
+batch (issue 15: the per-session slicing and stacking held much of the stage0 thread at 16 sessions); any
+other batch (a session beyond the pool) writes and stacks each session's cache on its own.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from engine.audio.framing import UnitMel
 from engine.hostio import to_device
-from engine.model.audio import AudioKVCache, WhisperEncoder, WhisperEncoderLayer, cnn_length
+from engine.model.audio import AudioKVCache, AudioKVPool, WhisperEncoder, WhisperEncoderLayer, cnn_length
 
 
 def _trim(unit: UnitMel) -> tuple[int, int]:
@@ -34,50 +37,83 @@ def _trim(unit: UnitMel) -> tuple[int, int]:
     return left, kept
 
 
-def _layer(layer: WhisperEncoderLayer, x: torch.Tensor, window: tuple[torch.Tensor, torch.Tensor],
-           at: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One encoder layer over x [B, S, d]: its K/V go into `window` [B, H, P + S, D] at positions `at`
-    [B, S], then it attends to the window under `mask`."""
+class _PoolKV:
+    """The batch's KV in an `AudioKVPool`: one scatter writes a layer's new K/V of every session, one gather
+    reads its window; the op count does not grow with the batch."""
+
+    def __init__(self, pool: AudioKVPool, slots: torch.Tensor, at: torch.Tensor) -> None:
+        self.pool, self.slots, self.at = pool, slots, at  # slots [B], at [B, S]: each session's new positions
+
+    def window(self, layer: int, k: torch.Tensor, v: torch.Tensor, span: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v [B, H, S, D] into the sessions' slots at `at`, then their first `span` positions [B, H, span, D]."""
+        rows = self.slots[:, None]  # [B, 1]
+        out = []
+        for cache, new in ((self.pool.k[layer], k), (self.pool.v[layer], v)):  # [slots, H, cap, D]
+            cache[rows, :, self.at] = new.transpose(1, 2)  # [B, S, H, D] at (slot, position)
+            out.append(cache[:, :, :span].index_select(0, self.slots))  # the one copy
+        return out[0], out[1]
+
+
+class _PrivateKV:
+    """The batch's KV in each session's own tensors (a session beyond the pool): per-session writes and a stack."""
+
+    def __init__(self, caches: Sequence[AudioKVCache]) -> None:
+        self.caches = caches
+
+    def window(self, layer: int, k: torch.Tensor, v: torch.Tensor, span: int) -> tuple[torch.Tensor, torch.Tensor]:
+        s = k.shape[2]
+        for b, c in enumerate(self.caches):
+            c.k[layer, 0, :, c.length:c.length + s] = k[b]
+            c.v[layer, 0, :, c.length:c.length + s] = v[b]
+        return (torch.stack([c.k[layer, 0, :, :span] for c in self.caches]),  # [B, H, span, D]
+                torch.stack([c.v[layer, 0, :, :span] for c in self.caches]))
+
+
+def _layer(layer: WhisperEncoderLayer, x: torch.Tensor, kv: _PoolKV | _PrivateKV, i: int, span: int,
+           mask: torch.Tensor | None) -> torch.Tensor:
+    """Encoder layer `i` over x [B, S, d]: its K/V join the sessions' caches, then it attends to their first
+    `span` positions under `mask`."""
     attn = layer.self_attn
     b, s, d = x.shape
     h = layer.self_attn_layer_norm(x)
     q, k, v = attn._split(attn.q_proj(h)), attn._split(attn.k_proj(h)), attn._split(attn.v_proj(h))
-    rows = torch.arange(b, device=x.device)[:, None]  # [B, 1]
-    keys, values = window
-    keys[rows, :, at] = k.transpose(1, 2)  # [B, S, H, D] at (row, position)
-    values[rows, :, at] = v.transpose(1, 2)
+    keys, values = kv.window(i, k, v, span)
     out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)  # [B, H, S, D]
     x = x + attn.out_proj(out.transpose(1, 2).reshape(b, s, d))
-    x = x + layer.fc2(F.gelu(layer.fc1(layer.final_layer_norm(x))))
-    return x, k, v
+    return x + layer.fc2(F.gelu(layer.fc1(layer.final_layer_norm(x))))
 
 
 def forward_stream_batch(encoder: WhisperEncoder, units: Sequence[UnitMel],
                          caches: Sequence[AudioKVCache]) -> torch.Tensor:
     """One unit per session -> post-LN hidden [B, S, d]; each cache advanced as `forward_stream` would."""
     dev = encoder.conv1.weight.device
-    for unit, cache in zip(units, caches, strict=True):  # the §2.4 reset rule, per session, first
+    trims = [_trim(u) for u in units]
+    s = trims[0][1]
+    if any(kept != s for _, kept in trims):
+        raise ValueError(f"units of different encoder lengths cannot share a batch: {[k for _, k in trims]}")
+    for unit, cache in zip(units, caches, strict=True):  # the §2.4 reset rule, per session, first (host ints)
         if cache.length + cnn_length(unit.mel.shape[-1]) >= cache.capacity:
             cache.reset()
             cache.resets += 1
-    x = _embed_units(encoder, units)  # [B, S, d]
-    s = x.shape[1]
-    starts = to_device(torch.tensor([c.length for c in caches]), dev)  # no blocking copy (tests/engine/test_stage0_syncs.py)
+    lengths = [c.length for c in caches]
+    pool = caches[0].pool
+    if pool is not None and not pool.holds(caches):
+        pool = None  # a session beyond the pool is in the batch
+    rows = [lengths, [left for left, _ in trims], [c.slot if pool is not None else 0 for c in caches]]
+    # every per-session index in one host -> device copy (no blocking copy: tests/engine/test_stage0_syncs.py)
+    starts, lefts, slots = to_device(torch.tensor(rows), dev).unbind(0)  # [B] each
     at = starts[:, None] + torch.arange(s, device=dev)  # [B, S]: each session's new frames, positions
-    x = x + encoder.embed_positions.weight[at]
-    span = max(c.length for c in caches) + s  # every cache has room: the reset rule ran above
+    x = _embed_units(encoder, units, lefts, s) + encoder.embed_positions.weight[at]  # [B, S, d]
+    span = max(lengths) + s  # every cache has room: the reset rule ran above
     mask = None
-    if any(c.length + s != span for c in caches):  # [B, 1, 1, P + S]: a session's own past + unit only
+    if any(n + s != span for n in lengths):  # [B, 1, 1, span]: a session's own past + unit only
         mask = (torch.arange(span, device=dev)[None] < (starts + s)[:, None])[:, None, None, :]
-    new_k, new_v = [], []
+    kv = _PoolKV(pool, slots, at) if pool is not None else _PrivateKV(caches)
     with _attention_kernels(dev):
         for i, layer in enumerate(encoder.layers):
-            window = (torch.stack([c.k[i, 0, :, :span] for c in caches]),  # [B, H, P + S, D]: the one copy
-                      torch.stack([c.v[i, 0, :, :span] for c in caches]))
-            x, k, v = _layer(layer, x, window, at, mask)
-            new_k.append(k)
-            new_v.append(v)
-    _append(caches, torch.stack(new_k), torch.stack(new_v))
+            x = _layer(layer, x, kv, i, span, mask)
+    for c, n in zip(caches, lengths, strict=True):
+        c.length = n + s
     return encoder.layer_norm(x)
 
 
@@ -93,26 +129,13 @@ def _attention_kernels(dev: torch.device) -> contextlib.AbstractContextManager:
     return sdpa_kernel(list(CUDA_ATTENTION)) if dev.type == "cuda" else contextlib.nullcontext()
 
 
-def _embed_units(encoder: WhisperEncoder, units: Sequence[UnitMel]) -> torch.Tensor:
-    """The CNN over every unit's mel, trimmed as `forward_stream` trims -> [B, S, d] (S equal for all)."""
+def _embed_units(encoder: WhisperEncoder, units: Sequence[UnitMel], lefts: torch.Tensor, s: int) -> torch.Tensor:
+    """The CNN over every unit's mel, `s` frames kept from `lefts` [B] on (`forward_stream`'s trim) -> [B, S, d]."""
     dev = encoder.conv1.weight.device
-    trims = [_trim(u) for u in units]
-    s = trims[0][1]
-    if any(kept != s for _, kept in trims):
-        raise ValueError(f"units of different encoder lengths cannot share a batch: {[k for _, k in trims]}")
     t_max = max(u.mel.shape[-1] for u in units)
-    # Right zero-padding is what conv1's own padding adds at a slice edge: the kept frames are unchanged.
-    mel = torch.stack([F.pad(to_device(u.mel, dev), (0, t_max - u.mel.shape[-1])) for u in units])  # [B, n_mels, T]
-    x = encoder.embed_cnn(mel)  # [B, ceil(T / 2), d]
-    frames = to_device(torch.tensor([left for left, _ in trims]), dev)[:, None] + torch.arange(s, device=dev)
+    # Right zero-padding is what conv1's own padding adds at a slice edge: the kept frames are unchanged. Only
+    # a first unit (102 frames among 104) needs it.
+    mels = [u.mel if u.mel.shape[-1] == t_max else F.pad(u.mel, (0, t_max - u.mel.shape[-1])) for u in units]
+    x = encoder.embed_cnn(to_device(torch.stack(mels), dev))  # [B, n_mels, T] -> [B, ceil(T / 2), d]
+    frames = lefts[:, None] + torch.arange(s, device=dev)  # [B, S]
     return x.gather(1, frames[..., None].expand(-1, -1, x.shape[-1]))  # [B, S, d]
-
-
-def _append(caches: Sequence[AudioKVCache], k_all: torch.Tensor, v_all: torch.Tensor) -> None:
-    """Every layer's new K/V [layers, B, H, S, D] into each session's cache, after its past."""
-    s = k_all.shape[3]
-    for b, cache in enumerate(caches):
-        start = cache.length
-        cache.k[:, 0, :, start:start + s] = k_all[:, b]
-        cache.v[:, 0, :, start:start + s] = v_all[:, b]
-        cache.length = start + s

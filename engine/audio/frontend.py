@@ -22,6 +22,7 @@ from engine.hostio import to_device
 from engine.model.audio import (
     ENCODER_FRAMES_PER_SECOND,
     AudioKVCache,
+    AudioKVPool,
     AudioProjector,
     WhisperEncoder,
     cnn_length,
@@ -47,8 +48,16 @@ class AudioFrontEnd:
     exactly one unit (mel slice -> streaming encoder with KV -> projector -> pool -> 10 rows)."""
 
     def __init__(self, encoder: WhisperEncoder, projector: AudioProjector, cfg: AudioConfig,
-                 stream_cfg: StreamConfig | None = None, mel_device: torch.device | str = "cpu") -> None:
+                 stream_cfg: StreamConfig | None = None, mel_device: torch.device | str = "cpu",
+                 kv_slots: int = 0) -> None:
+        """`kv_slots`: sessions whose audio KV lives in one `AudioKVPool` (allocated at the first session, on the
+        encoder's device and dtype; the engine's max_sessions); the batched encoder's host work then does not
+        grow with the batch. A session beyond them gets a private cache and still works, batched more slowly."""
         self.encoder, self.projector, self.cfg = encoder, projector, cfg
+        if kv_slots < 0:
+            raise ValueError(f"kv_slots must be >= 0, got {kv_slots}")
+        self.kv_slots = kv_slots
+        self.kv_pool: AudioKVPool | None = None
         self.stream_cfg = stream_cfg = stream_cfg or StreamConfig()
         self.streamer = MelStreamer(stream_cfg, mel_device)
         self.block = int(cfg.audio_chunk_length * ENCODER_FRAMES_PER_SECOND)
@@ -60,7 +69,12 @@ class AudioFrontEnd:
         return self.encoder.conv1.weight.device
 
     def new_session(self) -> AudioStreamState:
-        return AudioStreamState(mel=self.streamer.new_state(), kv=self.encoder.allocate_cache())
+        """A session's state; its audio KV a pool slot while one is free (freed when the state is dropped)."""
+        if self.kv_pool is None and self.kv_slots:
+            ref = self.encoder.conv1.weight
+            self.kv_pool = AudioKVPool.allocate(self.cfg, self.kv_slots, ref.device, ref.dtype)
+        kv = self.kv_pool.take() if self.kv_pool is not None else None
+        return AudioStreamState(mel=self.streamer.new_state(), kv=kv or self.encoder.allocate_cache())
 
     def reset(self, state: AudioStreamState) -> None:
         state.mel.reset(self.stream_cfg, self.streamer.logmel.device)
@@ -104,11 +118,33 @@ class AudioFrontEnd:
         units = self.streamer.next_units([s.mel for s in states])
         for state, unit in zip(states, units, strict=True):
             state.last_unit = unit
+        self._into_pool(states)
         hidden = forward_stream_batch(self.encoder, units, [s.kv for s in states])  # [B, 50, d]
         emb = self.projector.embed(hidden, self.cfg.audio_pool_step)  # [B, 10, llm_hidden]
         if emb.shape[1] != self.embeddings_per_unit:
             raise AssertionError(f"{emb.shape[1]} audio embeddings per unit, expected {self.embeddings_per_unit}")
         return list(emb.unbind(0))
+
+    def _into_pool(self, states: list[AudioStreamState]) -> None:
+        """Sessions that started with a private cache (no slot was free) move into slots freed since.
+
+        NOTE: a closed session's slot is free only once its state is garbage, and the stage0 engine holds a
+        closed session until its LLM slot is reused (HistoryRing.owner): the session opened in its place
+        starts without an audio slot, so it takes the freed one here, or the batch would stay per-session."""
+        pool = self.kv_pool
+        if pool is None or not pool.free:
+            return
+        for state in states:
+            if state.kv.pool is not None:
+                continue
+            kv = pool.take()
+            if kv is None:
+                return
+            n = state.kv.length  # one copy of the frames cached so far (once per such session)
+            kv.k[:, :, :, :n] = state.kv.k[:, :, :, :n]
+            kv.v[:, :, :, :n] = state.kv.v[:, :, :, :n]
+            kv.length, kv.resets = n, state.kv.resets
+            state.kv = kv
 
     def reference_mel(self, pcm16k: torch.Tensor) -> list[torch.Tensor]:
         """§2.6 mel: 30 s pieces, each zero-padded to 30 s, dynamic floor, T = ceil(N / hop) kept."""

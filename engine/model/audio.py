@@ -7,7 +7,9 @@ reference-audio path) and `forward_stream` (one unit's mel slice against an `Aud
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -40,14 +42,18 @@ def block_causal_mask(size: int, block: int, lengths: torch.Tensor | None = None
     return allowed[None, None] & valid[:, None, None, :]
 
 
-@dataclass
+@dataclass(eq=False)
 class AudioKVCache:
-    """One session's encoder KV: preallocated [layers, 1, heads, max_source_positions, head_dim]."""
+    """One session's encoder KV: [layers, 1, heads, max_source_positions, head_dim], its own tensors or views
+    of its slot of an `AudioKVPool` (then `pool` and `slot` say which; NOTE: the batched encoder then reads and
+    writes the pool, not `k` / `v`: never rebind them on a pooled cache)."""
 
     k: torch.Tensor
     v: torch.Tensor
     length: int = 0  # S_prev: frames cached
     resets: int = 0  # how many times the §2.4 reset rule fired (observability, tests)
+    pool: AudioKVPool | None = field(default=None, repr=False)
+    slot: int | None = None
 
     def reset(self) -> None:
         self.length = 0
@@ -55,6 +61,50 @@ class AudioKVCache:
     @property
     def capacity(self) -> int:
         return self.k.shape[3]
+
+
+class AudioKVPool:
+    """Every session's encoder KV in one K and one V tensor [layers, slots, heads, max_source_positions, head_dim]
+    (STYLE.md practice 4), so the batched encoder reads a layer's window for all its sessions with one gather and
+    writes their new K/V with one scatter (engine/audio/batched.py), whatever the batch size.
+
+    `take` hands out a slot as an `AudioKVCache` viewing it (the per-session `forward_stream` sees an ordinary
+    cache), or None when every slot is taken. The slot is free again once that cache object is garbage: the
+    front end has no close call of its own, and a state an audio worker still holds must keep its slot.
+    """
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k, self.v = k, v  # [layers, slots, heads, max_source_positions, head_dim]
+        # NOTE: list append / pop are atomic under the GIL: a finalizer may run on any thread (the one that drops
+        # the last reference, or a collection inside `take` itself), so no lock that it could deadlock on.
+        self._free = list(range(k.shape[1] - 1, -1, -1))
+
+    @classmethod
+    def allocate(cls, cfg: AudioConfig, slots: int, device: torch.device | str,
+                 dtype: torch.dtype) -> AudioKVPool:
+        shape = (cfg.encoder_layers, slots, cfg.encoder_attention_heads, cfg.max_source_positions, cfg.head_dim)
+        return cls(torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype))
+
+    @property
+    def slots(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    def take(self) -> AudioKVCache | None:
+        try:
+            slot = self._free.pop()
+        except IndexError:
+            return None
+        cache = AudioKVCache(k=self.k[:, slot: slot + 1], v=self.v[:, slot: slot + 1], pool=self, slot=slot)
+        weakref.finalize(cache, self._free.append, slot)
+        return cache
+
+    def holds(self, caches: Sequence[AudioKVCache]) -> bool:
+        """Are all `caches` slots of this pool (so the batched encoder may index the pool for them)?"""
+        return all(c.pool is self for c in caches)
 
 
 class WhisperAttention(nn.Module):

@@ -1,17 +1,21 @@
 """Batched audio front end (issue 15): one log-mel STFT over many windows and one streaming-encoder pass
 over many sessions' units give what the per-session path gives, for sessions at different points of
 their stream in the same batch: the first unit, both sides of the fixed/dynamic floor switch, the 30 s
-window slide, and the audio-KV reset (model.md §2.2-§2.4).
+window slide, and the audio-KV reset (model.md §2.2-§2.4). The sessions' audio KV are slots of one pool
+(a slot freed when its session's state is dropped, then reused); a session beyond the pool has its own.
 """
 
 from __future__ import annotations
 
 import copy
+import gc
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from engine.audio import AudioFrontEnd, FloorMode, LogMel, StreamConfig
+from engine.audio.batched import forward_stream_batch
 from engine.audio.frontend import AudioStreamState
 from tests.engine.test_audio_encoder import build, tiny_audio
 
@@ -54,9 +58,9 @@ def test_logmel_on_the_gpu_equals_the_cpu_path() -> None:
 START_UNITS = (0, 3, 4, 29, 39, 58)
 
 
-def _front_end() -> AudioFrontEnd:
+def _front_end(kv_slots: int = len(START_UNITS)) -> AudioFrontEnd:
     enc, proj = build(1500, seed=3)
-    return AudioFrontEnd(enc, proj, tiny_audio(1500))
+    return AudioFrontEnd(enc, proj, tiny_audio(1500), kv_slots=kv_slots)
 
 
 def _advanced(fe: AudioFrontEnd, session: int, units: int) -> AudioStreamState:
@@ -75,7 +79,9 @@ def _facts(state: AudioStreamState) -> tuple:
 def test_batched_units_equal_per_session_units_at_every_stream_point() -> None:
     fe = _front_end()
     states = [_advanced(fe, i, k) for i, k in enumerate(START_UNITS)]
-    single, batched = copy.deepcopy(states), copy.deepcopy(states)
+    assert fe.kv_pool is not None and fe.kv_pool.free == 0 and fe.kv_pool.holds([s.kv for s in states])
+    single, batched = copy.deepcopy(states), copy.deepcopy(states)  # each list: its own copy of the pool
+    assert batched[0].kv.pool is not None and batched[0].kv.pool.holds([s.kv for s in batched])
     for step in range(3):  # the special units first, then two ordinary ones
         pcms = [_unit_pcm(i, k + step) for i, k in enumerate(START_UNITS)]
         want = [fe.encode_unit(s, p) for s, p in zip(single, pcms, strict=True)]
@@ -105,19 +111,111 @@ def test_one_session_batch_equals_encode_unit() -> None:
     assert fe.encode_units([]) == []
 
 
+def _step_and_compare(fe: AudioFrontEnd, batched: list[AudioStreamState], single: list[AudioStreamState],
+                      pcms: list[torch.Tensor]) -> None:
+    want = [fe.encode_unit(s, p) for s, p in zip(single, pcms, strict=True)]
+    for g, w in zip(fe.encode_units(batched, pcms), want, strict=True):
+        torch.testing.assert_close(g, w, atol=ATOL, rtol=0)
+    assert [_facts(s) for s in batched] == [_facts(s) for s in single]
+
+
+def test_a_dropped_session_frees_its_slot_and_the_next_session_reuses_it() -> None:
+    """A slot keeps its last session's K/V; the session that reuses it must not see them (its own past only),
+    next to a session deep in its stream (the padding mask), and through a §2.4 reset later on. A session
+    that found no free slot works with its own cache and moves into a slot once one is free."""
+    fe, solo = _front_end(kv_slots=2), _front_end(kv_slots=0)  # solo: private caches, per-session path
+    old, deep = _advanced(fe, 1, 5), _advanced(fe, 2, 27)
+    deep_solo = _advanced(solo, 2, 27)
+    assert fe.kv_pool is not None and fe.kv_pool.free == 0
+    beyond = fe.new_session()  # a third session: no slot left, a private cache
+    assert beyond.kv.pool is None and fe.kv_pool.free == 0
+    slot = old.kv.slot
+    del old
+    gc.collect()  # (refcounting frees it already; a cycle would need a collection)
+    assert fe.kv_pool.free == 1
+    new = fe.new_session()
+    assert new.kv.slot == slot and new.kv.length == 0 and fe.kv_pool.free == 0
+    new_solo = solo.new_session()
+    for k in range(4):  # units 27.. of `deep`: its KV resets at unit 29 (29 x 50 + 52 >= 1500)
+        _step_and_compare(fe, [new, deep], [new_solo, deep_solo], [_unit_pcm(3, k), _unit_pcm(2, 27 + k)])
+    assert deep.kv.resets == 1 and new.kv.resets == 0
+    beyond_solo = solo.new_session()  # a batch with the session beyond the pool: the per-session KV path
+    for k in range(2):
+        _step_and_compare(fe, [new, beyond, deep], [new_solo, beyond_solo, deep_solo],
+                          [_unit_pcm(3, 4 + k), _unit_pcm(4, k), _unit_pcm(2, 31 + k)])
+    assert beyond.kv.pool is None
+    del new
+    assert fe.kv_pool.free == 1
+    for k in range(2):  # `beyond` moves into the freed slot, its 100 cached frames with it
+        _step_and_compare(fe, [beyond, deep], [beyond_solo, deep_solo], [_unit_pcm(4, 2 + k), _unit_pcm(2, 33 + k)])
+        assert beyond.kv.pool is fe.kv_pool and beyond.kv.slot == slot and fe.kv_pool.free == 0
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - the mode's protocol
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _encoder_ops(fe: AudioFrontEnd, sessions: int) -> int:
+    """ATen ops of one `forward_stream_batch` over `sessions` staggered sessions (after a first call)."""
+    states = [_advanced(fe, i, 2 + i % 3) for i in range(sessions)]  # 100, 150, 200 cached frames
+    units = [s.last_unit for s in states]  # (encoded again: only the op count matters here)
+    forward_stream_batch(fe.encoder, units, [s.kv for s in states])
+    with _Ops() as ops, torch.inference_mode():
+        forward_stream_batch(fe.encoder, units, [s.kv for s in states])
+    return ops.count
+
+
+def test_the_pooled_encoder_pass_dispatches_as_many_ops_for_six_sessions_as_for_two() -> None:
+    """The host work of the batched encoder does not grow with the batch (issue 15: per-session slices and
+    stacks held the stage0 thread); with private caches it does."""
+    assert _encoder_ops(_front_end(kv_slots=6), 6) == _encoder_ops(_front_end(kv_slots=2), 2)
+    assert _encoder_ops(_front_end(kv_slots=0), 6) > _encoder_ops(_front_end(kv_slots=0), 2)
+
+
 @CUDA
 def test_batched_units_on_the_gpu_equal_the_cpu_path() -> None:
     cpu = _front_end()
     enc, proj = build(1500, seed=3)
-    gpu = AudioFrontEnd(enc.cuda(), proj.cuda(), tiny_audio(1500), mel_device="cuda")
+    gpu = AudioFrontEnd(enc.cuda(), proj.cuda(), tiny_audio(1500), mel_device="cuda", kv_slots=3)
     states = [_advanced(cpu, i, k) for i, k in enumerate((0, 4, 29))]
-    on_gpu = copy.deepcopy(states)
-    for s in on_gpu:
-        s.kv.k, s.kv.v = s.kv.k.cuda(), s.kv.v.cuda()
+    on_gpu = [gpu.new_session() for _ in states]  # the same stream points in the GPU front end's pool
+    for g, s in zip(on_gpu, states, strict=True):
+        g.mel = copy.deepcopy(s.mel)
+        g.kv.k.copy_(s.kv.k)
+        g.kv.v.copy_(s.kv.v)
+        g.kv.length, g.kv.resets = s.kv.length, s.kv.resets
     pcms = [_unit_pcm(i, k) for i, k in enumerate((0, 4, 29))]
     want = [cpu.encode_unit(s, p) for s, p in zip(states, pcms, strict=True)]
     for g, w in zip(gpu.encode_units(on_gpu, pcms), want, strict=True):
         torch.testing.assert_close(g.cpu(), w, atol=1e-4, rtol=1e-4)  # TF32-free fp32, GPU reductions
+
+
+@CUDA
+def test_the_pooled_front_end_on_cuda_makes_no_hidden_sync() -> None:
+    """tests/engine/test_stage0_syncs.py for the pool's gather / scatter and a session moving into a slot."""
+    from tests.engine.test_stage0_syncs import _syncs_while
+
+    enc, proj = build(1500, seed=3)
+    fe = AudioFrontEnd(enc.cuda(), proj.cuda(), tiny_audio(1500), mel_device="cuda", kv_slots=3)
+    states = [_advanced(fe, i, i) for i in range(3)]  # staggered: the padding mask
+    beyond = _advanced(fe, 3, 1)  # a private cache
+    fe.encode_units(states + [beyond], [_unit_pcm(i, s.next_unit) for i, s in enumerate(states + [beyond])])  # warm
+    del states[0]
+    gc.collect()
+
+    def run() -> None:
+        for _ in range(3):
+            batch = states + [beyond]
+            fe.encode_units(batch, [_unit_pcm(i, s.next_unit) for i, s in enumerate(batch)])
+
+    assert _syncs_while(run) == []
+    assert beyond.kv.pool is fe.kv_pool
 
 
 def test_host_pcm_goes_to_the_mel_device_in_order() -> None:

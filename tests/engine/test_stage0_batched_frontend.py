@@ -66,8 +66,9 @@ def _engine(front: AudioFrontEndAdapter, model: torch.nn.Module) -> tuple[Stage0
 
 
 def _audio() -> AudioFrontEnd:
+    """The tiny front end with an audio-KV slot for each of the engine's sessions (max_sessions = 4)."""
     enc, proj = build(1500, seed=3)
-    return AudioFrontEnd(enc, proj, tiny_audio(1500))
+    return AudioFrontEnd(enc, proj, tiny_audio(1500), kv_slots=4)
 
 
 def test_batched_front_end_equals_per_session_front_end() -> None:
@@ -89,6 +90,58 @@ def test_batched_front_end_equals_per_session_front_end() -> None:
             if isinstance(x, TokenEvent) and x.hidden is not None:
                 torch.testing.assert_close(x.hidden, y.hidden, atol=ATOL, rtol=ATOL)
         assert sum(isinstance(e, UnitDone) for e in a) == 5
+
+
+def _signature(events: list) -> list[tuple]:
+    return [(type(e), e.unit_index, e.token_id if isinstance(e, TokenEvent) else e.terminator) for e in events]
+
+
+def _close_and_reuse(engine: Stage0Engine, pool_free: Any) -> list[int]:
+    """Four sessions fill the engine; s0 closes after two units; s4 opens in its place and streams next to
+    s1..s3, which are further on (staggered caches). Returns the pool's free slots after each phase."""
+    free: list[int] = []
+    for i in range(4):
+        engine.open(f"s{i}", Fence(1, 0), params=params(i))
+    for k in range(2):
+        for i in range(4):
+            engine.append(f"s{i}", Fence(1, 0, seq=k), unit_pcm(i, k))
+        engine.run_until_idle()
+    free.append(pool_free())
+    assert engine.close("s0", Fence(1, 0))
+    free.append(pool_free())
+    engine.open("s4", Fence(1, 0), params=params(4))
+    free.append(pool_free())
+    for k in range(3):
+        engine.append("s4", Fence(1, 0, seq=k), unit_pcm(4, k))
+        for i in (1, 2, 3):
+            engine.append(f"s{i}", Fence(1, 0, seq=2 + k), unit_pcm(i, 2 + k))
+        engine.run_until_idle()
+        free.append(pool_free())
+    return free
+
+
+def test_a_closed_session_s_audio_kv_slot_serves_the_next_session() -> None:
+    """The audio KV slot of a closed session is free once the engine drops the session (its LLM slot reused:
+    HistoryRing.owner holds it until then), so the session opened in its place starts with a private cache
+    and moves into the slot at its next batch; its units equal the per-session front end's throughout,
+    beside sessions further on in their streams."""
+    model = tiny_llm()
+    front = CountingFrontEnd(_audio())
+    batched, got = _engine(front, model)
+    free = _close_and_reuse(batched, lambda: front.audio.kv_pool.free)
+    assert free[0] == 0 and free[-1] == 0
+    kvs = [batched.session(f"s{i}").frontend_state.kv for i in range(1, 5)]
+    assert all(kv.pool is front.audio.kv_pool for kv in kvs) and len({kv.slot for kv in kvs}) == 4
+    solo, want = _engine(PerSessionFrontEnd(_audio()), model)
+    _close_and_reuse(solo, lambda: 0)
+    assert max(front.batches) == 4
+    for sid in ("s0", "s1", "s2", "s3", "s4"):
+        a, b = by_session(got, sid), by_session(want, sid)
+        assert _signature(a) == _signature(b) and sum(isinstance(e, UnitDone) for e in a) == (2 if sid == "s0" else 5
+                                                                                            if sid != "s4" else 3)
+        for x, y in zip(a, b, strict=True):
+            if isinstance(x, TokenEvent) and x.hidden is not None:
+                torch.testing.assert_close(x.hidden, y.hidden, atol=ATOL, rtol=ATOL)
 
 
 def test_failed_front_end_batch_fails_its_units_only() -> None:
