@@ -13,6 +13,12 @@ under the padding mask. Two figures per batch size:
   Python, dispatcher and shape work, a proxy for the host time a GPU step spends before its kernels run.
 `--baseline FILE` loads `forward_stream_batch` from FILE and gives it private caches (`allocate_cache`), as the
 front end did before the audio KV pool; otherwise the sessions' caches come from one `AudioKVPool`.
+`--whole` counts the ops of the whole `AudioFrontEnd.encode_units` instead (PCM push, the mel windows and their
+batched log-mel, the encoder, the projector), sessions streamed to the stagger first, each with a pool slot
+where the tree's front end has a pool; run from a copy of an older tree it gives that tree's figure:
+
+    git archive 023fa67 engine bench | tar -x -C /tmp/pre_pool
+    cp bench/audio_frontend_ops.py /tmp/pre_pool/bench/ && python /tmp/pre_pool/bench/audio_frontend_ops.py --whole
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
+import inspect
 import json
 import statistics
 import sys
@@ -33,9 +40,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
 from bench.stage0_frontend import FULL_AUDIO
-from engine.audio import StreamConfig, UnitMel
+from engine.audio import AudioFrontEnd, StreamConfig, UnitMel
 from engine.audio.mel import FloorMode
-from engine.model.audio import AudioKVCache, AudioKVPool, WhisperEncoder
+from engine.model.audio import AudioKVCache, AudioProjector, WhisperEncoder
 
 UNIT_FRAMES = 104  # a later unit's mel slice: 100 frames + 2 redundancy frames per side
 # the op count does not depend on the width, only on the layer count: tiny width, full depth (fast on 2 cores)
@@ -70,6 +77,8 @@ def _setup(cfg, dev: str, n: int, ctx: int, stagger: int, private: bool):  # noq
     if private:
         caches = [enc.allocate_cache() for _ in range(n)]
     else:
+        from engine.model.audio import AudioKVPool
+
         pool = AudioKVPool.allocate(cfg, n, enc.conv1.weight.device, enc.conv1.weight.dtype)
         caches = [pool.take() for _ in range(n)]
     lengths = [ctx - 50 * (i % stagger) for i in range(n)]
@@ -96,6 +105,27 @@ def count_ops(fn, n: int, ctx: int, stagger: int, private: bool) -> Counter[str]
     return counter.ops
 
 
+def count_encode_units(n: int, stagger: int) -> Counter[str]:
+    """Ops of one `encode_units` over n sessions, session i (i % stagger) units behind session 0."""
+    torch.manual_seed(0)
+    enc, proj = WhisperEncoder(COUNT_AUDIO).eval(), AudioProjector(COUNT_AUDIO.d_model, 128).eval()
+    pooled = "kv_slots" in inspect.signature(AudioFrontEnd).parameters
+    fe = AudioFrontEnd(enc, proj, COUNT_AUDIO, **({"kv_slots": n} if pooled else {}))
+    states = [fe.new_session() for _ in range(n)]
+    cfg = StreamConfig()
+
+    def pcm(unit: int) -> torch.Tensor:
+        return 0.1 * torch.randn(cfg.first_chunk_samples - cfg.prefix_zeros if unit == 0 else cfg.chunk_samples)
+
+    targets = [stagger - i % stagger for i in range(n)]  # units done before the counted call: 1..stagger
+    while behind := [s for s, t in zip(states, targets, strict=True) if s.next_unit < t]:
+        fe.encode_units(behind, [pcm(s.next_unit) for s in behind])
+    pcms = [pcm(s.next_unit) for s in states]
+    with OpCounter() as counter:
+        fe.encode_units(states, pcms)
+    return counter.ops
+
+
 def host_ms(fn, batches: list[int], ctx: int, stagger: int, iters: int, private: bool) -> dict[int, float]:  # noqa: ANN001
     """Median wall ms per call on `meta` at full size; the batch sizes take turns (the machine's load drifts)."""
     setups = {n: _setup(FULL_AUDIO, "meta", n, ctx, stagger, private) for n in batches}
@@ -116,9 +146,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ctx", type=int, default=1200, help="cached frames of session 0 (unit 24)")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--baseline", type=Path, default=None, help="a file with another forward_stream_batch")
+    ap.add_argument("--whole", action="store_true", help="ops of the whole encode_units (no timing)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
+    if args.whole:
+        print(f"{'sessions':>8s} {'ops/call':>8s}  most frequent ops (AudioFrontEnd.encode_units)")
+        for n in args.batches.split(","):
+            ops = count_encode_units(int(n), args.stagger)
+            print(f"{int(n):8d} {sum(ops.values()):8d}  {', '.join(f'{k} {c}' for k, c in ops.most_common(6))}")
+        return 0
     fn = _load(args.baseline)
     private = args.baseline is not None
     batches = [int(n) for n in args.batches.split(",")]

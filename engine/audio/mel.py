@@ -8,6 +8,7 @@ No torchaudio: the filter bank is built here in float64 exactly like `transforme
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from enum import StrEnum
@@ -119,26 +120,34 @@ class LogMel:
         return self.floor_and_scale(self.raw(waveform), mode)
 
     def batch(self, waveforms: list[torch.Tensor], modes: list[FloorMode]) -> list[torch.Tensor]:
-        """Many windows of different lengths in one STFT: item i is `self(waveforms[i], modes[i])`.
+        """Many windows [N_i] of different lengths in one STFT: item i is `self(waveforms[i], modes[i])`.
 
         Each window is reflect-padded on its own (what `center=True` does), then zero-padded on the right
         to the longest; the frames past a window's own N // hop never mix into its valid frames, and its
-        dynamic floor is the max over its valid frames only.
+        dynamic floor is the max over its valid frames only. The padded batch is one gather from the
+        windows laid end to end, so the ops dispatched do not grow with the number of windows (issue 15).
         """
         cfg, half = self.cfg, self.cfg.n_fft // 2
-        frames = [w.numel() // cfg.hop_length for w in waveforms]
-        padded = [torch.nn.functional.pad(to_device(w, self.device).to(torch.float32).reshape(1, -1), (half, half),
-                                          mode="reflect")[0] for w in waveforms]
-        width = max(p.numel() for p in padded)
-        wav = torch.stack([torch.nn.functional.pad(p, (0, width - p.numel())) for p in padded])  # [B, L]
+        sizes = [w.numel() for w in waveforms]
+        frames = [n // cfg.hop_length for n in sizes]
+        starts = [0, *itertools.accumulate(sizes)][:-1]
+        flat = to_device(torch.cat(waveforms), self.device).to(torch.float32)  # [sum N_i]
+        # every per-window number in one host -> device copy (no blocking copy on CUDA)
+        info = to_device(torch.tensor([sizes, starts, frames, [m is FloorMode.DYNAMIC for m in modes]],
+                                      dtype=torch.int32), self.device)  # [4, B]; int32: the [B, L] index below
+        size, start, frame, dynamic = (row[:, None] for row in info.unbind(0))  # [B, 1] each
+        pos = torch.arange(-half, max(sizes) + half, device=self.device, dtype=torch.int32)[None]  # [1, L]
+        reflected = pos.abs()  # [1, L]: index in the window, the left edge mirrored
+        index = 2 * (size - 1) - reflected  # [B, L]: the right edge mirrored
+        torch.minimum(index, reflected, out=index).clamp_(min=0).add_(start)  # both edges, into `flat`
+        wav = flat[index].masked_fill_(pos >= size + half, 0.0)  # [B, L]: reflect-padded, zeros past the end
         stft = torch.stft(wav, cfg.n_fft, cfg.hop_length, window=self.window, center=False,
                           return_complex=True)  # [B, n_freqs, 1 + (L - n_fft) // hop]
         t_max = max(frames)
         power = (stft[..., :t_max].abs() ** 2).contiguous()  # [B, n_freqs, T_max]
         log_spec = torch.clamp(self.filters_t @ power, min=cfg.log_clamp).log10()  # [B, n_mels, T_max]
-        valid = torch.arange(t_max, device=self.device)[None, :] < to_device(torch.tensor(frames), self.device)[:, None]
+        valid = torch.arange(t_max, device=self.device)[None, :] < frame  # [B, T_max]
         peak = log_spec.masked_fill(~valid[:, None, :], float("-inf")).amax(dim=(1, 2))  # [B]
-        dynamic = to_device(torch.tensor([m is FloorMode.DYNAMIC for m in modes]), self.device)
-        floor = torch.where(dynamic, peak - cfg.dynamic_range, torch.full_like(peak, cfg.fixed_floor))
+        floor = torch.where(dynamic[:, 0].bool(), peak - cfg.dynamic_range, torch.full_like(peak, cfg.fixed_floor))
         out = (torch.maximum(log_spec, floor[:, None, None]) + cfg.scale_offset) / cfg.scale_divisor
         return [out[i, :, :n] for i, n in enumerate(frames)]
