@@ -18,6 +18,8 @@ from gateway.runtime.base import Runtime
 from gateway.settings import GatewaySettings
 from gateway.state import GatewayState
 from gateway.ws import routes
+from gateway.ws.actor import run_actor
+from gateway.ws.live import LiveSession
 from gateway.ws.messages import Expired, Shutdown
 
 # The browser demo (clients/web) next to this package; computed so the gateway imports no client code.
@@ -45,7 +47,8 @@ def triton_runtime(settings: GatewaySettings) -> Runtime:
     directory = SessionDirectory(settings.redis_url, settings.advertise_addr, settings.directory_lease_s)
     # dead gateways' sequences are closed stage by stage: only on the served (stages) path
     sweeper = Sweeper(directory, settings.directory_lease_s, settings.runtime_timeout_s,
-                      batch_dim=settings.triton_batch_dim) if settings.triton_mode == "stages" else None
+                      batch_dim=settings.triton_batch_dim, grace_s=settings.disconnect_grace_s
+                      ) if settings.triton_mode == "stages" else None
     return DirectoryRuntime(runtime, directory, settings.triton_url, sweeper)
 
 
@@ -91,6 +94,9 @@ def create_app(settings: GatewaySettings | None = None, *, runtime: Runtime | No
         runtime = triton_runtime(settings)
     state = GatewayState(settings, runtime)
     state.directory = getattr(runtime, "directory", None)  # a DirectoryRuntime's: resumes of others' sessions relay
+    if state.directory is not None:  # several gateways: sessions are copied to Redis, a dead gateway's adopted
+        state.replicate = runtime.replicate  # type: ignore[attr-defined]
+        state.host_factory = lambda route, profile: LiveSession.for_adoption(state, route, profile, run_actor)
 
     async def on_expire(session_id: str, reason: ExpiryReason) -> None:
         live = state.sessions.get(session_id)

@@ -32,6 +32,13 @@ class SessionRegistry:
         self._live[session_id] = incarnation
         return incarnation
 
+    def adopt(self, session_id: str, incarnation: int) -> None:
+        """A live session of a dead gateway, hosted here from now on (gateway/directory/adopt.py): its incarnation
+        is the one it has. Raises session_exists for a live id."""
+        self.check_free(session_id)
+        self._tombstones.pop(session_id, None)
+        self._live[session_id] = incarnation
+
     def release(self, session_id: str) -> None:
         """After cleanup succeeded (AD-3); keeps a tombstone for the next incarnation."""
         incarnation = self._live.pop(session_id, None)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from gateway.admission import Admission, AdmissionConfig
@@ -19,6 +20,7 @@ from gateway.settings import GatewaySettings
 from gateway.ws.messages import Message
 
 if TYPE_CHECKING:
+    from gateway.directory.replica import HostFactory, ReplicatedHost
     from gateway.directory.store import SessionDirectory
     from gateway.vad.model import SileroVad
 
@@ -52,6 +54,9 @@ class GatewayState:
         self.tasks: set[asyncio.Task[None]] = set()  # session hosts; they outlive their sockets
         self.reaper: Reaper | None = None
         self.directory: SessionDirectory | None = None  # several gateways: where a session lives (gateway/directory)
+        # several gateways: what copies a hosted session to Redis, and what hosts one adopted from a dead gateway
+        self.replicate: Callable[[ReplicatedHost], None] | None = None
+        self.host_factory: HostFactory | None = None
         self.draining = False
         self.warm = False  # set once the runtime has reported ready (warm-up done)
         self._ready_cache: tuple[float, Readiness] | None = None
@@ -72,6 +77,11 @@ class GatewayState:
 
             self.vad = SileroVad()
         return self.vad
+
+    def hosted(self, host: ReplicatedHost) -> None:
+        """A session is hosted here from now on (opened, or adopted): with several gateways, its copy in Redis."""
+        if self.replicate is not None:
+            self.replicate(host)
 
     def spawn(self, coro: Any, name: str) -> asyncio.Task[None]:
         task = asyncio.get_running_loop().create_task(coro, name=name)

@@ -17,20 +17,22 @@ from typing import TYPE_CHECKING, Any
 import websockets
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
+from gateway.directory.adopt import adopt
 from gateway.protocol.errors import Effect, ProtocolError
 
 if TYPE_CHECKING:
     from gateway.state import GatewayState
 
 # no close frame from the owner (it died mid-relay): the client sees the socket end as a lost server, 1011, and
-# resumes again (which then gets runtime_resume_failed until the owner's lease runs out, then session_resume_expired)
+# resumes again (which then gets runtime_resume_failed until the owner's lease runs out, then adopts the session)
 OWNER_LOST = (1011, "owner_gateway_lost")
 FORWARDED_HEADERS = ("authorization",)
 
 
 async def relayed_to_owner(gw: GatewayState, ws: WebSocket, opener: dict[str, Any]) -> bool:
     """A resume of a session this gateway does not hold, owned by a live gateway: relay it there (True).
-    False: resume here (the local procedure answers `session_resume_expired` for an unknown session)."""
+    False: resume here: a dead gateway's session is adopted first (adopt.py); for an unknown session the local
+    procedure answers `session_resume_expired`."""
     directory, sid = gw.directory, opener.get("session_id")
     if directory is None or not isinstance(sid, str) or sid in gw.sessions:
         return False
@@ -39,7 +41,11 @@ async def relayed_to_owner(gw: GatewayState, ws: WebSocket, opener: dict[str, An
     except Exception as exc:  # noqa: BLE001 - Redis unreachable: the client retries with backoff (CL-3)
         raise ProtocolError("runtime_resume_failed", f"session directory: {exc.__class__.__name__}",
                             effect=Effect.HANDSHAKE) from exc
-    if entry is None or not entry.owner_alive or entry.owner == directory.addr:
+    if entry is None or entry.owner == directory.addr:
+        return False
+    if not entry.owner_alive:  # its gateway died: take the session over here, then resume it here (adopt.py)
+        if gw.host_factory is not None:
+            await adopt(gw, entry)
         return False
     await relay_resume(ws, entry.owner, opener, max_size=gw.settings.ws_max_message_bytes)
     return True

@@ -1,10 +1,12 @@
 """`DirectoryRuntime`: any `Runtime`, with each session's open and close written to the shared directory.
 
 The runtime open is where a session gets its replica, so the record is written right after it succeeds (a
-failed open leaves nothing behind) and deleted when the runtime close ends, whatever its outcome. Readiness
-includes the directory: a gateway that cannot reach Redis could not record new sessions, so it is not ready.
-The first readiness probe (a gateway serves nothing before one: the handshake asks too) takes the lease and
-starts the sweep (sweep.py). Every session operation is the inner runtime's.
+failed open leaves nothing behind) and deleted when the runtime close ends, whatever its outcome. While the
+session is hosted, its `Replicator` (replica.py) keeps its journal and state in Redis (`replicate`); a session
+adopted from a dead gateway is bound to its replica again with `reattach` (adopt.py). Readiness includes the
+directory: a gateway that cannot reach Redis could not record new sessions, so it is not ready. The first
+readiness probe (a gateway serves nothing before one: the handshake asks too) takes the lease and starts the
+sweep (sweep.py). Every session operation is the inner runtime's.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import logging
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
+from gateway.directory.replica import ReplicatedHost, Replicator
 from gateway.directory.store import SessionDirectory
 from gateway.directory.sweep import Sweeper
 from gateway.runtime.base import (
@@ -36,6 +39,7 @@ class DirectoryRuntime:
         self.inner, self.directory, self._default_replica = inner, directory, default_replica
         self._sweeper = sweeper
         self._sweeping: asyncio.Task[None] | None = None
+        self._replicators: dict[str, Replicator] = {}
 
     def _replica(self, key: SessionKey) -> str:
         replica_of = getattr(self.inner, "replica_of", None)  # ReplicaRuntime knows; one Triton is the default
@@ -49,6 +53,25 @@ class DirectoryRuntime:
             await self.inner.close(key, fence)
             raise RuntimeFailure("internal_error", f"session directory: {exc}") from exc
 
+    def replicate(self, host: ReplicatedHost) -> None:
+        """A session this gateway now hosts (opened here, or adopted): keep its copy in Redis until its close."""
+        assert host.session is not None
+        sid = host.session.session_id
+        replicator = Replicator(self.directory, sid, host)
+        self._replicators[sid] = replicator
+        replicator.start()
+
+    async def reattach(self, key: SessionKey, replica: str) -> None:
+        """A dead gateway's session, adopted here (adopt.py): its operations go to `replica` from now on."""
+        reattach = getattr(self.inner, "reattach", None)
+        if reattach is not None:
+            reattach(key, replica)
+            return
+        adopt = getattr(self.inner, "adopt", None)  # one Triton: the session must be on it
+        if adopt is None or replica != self._default_replica:
+            raise RuntimeFailure("session_not_found", f"replica {replica} is not this gateway's")
+        adopt(key)
+
     async def append(self, key: SessionKey, fence: Fence, unit: UnitSubmission) -> None:
         await self.inner.append(key, fence, unit)
 
@@ -59,6 +82,9 @@ class DirectoryRuntime:
         await self.inner.update(key, fence, config)
 
     async def close(self, key: SessionKey, fence: Fence) -> None:
+        replicator = self._replicators.pop(key.session_id, None)
+        if replicator is not None:  # first: a write landing after the record's delete would bring part of it back
+            await replicator.aclose()
         try:
             await self.inner.close(key, fence)
         finally:
@@ -85,6 +111,9 @@ class DirectoryRuntime:
             self._sweeping.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._sweeping
+        for replicator in list(self._replicators.values()):
+            await replicator.aclose()
+        self._replicators.clear()
         try:
             await self.inner.aclose()
         finally:

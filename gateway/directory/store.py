@@ -1,11 +1,19 @@
 """`SessionDirectory`: the Redis records of live sessions and of the gateways that own them.
 
 Keys (all under `duplex:`):
-  duplex:session:<session_id>   hash {owner, replica, correlation_id, incarnation}; written at the runtime open,
-                                deleted at close (or by the sweep, once the owner is dead)
+  duplex:session:<session_id>   hash {owner, replica, correlation_id, incarnation, journal_last_seq,
+                                journal_acked_seq, journal_aged_seq[, orphaned_at]}; written at the runtime open,
+                                the journal position with every write-through (replica.py), deleted at close (or by
+                                the sweep, once the owner is dead and the resume grace has passed)
+  duplex:journal:<session_id>   hash {seq: "<wall ms> <exact event text>"}: the resume journal, trimmed as the
+                                owner's in-memory journal is (replica.py)
+  duplex:state:<session_id>     JSON: the session's state a new owner needs (replica.py, gateway/session/snapshot.py)
+  duplex:config:<session_id>    JSON: the session config as the client last set it
   duplex:owner:<addr>           the owner's lease: "1" with a TTL of `lease_s`, refreshed every lease_s / 3
-A session's owner is alive while its lease key exists. Only the owner writes its own records; any gateway reads,
-and one gateway (the one whose delete wins) sweeps a dead owner's records (`claim_orphans`).
+A session's owner is alive while its lease key exists. Only the owner writes its own records; any gateway reads.
+A dead owner's session is either taken over by the gateway a resume reaches (`take_over`, gateway/directory/
+adopt.py) or, once it has been orphaned for the resume grace, swept by one gateway (`claim_orphans`); both are
+one atomic script each, so exactly one of them wins.
 
 Every Redis call is bounded (`SessionDirectory.call_timeout_s`): a gateway never waits forever on Redis. A call
 that gets no reply in time, or whose connection drops, is sent once more on a fresh connection; then it raises a
@@ -16,6 +24,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +54,67 @@ def _entry(session_id: str, fields: dict[str, str], alive: bool) -> Entry:
 
 def session_key(session_id: str) -> str:
     return f"{PREFIX}session:{session_id}"
+
+
+def journal_key(session_id: str) -> str:
+    return f"{PREFIX}journal:{session_id}"
+
+
+def state_key(session_id: str) -> str:
+    return f"{PREFIX}state:{session_id}"
+
+
+def config_key(session_id: str) -> str:
+    return f"{PREFIX}config:{session_id}"
+
+
+def session_keys(session_id: str) -> tuple[str, ...]:
+    """Every key of one session (its record first)."""
+    return session_key(session_id), journal_key(session_id), state_key(session_id), config_key(session_id)
+
+
+# KEYS: the record, then the dead owner's lease. ARGV: the dead owner, the new owner. 1 = taken over.
+TAKE_OVER = """
+if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] or redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
+redis.call('HSET', KEYS[1], 'owner', ARGV[2])
+redis.call('HDEL', KEYS[1], 'orphaned_at')
+return 1
+"""
+# The write-through of one session (replica.py), one command: applied only while this gateway owns the record (a
+# gateway that lost it, say cut off from Redis past its lease, cannot overwrite the new owner's copy).
+# KEYS: record, journal, state, config. ARGV: owner, overflowed (0/1), journal last/acked/aged seq, state JSON,
+# config JSON ("" = unchanged), n, n x (seq, entry) to add, then the seqs to delete. 1 = written, 0 = not the owner.
+WRITE = """
+if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return 0 end
+redis.call('HSET', KEYS[1], 'journal_last_seq', ARGV[3], 'journal_acked_seq', ARGV[4], 'journal_aged_seq', ARGV[5])
+redis.call('SET', KEYS[3], ARGV[6])
+if ARGV[7] ~= '' then redis.call('SET', KEYS[4], ARGV[7]) end
+if ARGV[2] == '1' then redis.call('DEL', KEYS[2]) return 1 end
+local n = tonumber(ARGV[8])
+for i = 9, 8 + 2 * n, 2 do redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1]) end
+for i = 9 + 2 * n, #ARGV do redis.call('HDEL', KEYS[2], ARGV[i]) end
+return 1
+"""
+# KEYS: the record. ARGV: this gateway, the dead owner. Undoes TAKE_OVER.
+GIVE_BACK = """
+if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return 0 end
+redis.call('HSET', KEYS[1], 'owner', ARGV[2])
+return 1
+"""
+# KEYS: the session's keys (record first), then the dead owner's lease. ARGV: the dead owner, now (wall ms), the
+# grace (ms). Marks the record orphaned the first time; deletes it, once orphaned that long. 1 = deleted here.
+SWEEP = """
+local lease = KEYS[#KEYS]
+if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] or redis.call('EXISTS', lease) == 1 then return 0 end
+local at = redis.call('HGET', KEYS[1], 'orphaned_at')
+if not at then
+  redis.call('HSET', KEYS[1], 'orphaned_at', ARGV[2])
+  at = ARGV[2]
+end
+if tonumber(ARGV[2]) - tonumber(at) < tonumber(ARGV[3]) then return 0 end
+for i = 1, #KEYS - 1 do redis.call('DEL', KEYS[i]) end
+return 1
+"""
 
 
 def lease_key(addr: str) -> str:
@@ -76,26 +147,29 @@ class SessionDirectory:
     async def _call(self, method: str, *args: Any, idempotent: bool = True, **kwargs: Any) -> Any:
         """`client.<method>(*args, **kwargs)`, each attempt within `call_timeout_s`; an idempotent call is tried
         ATTEMPTS times. No reply raises `redis.TimeoutError`, a lost connection `redis.ConnectionError`."""
+        return await self._bounded(method, lambda: getattr(self._client(), method)(*args, **kwargs), idempotent)
+
+    async def _bounded(self, name: str, send: Callable[[], Awaitable[Any]], idempotent: bool) -> Any:
         from redis.exceptions import ConnectionError as LostConnection  # noqa: PLC0415 - see _client
         from redis.exceptions import TimeoutError as NoReply  # noqa: PLC0415
 
         for attempt in range(1, ATTEMPTS if idempotent else 1):
             try:
-                return await self._attempt(method, *args, **kwargs)
+                return await self._attempt(name, send)
             except (LostConnection, NoReply) as exc:
-                log.info("directory: Redis %s attempt %d failed (%s), trying again", method, attempt, exc)
-        return await self._attempt(method, *args, **kwargs)
+                log.info("directory: Redis %s attempt %d failed (%s), trying again", name, attempt, exc)
+        return await self._attempt(name, send)
 
-    async def _attempt(self, method: str, *args: Any, **kwargs: Any) -> Any:
+    async def _attempt(self, name: str, send: Callable[[], Awaitable[Any]]) -> Any:
         from redis.exceptions import TimeoutError as NoReply  # noqa: PLC0415 - see _client
 
         try:
             # a timeout cancels the command mid-read: redis-py then drops that connection, so a late reply can
             # never be read as the answer to a later command
             async with asyncio.timeout(self.call_timeout_s):
-                return await getattr(self._client(), method)(*args, **kwargs)
+                return await send()
         except TimeoutError as exc:  # asyncio's, raised as redis-py's own typed error
-            raise NoReply(f"Redis {method}: no reply within {self.call_timeout_s:.3g}s") from exc
+            raise NoReply(f"Redis {name}: no reply within {self.call_timeout_s:.3g}s") from exc
 
     async def _refresh_lease(self) -> None:
         await self._call("set", lease_key(self.addr), "1", px=int(self.lease_s * 1000))
@@ -122,7 +196,36 @@ class SessionDirectory:
             "incarnation": str(incarnation)})
 
     async def unregister(self, session_id: str) -> None:
-        await self._call("delete", session_key(session_id))
+        await self._call("delete", *session_keys(session_id))
+
+    async def write_through(self, session_id: str, args: list[str]) -> bool:
+        """One session's changes (replica.py builds `args` as WRITE's ARGV after the owner); False when this gateway
+        no longer owns the record. Retried like any idempotent call (every part sets or deletes absolute values)."""
+        keys = (session_key(session_id), journal_key(session_id), state_key(session_id), config_key(session_id))
+        return bool(await self._call("eval", WRITE, len(keys), *keys, self.addr, *args))
+
+    async def take_over(self, session_id: str, dead_owner: str) -> bool:
+        """Make this gateway the owner of a session whose owner's lease is gone; False if the owner is alive, or
+        another gateway took it over (or swept it) first. Not retried: a lost reply must not turn a win into 0."""
+        return bool(await self._call("eval", TAKE_OVER, 2, session_key(session_id), lease_key(dead_owner),
+                                     dead_owner, self.addr, idempotent=False))
+
+    async def give_back(self, session_id: str, dead_owner: str) -> None:
+        """Undo `take_over` (an adoption that failed half-way): the record names the dead owner again."""
+        await self._call("eval", GIVE_BACK, 1, session_key(session_id), self.addr, dead_owner)
+
+    async def load(self, session_id: str) -> tuple[dict[str, str], dict[str, str], str | None, str | None]:
+        """A session's record, journal, state and config as stored (empty / None where absent)."""
+        async def read() -> Any:
+            pipe = self._client().pipeline(transaction=True)
+            for key in (session_key(session_id), journal_key(session_id)):
+                pipe.hgetall(key)
+            for key in (state_key(session_id), config_key(session_id)):
+                pipe.get(key)
+            return await pipe.execute()
+
+        record, journal, state, config = await self._bounded("load", read, True)
+        return record, journal, state, config
 
     async def lookup(self, session_id: str) -> Entry | None:
         fields = await self._call("hgetall", session_key(session_id))
@@ -131,20 +234,27 @@ class SessionDirectory:
         alive = bool(await self._call("exists", lease_key(fields["owner"])))
         return _entry(session_id, fields, alive)
 
-    async def claim_orphans(self) -> list[Entry]:
-        """Records whose owner's lease is gone, each deleted here: only the gateway whose delete removed it gets
-        it back, so every orphan is handled once even with every gateway sweeping."""
+    async def claim_orphans(self, grace_s: float = 0.0) -> list[Entry]:
+        """Records whose owner's lease is gone and that nobody took over within `grace_s` (the resume grace) since a
+        sweep first saw them orphaned, each deleted here with its journal and state: only the gateway whose delete
+        removed it gets it back, so every orphan is handled once even with every gateway sweeping."""
         claimed, cursor = [], 0
+        now_ms = int(time.time() * 1000)  # wall clock: the mark is compared by other processes
         while True:
             cursor, keys = await self._call("scan", cursor, match=session_key("*"), count=SCAN_COUNT)
             for key in keys:
                 fields = await self._call("hgetall", key)
                 if not fields or await self._call("exists", lease_key(fields["owner"])):
                     continue
-                # not retried: a delete whose reply was lost may have removed the record, and a second one would
-                # answer 0 and hide that; the round fails instead (the sweeper logs it) and the next claims the rest
-                if await self._call("delete", key, idempotent=False):
-                    claimed.append(_entry(key.removeprefix(session_key("")), fields, False))
+                sid = key.removeprefix(session_key(""))
+                # one script: the owner and its lease are checked again where the mark and the delete happen, so a
+                # takeover (adopt.py) or another sweeper's delete in between is never undone. Not retried: a delete
+                # whose reply was lost may have removed the record, and a second one would answer 0 and hide that;
+                # the round fails instead (the sweeper logs it) and the next claims the rest
+                keys_ = (*session_keys(sid), lease_key(fields["owner"]))
+                if await self._call("eval", SWEEP, len(keys_), *keys_, fields["owner"], str(now_ms),
+                                    str(int(grace_s * 1000)), idempotent=False):
+                    claimed.append(_entry(sid, fields, False))
             if cursor == 0:
                 return claimed
 

@@ -1,7 +1,9 @@
-"""The sweep: end the Triton sequences of sessions whose gateway died, so their replica slots come free at once.
+"""The sweep: end the Triton sequences of sessions whose gateway died and that nobody adopted, so their replica
+slots come free.
 
 Every gateway sweeps every `interval_s`; `SessionDirectory.claim_orphans` hands each dead owner's record to
-exactly one of them. The sequence is closed on its replica through a stream of its own, with the session's
+exactly one of them, once it has been orphaned for `grace_s` (the resume grace, `disconnect_grace_s`: until then
+a resume may adopt the session, adopt.py). The sequence is closed on its replica through a stream of its own, with the session's
 incarnation and an epoch past any the dead owner could have reached, which the stages' fence rule accepts as
 the newest fence (model_repository/common/sessions.py). Without the sweep the replica would hold the slot
 until its idle timeout (the profile's `session_idle_ttl_s`, minutes).
@@ -37,8 +39,9 @@ async def close_orphan(entry: Entry, *, batch_dim: bool = True) -> None:
 
 class Sweeper:
     def __init__(self, directory: SessionDirectory, interval_s: float, timeout_s: float, *,
-                 batch_dim: bool = True) -> None:
+                 batch_dim: bool = True, grace_s: float = 0.0) -> None:
         self.directory, self.interval_s, self.timeout_s, self.batch_dim = directory, interval_s, timeout_s, batch_dim
+        self.grace_s = grace_s
 
     async def run(self) -> None:
         while True:
@@ -51,7 +54,7 @@ class Sweeper:
     async def sweep(self) -> int:
         """One round; returns how many orphaned sessions were closed."""
         closed = 0
-        for entry in await self.directory.claim_orphans():
+        for entry in await self.directory.claim_orphans(self.grace_s):
             try:
                 async with asyncio.timeout(self.timeout_s):
                     await close_orphan(entry, batch_dim=self.batch_dim)

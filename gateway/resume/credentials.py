@@ -12,6 +12,7 @@ import base64
 import hashlib
 import hmac
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 TOKEN_BYTES = 32  # 256 bit from the CSPRNG (§6.1)
@@ -34,17 +35,23 @@ class Rotation:
 
 
 class ResumeCredential:
-    __slots__ = ("_current", "_previous")
+    __slots__ = ("_current", "_previous", "on_change")
 
-    def __init__(self, current_digest: bytes) -> None:
+    def __init__(self, current_digest: bytes, previous_digest: bytes | None = None) -> None:
         self._current: bytes = current_digest
-        self._previous: bytes | None = None
+        self._previous: bytes | None = previous_digest
+        # told after every change of the digests (several gateways: the directory's copy, gateway/directory)
+        self.on_change: Callable[[], None] = lambda: None
 
     @classmethod
     def issue(cls) -> tuple[ResumeCredential, str]:
         """New session: the credential to keep and the token to send once in `session.created`."""
         token = new_token()
         return cls(digest(token)), token
+
+    def digests(self) -> tuple[bytes, bytes | None]:
+        """(current, one-shot previous): what a copy of the credential keeps (digests only, never a token)."""
+        return self._current, self._previous
 
     def __repr__(self) -> str:
         return f"ResumeCredential(previous_valid={self._previous is not None})"
@@ -67,7 +74,10 @@ class ResumeCredential:
     def commit_rotation(self, rotation: Rotation) -> None:
         """After `session.resumed` was written: the new token is current, the old one a one-shot fallback."""
         self._previous, self._current = self._current, rotation.digest
+        self.on_change()
 
     def first_frame_received(self) -> None:
         """The client spoke on the new attachment, so it has the new token: revoke the previous one."""
-        self._previous = None
+        if self._previous is not None:
+            self._previous = None
+            self.on_change()

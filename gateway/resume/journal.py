@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import collections
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
 from gateway.protocol.errors import Effect, ProtocolError
 
@@ -34,6 +35,15 @@ class _Entry:
     at: float
 
 
+class JournalMirror(Protocol):
+    """A copy of the journal kept elsewhere (several gateways: Redis, gateway/directory/replica.py). Told of every
+    change as it happens, on the writer's path: it must only note the change, never wait."""
+
+    def appended(self, seq: int, data: bytes) -> None: ...
+    def trimmed(self, upto_seq: int, *, aged: bool) -> None: ...  # entries <= upto_seq left (ack, or age: J-3)
+    def overflowed(self) -> None: ...  # J-4: the journal stopped and holds nothing
+
+
 class JournalGap(Exception):
     """J-5: a seq the client has not received was pruned by age; the session must resync."""
 
@@ -48,6 +58,7 @@ class Journal:
         self.acked_seq = 0  # max-monotonic client ack
         self._aged_out_seq = 0  # highest seq pruned by age (J-3), not by ack
         self.overflowed = False
+        self.mirror: JournalMirror | None = None
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -76,10 +87,14 @@ class Journal:
             self.overflowed = True
             self._entries.clear()
             self._bytes = 0
+            if self.mirror is not None:
+                self.mirror.overflowed()
             return False
         self._entries.append(_Entry(seq, bytes(data), self._clock()))
         self._bytes += len(data)
         self.last_seq = seq
+        if self.mirror is not None:
+            self.mirror.appended(seq, data)
         return True
 
     def ack(self, seq: object) -> None:
@@ -92,6 +107,8 @@ class Journal:
         self.acked_seq = seq
         while self._entries and self._entries[0].seq <= seq:
             self._bytes -= len(self._entries.popleft().data)
+        if self.mirror is not None:
+            self.mirror.trimmed(seq, aged=False)
 
     def prune(self) -> int:
         """J-3: drop entries older than the TTL even if unacknowledged. Returns how many were dropped."""
@@ -102,7 +119,35 @@ class Journal:
             self._bytes -= len(entry.data)
             self._aged_out_seq = entry.seq
             dropped += 1
+        if dropped and self.mirror is not None:
+            self.mirror.trimmed(self._aged_out_seq, aged=True)
         return dropped
+
+    @property
+    def aged_out_seq(self) -> int:
+        return self._aged_out_seq
+
+    def entries(self) -> list[tuple[int, bytes]]:
+        """The retained (seq, bytes), oldest first."""
+        return [(e.seq, e.data) for e in self._entries]
+
+    def restore(self, entries: Iterable[tuple[int, bytes, float]], *, last_seq: int, acked_seq: int,
+                aged_out_seq: int) -> None:
+        """A journal rebuilt from its mirror (a dead gateway's session adopted, gateway/directory/adopt.py):
+        `entries` are (seq, bytes, age in seconds), contiguous and ending at `last_seq`. Only on an empty journal,
+        before any mirror is set; entries past the TTL are pruned at once (J-3), as they would have been."""
+        if self._entries or self.last_seq or self.mirror is not None:
+            raise RuntimeError("restore needs a new journal")
+        now = self._clock()
+        for seq, data, age_s in sorted(entries):
+            if seq > acked_seq:
+                self._entries.append(_Entry(seq, bytes(data), now - age_s))
+                self._bytes += len(data)
+        self.last_seq, self.acked_seq, self._aged_out_seq = last_seq, acked_seq, aged_out_seq
+        seqs = [e.seq for e in self._entries]
+        if seqs and seqs != list(range(seqs[0], last_seq + 1)):
+            raise ValueError(f"journal entries {seqs[0]}..{seqs[-1]} are not contiguous up to {last_seq}")
+        self.prune()
 
     def check_cursor(self, last_received: int) -> None:
         """RS5 (cursor beyond the last assigned seq -> `invalid_session_resume`) and RS6/J-5 (gap)."""

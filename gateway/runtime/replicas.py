@@ -168,6 +168,18 @@ class ReplicaRuntime:
             ranked[0].opening += 1
             return ranked[0]
 
+    def reattach(self, key: SessionKey, grpc: str) -> None:
+        """Bind a session another gateway opened on the replica at `grpc` (a dead gateway's, adopted:
+        gateway/directory/adopt.py) to a stream of this gateway, so that its operations go there."""
+        replica = next((r for r in self.replicas if r.endpoint.grpc == grpc), None)
+        if replica is None:
+            raise RuntimeFailure("session_not_found", f"replica {grpc} is not one of this gateway's")
+        adopt = getattr(replica.runtime, "adopt", None)
+        if adopt is None:
+            raise RuntimeFailure("session_not_found", "this runtime cannot take over a session")
+        adopt(key)
+        self._placed[key.correlation_id] = replica
+
     def replica_of(self, key: SessionKey) -> Replica:
         replica = self._placed.get(key.correlation_id)
         if replica is None:

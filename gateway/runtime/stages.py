@@ -276,8 +276,11 @@ class StagedTritonRuntime:
         return s
 
     def adopt(self, key: SessionKey) -> None:
-        """Bind a stream to a sequence another client opened (a dead gateway's, gateway/directory/sweep.py), so
-        that `close` can end it; nothing is sent until then."""
+        """Bind a stream to a sequence another client opened (a dead gateway's: gateway/directory/sweep.py closes
+        it, gateway/directory/adopt.py goes on with it); nothing is sent until the next operation. Triton's
+        sequence batcher keys a sequence by its CORRELATION_ID, not by the stream that opened it, so any stream may
+        continue it; the stages' fence rule then decides (the new owner's first request is a cancel to a new epoch,
+        so the stage-internal append counters of this new stream start afresh without colliding)."""
         if key.correlation_id not in self._sessions:
             self._sessions[key.correlation_id] = _Session(self._get_client(), key, self._batch_dim)
 

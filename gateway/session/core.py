@@ -62,6 +62,10 @@ class SessionCore:
             self.config_generation += 1
         self.config, self.runtime_config = config, runtime_config
 
+    def restore_config_generation(self, generation: int) -> None:
+        """An adopted session (gateway/session/snapshot.py): the runtime ACKs its earlier owner counted."""
+        self.config_generation = generation
+
     def set_state(self, state: str) -> None:
         """open -> closing -> closed (X4)."""
         self.state = state

@@ -50,6 +50,10 @@ class ConversationRecord:
         self._items[item.id] = item
         return prev
 
+    def items(self) -> list[HistoryItem]:
+        """In conversation order."""
+        return list(self._items.values())
+
     def get(self, item_id: str) -> HistoryItem | None:
         return self._items.get(item_id)
 

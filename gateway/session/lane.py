@@ -67,6 +67,10 @@ class RuntimeLane:
         self._task: asyncio.Task[None] | None = None
         self._closed = False
 
+    def restore(self, *, acked_appends: int) -> None:
+        """An adopted session (gateway/session/snapshot.py): the appends its earlier owner had acknowledged."""
+        self.acked_appends = acked_appends
+
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"lane:{self._key.session_id}")
 

@@ -83,6 +83,10 @@ class ResponseTrack:
         self._drop_turn_output = False  # a gateway-forced turn close waits for the runtime's listen unit
 
     # ---- views -------------------------------------------------------------------------------------------
+    def was_completed(self, response_id: str) -> bool:
+        """The response ended completed or incomplete: its queued deltas are never stale (S-1)."""
+        return response_id in self._completed
+
     def is_stale(self, item: OutItem) -> bool:
         """S-1 at send time. A completed response's own queued deltas are never stale."""
         if item.kind is not Kind.STREAM:
@@ -102,6 +106,33 @@ class ResponseTrack:
         if last is not None and last.playback is not None and last.playback.playing(now):
             return "assistant_playing"
         return None
+
+    def restore(self, *, epoch: int, model_turn_id: int, history: list[HistoryItem], responses: list[Response],
+                active: str | None, last_audio: str | None, completed: set[str]) -> None:
+        """An adopted session (gateway/session/snapshot.py), before it runs: the state its earlier owner kept."""
+        self.epoch, self.model_turn_id = epoch, model_turn_id
+        for item in history:
+            self.history.add(item)
+        self.by_id = {resp.id: resp for resp in responses}
+        self.active = self.by_id.get(active) if active is not None else None
+        self.last_audio_response = last_audio if last_audio in self.by_id else None
+        self._completed = set(completed)
+
+    def cancel_orphan(self, reason: str, next_epoch: int) -> None:
+        """Adoption (gateway/directory/adopt.py): the runtime was already moved to `next_epoch` by the new owner's
+        cancel, so the epoch is set, not advanced through the lane; the response that was in flight when the
+        earlier owner died, if any, ends cancelled with `reason` (what it generated after the last event the
+        earlier owner journaled is lost)."""
+        resp = self.active
+        self.epoch = next_epoch
+        self._units.clear()
+        self._drop_turn_output = False
+        if resp is None:
+            return
+        self.kill_stream(resp)
+        if resp.decision == "speak":
+            self.close_turn()  # F-5: the runtime's cancel closed the turn in the KV
+        self.finish(resp, "cancelled", reason)
 
     # ---- response lifecycle ----------------------------------------------------------------------------
     def open_response(self, trigger: str, options: ResponseOptions, *, precreated: bool,

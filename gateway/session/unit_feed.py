@@ -26,6 +26,12 @@ class UnitFeed:
         self._force_listen_remaining = core.config.force_listen_count
         self._frames_for_unit: dict[int, tuple[bytes, ...]] = {}
 
+    def restore(self, *, next_unit: int, clock_ms: float) -> None:
+        """An adopted session (gateway/session/snapshot.py): the model clock goes on where its earlier owner left
+        it (unit 0 is longer than the others, so the unit index must not start again)."""
+        self.cutter.next_index, self.clock_ms = next_unit, clock_ms
+        self._force_listen_remaining = 0  # the opening's forced listens were spent by the earlier owner
+
     # ---- checks (no mutation) ----------------------------------------------------------------------------
     def can_take(self, wire_bytes: int) -> bool:
         return self.core.lane.can_reserve(self._unsubmitted_bytes + wire_bytes)

@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from gateway.protocol.errors import CloseCode, ProtocolError
-from gateway.protocol.profiles import Projector
+from gateway.protocol.profiles import Profile, Projector
 from gateway.resume.attachment import Attachments
 from gateway.resume.credentials import ResumeCredential
 from gateway.resume.journal import Journal, JournalConfig, Sequencer, resync_required_event
@@ -59,6 +59,7 @@ class LiveSession:
         self._cleanup_error: str | None = None
         self._drained = False
         self.meters = SessionMeters(gw.metrics)
+        self._adopted_actor: Callable[[LiveSession], Awaitable[None]] | None = None
 
     # ---- ResumeTarget ----------------------------------------------------------------------------------
     @property
@@ -99,7 +100,29 @@ class LiveSession:
         if echo_update:
             session.emit({"type": "session.updated", "session": session.session_json()})
         gw.spawn(self._host(actor), name=f"session-{sid}")
+        gw.hosted(self)  # several gateways: its copy in the shared directory (gateway/directory/replica.py)
         return 1
+
+    # ---- adoption (several gateways: a dead gateway's session, gateway/directory/adopt.py) --------------------
+    @classmethod
+    def for_adoption(cls, gw: GatewayState, route: str, profile: str,
+                     actor: Callable[[LiveSession], Awaitable[None]]) -> LiveSession:
+        live = cls(gw, ConnectionParams(route, Profile(profile), False, True, None, None))
+        live._adopted_actor = actor
+        return live
+
+    def start_adopted(self, session: DuplexSession) -> None:
+        """Host a session rebuilt from the directory, detached and without `session.created` (its journal,
+        credential and attachments are restored already); the resume that adopted it attaches the socket."""
+        assert self._adopted_actor is not None, "made by for_adoption"
+        self._token = ""
+        self.session = session
+        self.writer.is_stale = session.is_stale
+        session.lane.on_submit = self.meters.unit_submitted
+        session.bind_host(self.writer.last_seq, self.gw.vad_model, self.gw.settings.vad_onset_confirm_ms)
+        self.gw.sessions[session.session_id] = self
+        self.gw.spawn(self._host(self._adopted_actor), name=f"session-{session.session_id}")
+        self.gw.hosted(self)
 
     def attach(self, socket: Socket, generation: int) -> None:
         self.writer.attach(socket, generation)

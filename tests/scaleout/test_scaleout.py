@@ -1,10 +1,11 @@
 """Beyond one server (issue 20): two Triton replicas, two gateways, one redis-server, all real processes.
 
-Two `duplex serve --only triton` (tiny checkpoint, real engines, max_sessions 2 each) and two
+Two `duplex serve --only triton` (tiny checkpoint, real engines, max_sessions 3 each) and two
 `duplex serve --only gateway` routing over both (DUPLEX_TRITON_REPLICAS) and sharing the session directory in
 Redis (DUPLEX_REDIS_URL). Where a session landed is read from each replica's own metrics endpoint (stage0's
 `duplex_stage_sessions`), not from a gateway. The tests run in file order: the last two kill a replica and a
-gateway, each seeing the state the one before it left (servers start once per module).
+gateway (whose sessions another gateway adopts), each seeing the state the one before it left (servers start once
+per module).
 """
 
 from __future__ import annotations
@@ -25,13 +26,15 @@ from tests.scaleout.cluster import Cluster, Gateway, Replica
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 LEASE_S = 3.0  # a killed gateway's sessions are known dead this long after its last lease refresh
-GATEWAY_ENV = {"DUPLEX_READY_CACHE_S": "0", "DUPLEX_REPLICA_RETRY_S": "1", "DUPLEX_DIRECTORY_LEASE_S": str(LEASE_S)}
+GRACE_S = 8.0  # the resume grace: a dead gateway's session nobody adopts within it is swept
+GATEWAY_ENV = {"DUPLEX_READY_CACHE_S": "0", "DUPLEX_REPLICA_RETRY_S": "1", "DUPLEX_DIRECTORY_LEASE_S": str(LEASE_S),
+               "DUPLEX_DISCONNECT_GRACE_S": str(GRACE_S)}
 CLOSE_WAIT_S = 20.0
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    c = Cluster(Path(tmp_path_factory.mktemp("scaleout")), replica_sessions=2, env=GATEWAY_ENV)
+    c = Cluster(Path(tmp_path_factory.mktemp("scaleout")), replica_sessions=3, env=GATEWAY_ENV)
     try:
         c.start_replicas(2, wait=False)  # the gateways and redis start while the replicas warm up
         c.start_redis()
@@ -116,15 +119,15 @@ async def test_sessions_go_where_the_replicas_report_room_and_a_dead_replica_fai
         cluster: Cluster, clients: list[Raw]) -> None:
     gw, (r0, r1) = cluster.gateways[0], cluster.replicas
     assert await counts(cluster) == [0, 0]
-    # A session no gateway here knows about (say a third gateway's) takes one of r0's two slots.
+    # A session no gateway here knows about (say a third gateway's) takes one of r0's three slots.
     other = StagedTritonRuntime(r0.spec.split("|")[0])
     other_key = SessionKey("elsewhere", random.getrandbits(62) + 1)
     await other.open(other_key, Fence(1, 0), {})
     try:
         on_r1, _, at = await open_on(gw, cluster, clients)
-        assert at == 1  # r1 reports 2 free, r0 1 (a round robin, or a count of its own, would pick r0)
+        assert at == 1  # r1 reports 3 free, r0 2 (a round robin, or a count of its own, would pick r0)
         on_r0, _, at = await open_on(gw, cluster, clients)
-        assert at == 0 and await counts(cluster) == [2, 1]  # 1 free each: the first listed
+        assert at == 0 and await counts(cluster) == [2, 1]  # 2 free each: the first listed
         await decides(on_r1, 0)
         await decides(on_r0, 0)
 
@@ -139,54 +142,91 @@ async def test_sessions_go_where_the_replicas_report_room_and_a_dead_replica_fai
         assert not [e for e in on_r0.events if e["type"] in ("error", "session.closed")]
         assert (await http_get(gw.addr, "/ready")).status_code == 200  # one replica left: still serving
 
-        # New sessions go to the live replica once it has room (the other gateway's session leaves).
+        # New sessions go to the live replica while it has room, and again once it has (the other gateway's leaves).
+        extra = await eventually(lambda: _opens(gw, clients), CLOSE_WAIT_S)
+        assert await held(r0) == 3
         await other.close(other_key, Fence(1, 0))
         c = await eventually(lambda: _opens(gw, clients), CLOSE_WAIT_S)
-        assert await held(r0) == 2
+        assert await held(r0) == 3
         await decides(c, 0)
-        for s in (on_r0, c):
+        for s in (on_r0, extra, c):
             await close(s)
         assert await held(r0) == 0
     finally:
         await other.aclose()
 
 
-async def test_a_killed_gateway_takes_only_its_own_sessions(cluster: Cluster, clients: list[Raw]) -> None:
+async def test_a_killed_gateways_sessions_are_adopted_through_another_and_the_unclaimed_swept(
+        cluster: Cluster, clients: list[Raw]) -> None:
     gw_a, gw_b = cluster.gateways
     r0 = cluster.replicas[0]
     assert [r.proc.alive() for r in cluster.replicas] == [True, False]  # as the test before left them
     on_a, created_a, _ = await open_on(gw_a, cluster, clients)
+    lost_a, created_lost, _ = await open_on(gw_a, cluster, clients)  # its client never comes back
     on_b, created_b, _ = await open_on(gw_b, cluster, clients)
-    await decides(on_a, 0)
+    for unit in range(2):
+        await decides(on_a, unit)
+    await decides(lost_a, 0)
     await decides(on_b, 0)
+    await on_a.quiet(0.5)  # everything A sent has been written through (replica.py: within 10 ms)
+    seen = on_a.by_seq()
+    cursor = min(seen)  # pretend only the first sequenced event was processed
     sid_a, token_a = created_a["session"]["id"], created_a["resume_token"]
     await asyncio.to_thread(gw_a.kill)
 
     # Until A's lease runs out (refreshed every LEASE_S / 3, so at least 2 s from now) the directory still names A:
     # B tries to relay the resume, nobody answers: the protocol's retryable resume failure (§6.6 CL-3).
-    early, err = await resume(gw_b.addr, sid_a, token_a, 0)
+    early, err = await resume(gw_b.addr, sid_a, token_a, cursor)
     clients.append(early)
     assert err["type"] == "error" and err["error"]["code"] == "runtime_resume_failed", err
     assert err["error"]["retryable"] is True and await early.closed() == (1011, "runtime_resume_failed")
 
     # Gateway B's session is untouched, and stays resumable (a drop, then a resume through B).
     await decides(on_b, 1)
-    cursor = on_b.last_seq
     await on_b.ws.close()
-    b, resumed = await resume(gw_b.addr, created_b["session"]["id"], created_b["resume_token"], cursor)
+    b, resumed_b = await resume(gw_b.addr, created_b["session"]["id"], created_b["resume_token"], on_b.last_seq)
     clients.append(b)
-    assert resumed["type"] == "session.resumed" and resumed["replay_count"] == 0, resumed
+    assert resumed_b["type"] == "session.resumed" and resumed_b["replay_count"] == 0, resumed_b
     await decides(b, 2)
 
-    # A's session died with A: once A's lease has run out, a resume through B gets the protocol's final answer,
-    # and a gateway's sweep closes its sequence on the replica, so the slot comes free without the idle timeout.
+    # Once A's lease has run out, the client retrying (CL-3) resumes through B, which adopts the session: the
+    # replay is A's journal byte for byte, the token rotates, and the session goes on on its replica (r0's slot).
     await asyncio.sleep(LEASE_S)
-    stale, err = await resume(gw_b.addr, sid_a, token_a, 0)
+    a2, resumed = await eventually(lambda: _resumed(gw_b, sid_a, token_a, cursor, clients), 2 * LEASE_S, 0.5)
+    assert resumed["attachment_generation"] == 2 and resumed["incarnation"] == created_a["incarnation"]
+    assert resumed["resume_token"] != token_a and resumed["replay_from_seq"] == cursor + 1
+    assert resumed["last_server_event_seq"] == max(seen) and resumed["replay_count"] == len(seen) - 1
+    for _ in range(resumed["replay_count"]):
+        await a2.recv()
+    assert a2.texts[1:] == [seen[s] for s in sorted(seen) if s > cursor]  # byte-exact (J-6)
+    await decides(a2, 2)  # unit 2 on the same Triton sequence: the model clock went on where A left it
+    live = [e for e in a2.events[1 + resumed["replay_count"]:] if "server_event_seq" in e]
+    assert live[0]["server_event_seq"] == max(seen) + 1  # live events follow the replay without a gap
+    assert not [e for e in a2.events if e["type"] in ("error", "session.closed")], a2.events
+    stale, err = await resume(gw_b.addr, sid_a, token_a, 0)  # the old token is refused
     clients.append(stale)
+    assert err["error"]["code"] == "invalid_resume_token", err
+    assert await held(r0) == 3  # A's two (one adopted, one orphaned) and B's: nothing was opened again
+
+    # The session nobody resumed: after the resume grace a sweep closes its sequence, the slot comes free and a
+    # late resume gets the protocol's final answer.
+    await eventually(lambda: _holds(r0, 2), GRACE_S + 3 * LEASE_S)
+    gone, err = await resume(gw_b.addr, created_lost["session"]["id"], created_lost["resume_token"], 0)
+    clients.append(gone)
     assert err["type"] == "error" and err["error"]["code"] == "session_resume_expired", err
-    await eventually(lambda: _holds(r0, 1), 3 * LEASE_S)
-    await close(b)
+    await decides(a2, 3)
+    for c in (a2, b):
+        await close(c)
     assert await held(r0) == 0
+
+
+async def _resumed(gw: Gateway, sid: str, token: str, cursor: int, clients: list[Raw]) -> tuple[Raw, dict] | None:
+    c, first = await resume(gw.addr, sid, token, cursor)
+    clients.append(c)
+    if first["type"] == "error" and first["error"]["code"] == "runtime_resume_failed":
+        return None  # A's lease is not gone yet: retry, as a client does (CL-3)
+    assert first["type"] == "session.resumed", first
+    return c, first
 
 
 async def _holds(replica: Replica, n: int) -> bool:
