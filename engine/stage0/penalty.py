@@ -9,6 +9,8 @@ than the ring) is reloaded from the host before the step: a rare path.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from engine.hostio import to_device
@@ -20,7 +22,9 @@ class HistoryRing:
     def __init__(self, slots: int, capacity: int, vocab: int, device: torch.device | str) -> None:
         self.vocab, self.device = vocab, torch.device(device)
         self.count = [0] * slots  # history entries the ring holds (its last `capacity`) per slot
-        self.owner: list[object | None] = [None] * slots
+        # the session each slot's ring mirrors, held weakly: a closed session's state (its front end's audio
+        # KV slot among it) must not live on until its slot is reused
+        self.owner: list[weakref.ref | None] = [None] * slots
         self._allocate(capacity)
 
     def _allocate(self, capacity: int) -> None:
@@ -36,7 +40,7 @@ class HistoryRing:
         if widest > self.capacity:
             self._allocate(max(widest, 2 * self.capacity))
         for slot, owner, history, _ in rows:
-            if self.owner[slot] is not owner or self.count[slot] != len(history):
+            if not self._mirrors(slot, owner) or self.count[slot] != len(history):
                 self._load(slot, owner, history)
 
     def _load(self, slot: int, owner: object, history: list[int]) -> None:
@@ -45,7 +49,11 @@ class HistoryRing:
         for n in range(start, len(history)):
             row[n % self.capacity] = history[n]
         self.ids[slot] = to_device(row, self.device)
-        self.count[slot], self.owner[slot] = len(history), owner
+        self.count[slot], self.owner[slot] = len(history), weakref.ref(owner)
+
+    def _mirrors(self, slot: int, owner: object) -> bool:
+        ref = self.owner[slot]
+        return ref is not None and ref() is owner
 
     def mask(self, slots: torch.Tensor, count: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
         """[B, V] bool: the id occurs in the row's last `window` entries. slots, count, window: [B] int64
@@ -70,4 +78,4 @@ class HistoryRing:
 
     def settle(self, slot: int, owner: object, length: int) -> None:
         """The slot's ring now mirrors `owner`'s host history of `length` ids."""
-        self.owner[slot], self.count[slot] = owner, length
+        self.owner[slot], self.count[slot] = weakref.ref(owner), length

@@ -121,10 +121,10 @@ def _close_and_reuse(engine: Stage0Engine, pool_free: Any) -> list[int]:
 
 
 def test_a_closed_session_s_audio_kv_slot_serves_the_next_session() -> None:
-    """The audio KV slot of a closed session is free once the engine drops the session (its LLM slot reused:
-    HistoryRing.owner holds it until then), so the session opened in its place starts with a private cache
-    and moves into the slot at its next batch; its units equal the per-session front end's throughout,
-    beside sessions further on in their streams."""
+    """The audio KV slot of a closed session is free once nothing holds the session (HistoryRing holds its
+    owner weakly), so the session opened in its place gets the slot (at once, or at its next batch after a
+    private cache); its units equal the per-session front end's throughout, beside sessions further on in
+    their streams."""
     model = tiny_llm()
     front = CountingFrontEnd(_audio())
     batched, got = _engine(front, model)

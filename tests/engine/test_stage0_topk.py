@@ -58,11 +58,15 @@ def _host_mask(history: list[int], window: int) -> torch.Tensor:
     return SamplingBatch.build([SamplingParams(repetition_window=window)], [history], [[0.0, 0.0]], V, "cpu").history[0]
 
 
+class Owner:
+    """A session as the ring sees it: any object it can hold weakly."""
+
+
 def test_history_ring_matches_host_history_through_appends_undo_growth_and_reuse() -> None:
     g = torch.Generator().manual_seed(0)
     ring = HistoryRing(slots=3, capacity=16, vocab=V, device="cpu")
     hist: dict[int, list[int]] = {0: [], 1: [5, 6, 7], 2: []}
-    owners = {slot: object() for slot in hist}
+    owners = {slot: Owner() for slot in hist}
     windows = {0: 10, 1: 16, 2: 3}
 
     def check() -> None:
@@ -87,7 +91,7 @@ def test_history_ring_matches_host_history_through_appends_undo_growth_and_reuse
         if step == 20:
             del hist[0][-4:]  # a failed step undoes its appends
         if step == 30:
-            owners[1], hist[1] = object(), []  # another session takes slot 1
+            owners[1], hist[1] = Owner(), []  # another session takes slot 1
         if step == 40:
             windows[2] = 40  # wider than the ring: it grows and every slot reloads
     check()
