@@ -230,7 +230,7 @@ def bench_engine(model: Qwen3LLM, cfg: LLMConfig, b: int, args: argparse.Namespa
     front: object = BenchFrontEnd(cfg, config.audio_embeddings_per_unit, dev, dtype)
     if not args.no_engine_frontend:  # the real batched front end: a unit step is front end + prefill
         audio_cfg = TINY_AUDIO if args.tiny else FULL_AUDIO
-        front = AudioFrontEndAdapter(build_frontend(audio_cfg, cfg.hidden_size, dev, dtype))
+        front = AudioFrontEndAdapter(build_frontend(audio_cfg, cfg.hidden_size, dev, dtype, kv_slots=b))  # as served
     engine = Stage0Engine(model, tok, front, lambda event: None, config, rules)
     sids = [f"s{i}" for i in range(b)]
     for i, sid in enumerate(sids):

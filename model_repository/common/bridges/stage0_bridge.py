@@ -81,8 +81,10 @@ class Stage0Bridge(EngineBridge):
                              with_vision=True, with_token2wav=False, components=THINKER_COMPONENTS)
         model = ck.model
         vision = VisionFrames(model.vpm, model.resampler) if model.vpm is not None else None
-        # log-mel on the stage's device: one batched STFT per step over every unit's window (engine/audio)
-        audio = AudioFrontEnd(model.apm, model.audio_projection_layer, ck.config.audio, mel_device=settings.device)
+        # log-mel on the stage's device: one batched STFT per step over every unit's window (engine/audio); the
+        # sessions' encoder KV in one pool, so a step gathers and scatters it once per layer (issue 15)
+        audio = AudioFrontEnd(model.apm, model.audio_projection_layer, ck.config.audio, mel_device=settings.device,
+                              kv_slots=settings.max_sessions)
         frontend = AudioFrontEndAdapter(audio, vision)
         # the voices' reference clips (model.md §3.2: the prefix and the Token2Wav prompt use the same clip)
         self.voice_clips = {v: ck.voice(v).ref_audio_16k for v in ck.voices()}
