@@ -65,11 +65,17 @@ def _preallocated(stage: str, bridge: Any) -> int:
     engine = bridge.engine
     if stage == "stage0":
         kv = engine.runner.kv
-        return _tensor_bytes(*kv.k, *kv.v)
+        pool = _audio_pool(bridge)  # the sessions' audio KV, pooled for max_sessions at the first session
+        return _tensor_bytes(*kv.k, *kv.v, *((pool.k, pool.v) if pool is not None else ()))
     if stage == "tts":
         kv = engine.runner.kv
         return _tensor_bytes(*kv.k, *kv.v)
     return _tensor_bytes(*engine.pool.tensors()) if engine.pool is not None else 0
+
+
+def _audio_pool(bridge: Any) -> Any:
+    audio = getattr(getattr(bridge.engine, "frontend", None), "audio", None)
+    return getattr(audio, "kv_pool", None)
 
 
 def child(stage: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -92,6 +98,8 @@ def child(stage: str, args: argparse.Namespace) -> dict[str, Any]:
     out["warm_up_s"] = time.perf_counter() - t0
     out["after_warm_up"] = _memory(device)
     out["preallocated"] = _preallocated(stage, bridge)
+    if stage == "stage0":
+        out["audio_kv_pooled"] = _audio_pool(bridge) is not None  # then `preallocated` holds the audio KV
     out["fixed"] = out["after_warm_up"]["device_used"] - out["preallocated"]
     out["graph_misses"] = bridge.graph_misses()
     return out

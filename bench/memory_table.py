@@ -209,11 +209,14 @@ def render_measured(s: Sizing, measured: dict) -> str:
     """Sessions per GPU from bench/bench_stage_memory.py's JSON: N = floor((M_gpu - F) / S_session), where
     F = sum over the stage processes of (device memory used after warm-up - preallocated session state),
     S_session = the preallocated session state / max_sessions (LLM slot, TTS slot, Token2Wav pool, as
-    the engines allocate them) + the audio KV each session allocates when it opens (1500 frames)."""
+    the engines allocate them), the audio KV among it when stage0 pools it (`audio_kv_pooled`, since issue 15),
+    else + the audio KV each session allocated when it opened (1500 frames; older measurements)."""
     stages = measured["stages"]
     sessions = stages[0]["settings"]["max_sessions"]
     fixed = sum(r["fixed"] for r in stages)
-    per_session = sum(r["preallocated"] for r in stages) / sessions + s.per_session()["audio KV"]
+    pooled = any(r.get("audio_kv_pooled") for r in stages)
+    audio = 0 if pooled else s.per_session()["audio KV"]
+    per_session = sum(r["preallocated"] for r in stages) / sessions + audio
     lines = [f"Measured on {measured['device']} with {measured['profile']} (max_sessions {sessions}).", "",
              "| stage process | used after load | used after warm-up | preallocated session state | fixed F |",
              "| --- | ---: | ---: | ---: | ---: |"]
@@ -221,8 +224,8 @@ def render_measured(s: Sizing, measured: dict) -> str:
         lines.append(f"| {r['stage']} | {_gib(r['after_load']['device_used'])} | "
                      f"{_gib(r['after_warm_up']['device_used'])} | {_gib(r['preallocated'])} | {_gib(r['fixed'])} |")
     lines += [f"| **sum** | | | | **{_gib(fixed)}** |", "",
-              f"Per session: {_gib(per_session)} GiB (preallocated state / {sessions} + audio KV "
-              f"{_gib(s.per_session()['audio KV'])}).", "",
+              f"Per session: {_gib(per_session)} GiB (preallocated state / {sessions}"
+              + (", the pooled audio KV among it)." if pooled else f" + audio KV {_gib(audio)})."), "",
               "| GPU | memory (GiB) | max sessions by memory (measured F) |", "| --- | ---: | ---: |"]
     for gpu in GPUS:
         n = max(0, int((gpu.total_mib * MiB - fixed) // per_session))

@@ -45,6 +45,19 @@ def test_sessions_follow_from_the_measured_fixed_part(mt: ModuleType) -> None:
     assert want["H200"] > want["H20"] > 0
 
 
+def test_a_pooled_audio_kv_is_counted_once(mt: ModuleType) -> None:
+    """Since stage0 pools the sessions' audio KV (issue 15) it is in stage0's preallocated state: not added again."""
+    stage0 = _stage("stage0", 64.0, 40.0) | {"audio_kv_pooled": True}
+    measured = {"device": "NVIDIA H200", "profile": "h200.yaml",
+                "stages": [stage0, _stage("tts", 16.0, 15.0), _stage("token2wav", 10.0, 7.0)]}
+    text = mt.render_measured(mt.default_sizing(), measured)
+    fixed, per_session = 28 * GiB, (40 + 15 + 7) * GiB / 32
+    h200 = next(g for g in mt.GPUS if g.name == "H200")
+    n = int((h200.total_mib * 1024**2 - fixed) // per_session)
+    assert text.split("| H200 | ")[1].split("\n")[0].endswith(f"| {n} |")
+    assert "the pooled audio KV among it" in text
+
+
 def test_doc_h20_projection_is_the_script_output() -> None:
     spec = importlib.util.spec_from_file_location("project_h20", REPO / "bench" / "project_h20.py")
     assert spec and spec.loader
