@@ -27,6 +27,10 @@ class GatewaySettings(BaseModel):
     redis_url: str | None = None
     advertise_addr: str | None = None
     directory_lease_s: float = Field(10.0, gt=0)  # a gateway unheard of this long is dead: its sessions are gone
+    # every key of a session's copy in Redis expires this long after its owner last wrote or checked it, a backstop
+    # for copies nobody sweeps (every gateway died); None: 3 x (directory_lease_s + disconnect_grace_s +
+    # resume_replay_ttl_s), 300 s with the defaults (gateway/directory/store.py)
+    directory_copy_ttl_s: float | None = Field(None, gt=0)
     # "stages": the gateway chains stage0 -> tts -> token2wav on one stream per session (the served path,
     # gateway/runtime/stages.py); "pipeline": one request per unit to the `triton_model` BLS model.
     triton_mode: Literal["stages", "pipeline"] = "stages"
@@ -96,14 +100,26 @@ class GatewaySettings(BaseModel):
     def _directory_needs_an_address(self) -> GatewaySettings:
         if self.redis_url and not self.advertise_addr:
             raise ValueError("redis_url needs advertise_addr (DUPLEX_ADVERTISE_ADDR): where other gateways reach this one")
+        floor = self.directory_lease_s + self.disconnect_grace_s
+        if self.directory_copy_ttl_s is not None and self.directory_copy_ttl_s <= floor:
+            raise ValueError(f"directory_copy_ttl_s ({self.directory_copy_ttl_s:g}) must exceed directory_lease_s + "
+                             f"disconnect_grace_s ({floor:g}): a dead gateway's sessions must stay adoptable that long")
         return self
+
+    def copy_ttl_s(self) -> float:
+        """The TTL of every key of a session's copy in Redis (directory_copy_ttl_s, or its default)."""
+        if self.directory_copy_ttl_s is not None:
+            return self.directory_copy_ttl_s
+        from gateway.directory.store import default_copy_ttl_s  # noqa: PLC0415 - settings import nothing at load
+
+        return default_copy_ttl_s(self.directory_lease_s, self.disconnect_grace_s, self.resume_replay_ttl_s)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> GatewaySettings:
         env = os.environ if environ is None else environ
         values = {k[len(ENV_PREFIX):].lower(): v for k, v in env.items() if k.startswith(ENV_PREFIX)}
         known = {k: v for k, v in values.items() if k in cls.model_fields}
-        for key in ("idle_ttl_s", "redis_url", "advertise_addr"):
+        for key in ("idle_ttl_s", "redis_url", "advertise_addr", "directory_copy_ttl_s"):
             if known.get(key, "").lower() in ("null", "none"):
                 known[key] = None
         return cls.model_validate(known)

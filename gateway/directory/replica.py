@@ -9,6 +9,8 @@ Lua script (store.WRITE: one command, atomic, and applied only while this gatewa
 the record). A write starts at most every `FLUSH_EVERY_S`, so events that arrive together go in one
 round trip; what a dead owner had not written yet is lost (at most that long plus one round trip of events).
 What is waiting is bounded as the journal is: an entry trimmed before its write is never written.
+A write that finds the record no longer this gateway's (`Ownership`: taken over, or gone) stops the copying and
+tells `on_lost` (DirectoryRuntime: the session ends here, gateway/directory/runtime.py).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from gateway.directory.store import SessionDirectory
+from gateway.directory.store import Ownership, SessionDirectory
 from gateway.protocol.config import SessionConfig
 from gateway.resume.attachment import Attachments
 from gateway.resume.credentials import ResumeCredential
@@ -30,6 +32,7 @@ from gateway.session import snapshot
 from gateway.session.lane import LaneResult
 from gateway.session.outbox import Outbox
 from gateway.session.session import DuplexSession
+from gateway.ws.messages import Message
 
 FLUSH_EVERY_S = 0.01  # one write per session per 10 ms at most: batches bursts, bounds the Redis load
 RETRY_S = 0.5  # after a failed write (Redis away): the changes stay queued and go with the next one
@@ -38,13 +41,15 @@ log = logging.getLogger(__name__)
 
 
 class ReplicatedHost(Protocol):
-    """What of a hosted session (`gateway.ws.live.LiveSession`) is copied."""
+    """What of a hosted session (`gateway.ws.live.LiveSession`) is copied, and its mailbox (ownership lost)."""
     route: str
     profile: str
     journal: Journal
     credential: ResumeCredential
     attachments: Attachments
     session: DuplexSession | None
+
+    def post(self, msg: Message) -> None: ...
 
 
 class AdoptableHost(ReplicatedHost, Protocol):
@@ -57,6 +62,7 @@ class AdoptableHost(ReplicatedHost, Protocol):
 
 
 HostFactory = Callable[[str, str], AdoptableHost]  # (route, profile) -> a new host
+OnLost = Callable[[str, Ownership], None]  # (session id, MOVED or GONE)
 
 
 def host_state(host: ReplicatedHost) -> dict[str, Any]:
@@ -78,8 +84,9 @@ def parse_entry(value: str, now_s: float) -> tuple[bytes, float]:
 
 
 class Replicator:
-    def __init__(self, directory: SessionDirectory, session_id: str, host: ReplicatedHost) -> None:
-        self.directory, self.session_id, self.host = directory, session_id, host
+    def __init__(self, directory: SessionDirectory, session_id: str, host: ReplicatedHost,
+                 on_lost: OnLost | None = None) -> None:
+        self.directory, self.session_id, self.host, self.on_lost = directory, session_id, host, on_lost
         self._pending: dict[int, str] = {}  # seq -> stored entry, not written yet
         self._trim_upto = 0  # entries <= this are gone from the journal
         self._removed_upto = 0  # ... and from Redis (or were never written)
@@ -88,6 +95,7 @@ class Replicator:
         self._config: SessionConfig | None = None  # the config last written
         self._wake = asyncio.Event()
         self._closing = False
+        self.lost = False  # the record is not this gateway's any more: nothing more is written
         self._task: asyncio.Task[None] | None = None
         self.writes = 0  # pipelines written (for tests and the bench)
 
@@ -110,6 +118,11 @@ class Replicator:
     def changed(self) -> None:
         self._wake.set()
 
+    def stop_lost(self) -> None:
+        """The record is another gateway's, or gone: write nothing more (the task ends at its next wake)."""
+        self.lost = self._closing = True
+        self._wake.set()
+
     # ---- the writing task ---------------------------------------------------------------------------------
     def start(self) -> None:
         """Attach to the host's journal and credential and write the first copy at once."""
@@ -125,6 +138,8 @@ class Replicator:
         while True:
             await self._wake.wait()
             self._wake.clear()
+            if self.lost:
+                return
             started = loop.time()
             try:
                 await self.flush()
@@ -161,9 +176,12 @@ class Replicator:
         except BaseException:
             self._pending = {**{s: v for s, v in adds.items() if s > self._trim_upto}, **self._pending}
             raise
-        if not owner:  # closed meanwhile, or taken over by another gateway (this one was cut off): stop copying
-            log.warning("directory: %s is no longer this gateway's, its copy is not written", self.session_id)
-            self._closing = True
+        if owner is not Ownership.MINE:  # taken over or swept while this gateway was cut off: stop copying
+            log.warning("directory: %s is no longer this gateway's (%s), its copy is not written", self.session_id,
+                        owner.name)
+            self.stop_lost()
+            if self.on_lost is not None:
+                self.on_lost(self.session_id, owner)
             return
         self.writes += 1
         self._flushed_hi = max(self._flushed_hi, max(adds, default=0))

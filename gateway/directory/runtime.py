@@ -7,6 +7,14 @@ adopted from a dead gateway is bound to its replica again with `reattach` (adopt
 directory: a gateway that cannot reach Redis could not record new sessions, so it is not ready. The first
 readiness probe (a gateway serves nothing before one: the handshake asks too) takes the lease and starts the
 sweep (sweep.py). Every session operation is the inner runtime's.
+
+Self-fencing: a gateway cut off from Redis past its lease counts as dead, and its sessions may be adopted by
+another gateway or swept while it still serves them. It learns so from Redis, by a write-through that is refused
+(replica.py) or by the ownership check of all its sessions once per lease refresh period (`_watch`, which also
+renews their copies' TTL), and then ends each such session here: its client is told (`OwnerLost`, handled by the
+session's actor: `session.replaced` when another gateway adopted it, `runtime_dead` when it was swept), and its
+close sends nothing to the Triton sequence and deletes no record, both of which are another gateway's (or nobody's)
+now: only this gateway's own stream is dropped (`forget`).
 """
 
 from __future__ import annotations
@@ -18,7 +26,7 @@ from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from gateway.directory.replica import ReplicatedHost, Replicator
-from gateway.directory.store import SessionDirectory
+from gateway.directory.store import REFRESHES_PER_LEASE, Ownership, SessionDirectory
 from gateway.directory.sweep import Sweeper
 from gateway.runtime.base import (
     Fence,
@@ -29,6 +37,7 @@ from gateway.runtime.base import (
     SessionKey,
     UnitSubmission,
 )
+from gateway.ws.messages import OwnerLost
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +49,8 @@ class DirectoryRuntime:
         self._sweeper = sweeper
         self._sweeping: asyncio.Task[None] | None = None
         self._replicators: dict[str, Replicator] = {}
+        self._lost: set[str] = set()  # sessions whose record is not this gateway's any more (self-fenced)
+        self._watching: asyncio.Task[None] | None = None
 
     def _replica(self, key: SessionKey) -> str:
         replica_of = getattr(self.inner, "replica_of", None)  # ReplicaRuntime knows; one Triton is the default
@@ -57,9 +68,35 @@ class DirectoryRuntime:
         """A session this gateway now hosts (opened here, or adopted): keep its copy in Redis until its close."""
         assert host.session is not None
         sid = host.session.session_id
-        replicator = Replicator(self.directory, sid, host)
+        replicator = Replicator(self.directory, sid, host, on_lost=self._lose)
         self._replicators[sid] = replicator
         replicator.start()
+        if self._watching is None:
+            self._watching = asyncio.create_task(self._watch(), name="directory-ownership")
+
+    def _lose(self, session_id: str, ownership: Ownership) -> None:
+        """Self-fence one session: its record was taken over (MOVED) or is gone (GONE)."""
+        replicator = self._replicators.get(session_id)
+        if replicator is None or session_id in self._lost:
+            return  # closed meanwhile (its record went with the close), or told already
+        self._lost.add(session_id)
+        replicator.stop_lost()
+        log.warning("directory: session %s is %s; ending it here without touching its sequence", session_id,
+                    "another gateway's now" if ownership is Ownership.MOVED else "gone from the directory")
+        replicator.host.post(OwnerLost(moved=ownership is Ownership.MOVED))
+
+    async def _watch(self) -> None:
+        """Once per lease refresh period: is every session hosted here still this gateway's (and its copy kept)?"""
+        while True:
+            await asyncio.sleep(self.directory.lease_s / REFRESHES_PER_LEASE)
+            try:
+                found = await self.directory.check_owned([s for s in self._replicators if s not in self._lost])
+            except Exception as exc:  # noqa: BLE001 - Redis away: the next round asks again
+                log.warning("directory: ownership check failed: %s", exc)
+                continue
+            for sid, ownership in found.items():
+                if ownership is not Ownership.MINE:
+                    self._lose(sid, ownership)
 
     async def reattach(self, key: SessionKey, replica: str) -> None:
         """A dead gateway's session, adopted here (adopt.py): its operations go to `replica` from now on."""
@@ -85,6 +122,10 @@ class DirectoryRuntime:
         replicator = self._replicators.pop(key.session_id, None)
         if replicator is not None:  # first: a write landing after the record's delete would bring part of it back
             await replicator.aclose()
+        if key.session_id in self._lost:  # self-fenced: the sequence and the record are not this gateway's
+            self._lost.discard(key.session_id)
+            await self._forget(key)
+            return
         try:
             await self.inner.close(key, fence)
         finally:
@@ -92,6 +133,11 @@ class DirectoryRuntime:
                 await self.directory.unregister(key.session_id)
             except Exception as exc:  # noqa: BLE001 - a stale record is harmless: its owner answers "expired"
                 log.warning("directory: could not forget session %s: %s", key.session_id, exc)
+
+    async def _forget(self, key: SessionKey) -> None:
+        forget = getattr(self.inner, "forget", None)
+        if forget is not None:
+            await forget(key)
 
     def events(self, key: SessionKey) -> AsyncIterator[RuntimeEvent]:
         return self.inner.events(key)
@@ -107,10 +153,11 @@ class DirectoryRuntime:
         return inner
 
     async def aclose(self) -> None:
-        if self._sweeping is not None:
-            self._sweeping.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._sweeping
+        for task in (self._sweeping, self._watching):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         for replicator in list(self._replicators.values()):
             await replicator.aclose()
         self._replicators.clear()

@@ -11,6 +11,11 @@ Keys (all under `duplex:`):
   duplex:config:<session_id>    JSON: the session config as the client last set it
   duplex:owner:<addr>           the owner's lease: "1" with a TTL of `lease_s`, refreshed every lease_s / 3
 A session's owner is alive while its lease key exists. Only the owner writes its own records; any gateway reads.
+Every key of a session expires `copy_ttl_s` after its owner last wrote or checked it (a backstop: with every gateway
+dead nobody sweeps, and the copy must not stay for ever); a live owner renews them at every write and every
+ownership check (`check_owned`, once per lease refresh period), so only an abandoned copy expires.
+An owner that finds its record taken over or gone (`Ownership`: a write, or `check_owned`) was counted dead, say
+cut off from Redis past its lease: it ends the session locally (gateway/directory/runtime.py, self-fencing).
 A dead owner's session is either taken over by the gateway a resume reaches (`take_over`, gateway/directory/
 adopt.py) or, once it has been orphaned for the resume grace, swept by one gateway (`claim_orphans`); both are
 one atomic script each, so exactly one of them wins.
@@ -23,6 +28,7 @@ that gets no reply in time, or whose connection drops, is sent once more on a fr
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -33,6 +39,21 @@ PREFIX = "duplex:"
 REFRESHES_PER_LEASE = 3  # a lease survives two lost refreshes
 ATTEMPTS = 2  # a call whose reply is lost is sent once more before it fails
 SCAN_COUNT = 256
+COPY_TTL_MARGIN = 3  # the copies' default TTL: this many times (lease + resume grace + replay TTL)
+DEFAULT_COPY_TTL_S = COPY_TTL_MARGIN * (10.0 + 30.0 + 60.0)  # with the settings' defaults of those three
+
+
+def default_copy_ttl_s(lease_s: float, grace_s: float, replay_ttl_s: float) -> float:
+    """Long enough that a dead gateway's copy outlives every resume the protocol could still accept (its lease
+    running out, then the resume grace; the journal's entries live resume_replay_ttl_s), with a margin."""
+    return COPY_TTL_MARGIN * (lease_s + grace_s + replay_ttl_s)
+
+
+class Ownership(enum.IntEnum):
+    """What the owner of a session finds when it writes or checks its record."""
+    MOVED = -1  # another gateway took the record over (adopt.py)
+    GONE = 0  # no record: swept, closed by an adopter, or expired
+    MINE = 1
 
 log = logging.getLogger(__name__)
 
@@ -73,27 +94,54 @@ def session_keys(session_id: str) -> tuple[str, ...]:
     return session_key(session_id), journal_key(session_id), state_key(session_id), config_key(session_id)
 
 
-# KEYS: the record, then the dead owner's lease. ARGV: the dead owner, the new owner. 1 = taken over.
+# KEYS: the session's keys (record first), then the dead owner's lease. ARGV: the dead owner, the new owner, the
+# copy's TTL (ms). 1 = taken over.
 TAKE_OVER = """
-if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] or redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
+local lease = KEYS[#KEYS]
+if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] or redis.call('EXISTS', lease) == 1 then return 0 end
 redis.call('HSET', KEYS[1], 'owner', ARGV[2])
 redis.call('HDEL', KEYS[1], 'orphaned_at')
+for i = 1, #KEYS - 1 do redis.call('PEXPIRE', KEYS[i], ARGV[3]) end
 return 1
 """
 # The write-through of one session (replica.py), one command: applied only while this gateway owns the record (a
 # gateway that lost it, say cut off from Redis past its lease, cannot overwrite the new owner's copy).
-# KEYS: record, journal, state, config. ARGV: owner, overflowed (0/1), journal last/acked/aged seq, state JSON,
-# config JSON ("" = unchanged), n, n x (seq, entry) to add, then the seqs to delete. 1 = written, 0 = not the owner.
+# KEYS: record, journal, state, config. ARGV: owner, the copy's TTL (ms), overflowed (0/1), journal last/acked/aged
+# seq, state JSON, config JSON ("" = unchanged), n, n x (seq, entry) to add, then the seqs to delete. Returns an
+# `Ownership`: 1 = written (and every key's TTL renewed), 0 = no record, -1 = another gateway's record.
 WRITE = """
-if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return 0 end
-redis.call('HSET', KEYS[1], 'journal_last_seq', ARGV[3], 'journal_acked_seq', ARGV[4], 'journal_aged_seq', ARGV[5])
-redis.call('SET', KEYS[3], ARGV[6])
-if ARGV[7] ~= '' then redis.call('SET', KEYS[4], ARGV[7]) end
-if ARGV[2] == '1' then redis.call('DEL', KEYS[2]) return 1 end
-local n = tonumber(ARGV[8])
-for i = 9, 8 + 2 * n, 2 do redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1]) end
-for i = 9 + 2 * n, #ARGV do redis.call('HDEL', KEYS[2], ARGV[i]) end
+local owner = redis.call('HGET', KEYS[1], 'owner')
+if not owner then return 0 end
+if owner ~= ARGV[1] then return -1 end
+redis.call('HSET', KEYS[1], 'journal_last_seq', ARGV[4], 'journal_acked_seq', ARGV[5], 'journal_aged_seq', ARGV[6])
+redis.call('SET', KEYS[3], ARGV[7])
+if ARGV[8] ~= '' then redis.call('SET', KEYS[4], ARGV[8]) end
+if ARGV[3] == '1' then
+  redis.call('DEL', KEYS[2])
+else
+  local n = tonumber(ARGV[9])
+  for i = 10, 9 + 2 * n, 2 do redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1]) end
+  for i = 10 + 2 * n, #ARGV do redis.call('HDEL', KEYS[2], ARGV[i]) end
+end
+for i = 1, 4 do redis.call('PEXPIRE', KEYS[i], ARGV[2]) end
 return 1
+"""
+# KEYS: the four keys of each session (record first), session after session. ARGV: owner, the copy's TTL (ms).
+# One `Ownership` per session; an owned record loses a stale orphan mark (its owner is back: the sweep's grace must
+# start afresh if it dies later) and all four keys get their TTL renewed.
+OWNED = """
+local out = {}
+for i = 1, #KEYS, 4 do
+  local owner = redis.call('HGET', KEYS[i], 'owner')
+  if not owner then out[#out + 1] = 0
+  elseif owner ~= ARGV[1] then out[#out + 1] = -1
+  else
+    redis.call('HDEL', KEYS[i], 'orphaned_at')
+    for j = i, i + 3 do redis.call('PEXPIRE', KEYS[j], ARGV[2]) end
+    out[#out + 1] = 1
+  end
+end
+return out
 """
 # KEYS: the record. ARGV: this gateway, the dead owner. Undoes TAKE_OVER.
 GIVE_BACK = """
@@ -122,8 +170,10 @@ def lease_key(addr: str) -> str:
 
 
 class SessionDirectory:
-    def __init__(self, url: str, addr: str, lease_s: float, *, client: Any = None) -> None:
+    def __init__(self, url: str, addr: str, lease_s: float, *, copy_ttl_s: float = DEFAULT_COPY_TTL_S,
+                 client: Any = None) -> None:
         self.url, self.addr, self.lease_s = url, addr, lease_s
+        self.copy_ttl_ms = str(int(copy_ttl_s * 1000))
         # half a lease per attempt, so a call gives up within about one lease (ATTEMPTS): waiting longer is
         # pointless (a refresh that late has lost the lease anyway), and a shorter bound fails calls spuriously when
         # the gateway's own loop stalls for a second under load (seen with lease / 3 on a 2-core CI machine)
@@ -191,24 +241,42 @@ class SessionDirectory:
 
     async def register(self, session_id: str, replica: str, correlation_id: int, incarnation: int) -> None:
         await self.start()
-        await self._call("hset", session_key(session_id), mapping={
-            "owner": self.addr, "replica": replica, "correlation_id": str(correlation_id),
-            "incarnation": str(incarnation)})
+
+        async def write() -> Any:
+            pipe = self._client().pipeline(transaction=True)
+            pipe.hset(session_key(session_id), mapping={"owner": self.addr, "replica": replica,
+                                                        "correlation_id": str(correlation_id),
+                                                        "incarnation": str(incarnation)})
+            pipe.pexpire(session_key(session_id), int(self.copy_ttl_ms))
+            return await pipe.execute()
+
+        await self._bounded("register", write, True)
 
     async def unregister(self, session_id: str) -> None:
         await self._call("delete", *session_keys(session_id))
 
-    async def write_through(self, session_id: str, args: list[str]) -> bool:
-        """One session's changes (replica.py builds `args` as WRITE's ARGV after the owner); False when this gateway
-        no longer owns the record. Retried like any idempotent call (every part sets or deletes absolute values)."""
-        keys = (session_key(session_id), journal_key(session_id), state_key(session_id), config_key(session_id))
-        return bool(await self._call("eval", WRITE, len(keys), *keys, self.addr, *args))
+    async def write_through(self, session_id: str, args: list[str]) -> Ownership:
+        """One session's changes (replica.py builds `args` as WRITE's ARGV after the owner and the TTL), written
+        only while this gateway owns the record. Retried like any idempotent call (every part sets or deletes
+        absolute values)."""
+        keys = session_keys(session_id)
+        return Ownership(int(await self._call("eval", WRITE, len(keys), *keys, self.addr, self.copy_ttl_ms, *args)))
+
+    async def check_owned(self, session_ids: list[str]) -> dict[str, Ownership]:
+        """Whether each of these sessions (this gateway's) is still this gateway's; renews the owned ones' TTL and
+        clears their orphan mark. One script for all of them."""
+        if not session_ids:
+            return {}
+        keys = [k for sid in session_ids for k in session_keys(sid)]
+        found = await self._call("eval", OWNED, len(keys), *keys, self.addr, self.copy_ttl_ms)
+        return {sid: Ownership(int(o)) for sid, o in zip(session_ids, found, strict=True)}
 
     async def take_over(self, session_id: str, dead_owner: str) -> bool:
         """Make this gateway the owner of a session whose owner's lease is gone; False if the owner is alive, or
         another gateway took it over (or swept it) first. Not retried: a lost reply must not turn a win into 0."""
-        return bool(await self._call("eval", TAKE_OVER, 2, session_key(session_id), lease_key(dead_owner),
-                                     dead_owner, self.addr, idempotent=False))
+        keys = (*session_keys(session_id), lease_key(dead_owner))
+        return bool(await self._call("eval", TAKE_OVER, len(keys), *keys, dead_owner, self.addr, self.copy_ttl_ms,
+                                     idempotent=False))
 
     async def give_back(self, session_id: str, dead_owner: str) -> None:
         """Undo `take_over` (an adoption that failed half-way): the record names the dead owner again."""

@@ -203,6 +203,13 @@ class ReplicaRuntime:
         finally:
             self._placed.pop(key.correlation_id, None)
 
+    async def forget(self, key: SessionKey) -> None:
+        """Drop this gateway's stream of a session another gateway took over, sending nothing (stages.py)."""
+        replica = self._placed.pop(key.correlation_id, None)
+        forget = getattr(replica.runtime, "forget", None) if replica is not None else None
+        if forget is not None:
+            await forget(key)
+
     async def events(self, key: SessionKey) -> AsyncIterator[RuntimeEvent]:
         async for ev in self.replica_of(key).runtime.events(key):
             yield ev

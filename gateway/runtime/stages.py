@@ -397,6 +397,14 @@ class StagedTritonRuntime:
             s.order.clear()
             await s.stream.aclose()
 
+    async def forget(self, key: SessionKey) -> None:
+        """Drop this client's stream of a session without a word to Triton: another gateway took the sequence
+        over (gateway/directory/runtime.py, self-fencing), so only the stream here ends."""
+        s = self._sessions.pop(key.correlation_id, None)
+        if s is not None:
+            s.closing = True
+            await s.stream.aclose()  # its reader's end ends the session's event stream
+
     async def events(self, key: SessionKey) -> AsyncIterator[RuntimeEvent]:
         s = self._session(key)
         while (ev := await s.events.get()) is not None:

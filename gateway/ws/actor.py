@@ -23,6 +23,7 @@ from gateway.ws.messages import (
     Fatal,
     JournalOverflow,
     LaneOut,
+    OwnerLost,
     Rejected,
     ResyncClose,
     RuntimeOut,
@@ -142,12 +143,24 @@ async def _loop(live: LiveSession) -> _End:
                 return _End("shutdown")
             elif isinstance(msg, ResyncClose):
                 return _End("resync_required")
+            elif isinstance(msg, OwnerLost):
+                return await _owner_lost(live, msg)
         except ProtocolError as err:
             if _apply_error(live, err):
                 return _End(faults.close_reason(err))
         except Exception as exc:  # noqa: BLE001 - mapped to internal_error, session closed
             _apply_error(live, faults.internal(exc))
             return _End("internal_error")
+
+
+async def _owner_lost(live: LiveSession, msg: OwnerLost) -> _End:
+    """Several gateways: the session's record is not this gateway's any more (it was counted dead, say cut off from
+    Redis past its lease). The session ends here; its runtime close is local only (gateway/directory/runtime.py)."""
+    if msg.moved:  # another gateway adopted it through a resume: this socket was taken over (TK-2)
+        await live.replaced_elsewhere()
+    else:  # swept (its sequence closed), or its record expired: the runtime binding is gone
+        _apply_error(live, ProtocolError("runtime_dead", "the session's record in the session directory is gone"))
+    return _End("runtime_failure")
 
 
 async def run_actor(live: LiveSession) -> None:

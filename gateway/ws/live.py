@@ -19,7 +19,7 @@ from typing import Any
 
 from gateway.protocol.errors import CloseCode, ProtocolError
 from gateway.protocol.profiles import Profile, Projector
-from gateway.resume.attachment import Attachments
+from gateway.resume.attachment import Attachments, AttachState, Takeover
 from gateway.resume.credentials import ResumeCredential
 from gateway.resume.journal import Journal, JournalConfig, Sequencer, resync_required_event
 from gateway.runtime.base import RuntimeFailure
@@ -34,6 +34,7 @@ from gateway.ws.meters import SessionMeters
 from gateway.ws.writer import Json, Socket, Writer
 
 SHUTDOWN_CLOSE = (int(CloseCode.GOING_AWAY), "shutdown")
+REPLACED_CLOSE = (int(CloseCode.NORMAL), "session_replaced")  # TK-2
 
 
 class LiveSession:
@@ -123,6 +124,23 @@ class LiveSession:
         self.gw.sessions[session.session_id] = self
         self.gw.spawn(self._host(self._adopted_actor), name=f"session-{session.session_id}")
         self.gw.hosted(self)
+
+    async def replaced_elsewhere(self) -> None:
+        """Another gateway adopted this session through a resume (gateway/directory/runtime.py): to the socket
+        attached here that resume is a takeover, so it gets `session.replaced` and close 1000 (TK-2), and nothing
+        the session emits here from now on reaches a client."""
+        writer, att = self.writer, self.attachments
+        async with writer.lock:  # no live send between these frames
+            socket, generation = writer.socket, writer.generation
+            if socket is not None and att.state is AttachState.ATTACHED:
+                replaced = Takeover(generation + 1, generation).replaced_event(self.session_id)
+                assert replaced is not None
+                for text in writer.frames(replaced, False):
+                    await writer.send(text, socket)
+                await writer.close_socket(*REPLACED_CLOSE, socket=socket)
+            writer.detach(generation)
+        att.close()
+        self.release(generation)
 
     def attach(self, socket: Socket, generation: int) -> None:
         self.writer.attach(socket, generation)

@@ -78,8 +78,15 @@ class Fatal:
     error: ProtocolError
 
 
+@dataclass(frozen=True, slots=True)
+class OwnerLost:
+    """Several gateways: the session's directory record is not this gateway's any more (gateway/directory/runtime.py)
+    -- another gateway adopted the session (`moved`), or it was swept: it ends here without a word to the runtime."""
+    moved: bool
+
+
 Message = (Admitted | Rejected | RuntimeOut | LaneOut | Tick | Disconnected | Fatal | Expired | JournalOverflow
-           | Shutdown | ResyncClose)
+           | Shutdown | ResyncClose | OwnerLost)
 ALLOWED: dict[ConnState, frozenset[ConnState]] = {
     ConnState.CONNECTING: frozenset({ConnState.HANDSHAKE, ConnState.CLOSED}),
     ConnState.HANDSHAKE: frozenset({ConnState.OPEN, ConnState.CLOSED}),

@@ -74,6 +74,20 @@ class Gateway:
     def addr(self) -> str:
         return f"127.0.0.1:{self.port}"
 
+    def pause(self) -> None:
+        """SIGSTOP the gateway process (uvicorn, in its own group): alive, its sockets open, but unheard of (a
+        gateway cut off from Redis, or stalled); `cont` lets it go on."""
+        self._signal_children(signal.SIGSTOP)
+
+    def cont(self) -> None:
+        self._signal_children(signal.SIGCONT)
+
+    def _signal_children(self, sig: signal.Signals) -> None:
+        assert self.proc.popen is not None
+        for pid in children_of(self.proc.popen.pid):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, sig)
+
     def kill(self) -> None:
         """SIGKILL the gateway process (uvicorn, in its own group) and its launcher, as a crash would."""
         assert self.proc.popen is not None

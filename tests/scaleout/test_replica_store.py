@@ -1,6 +1,7 @@
 """The write-through copy of a session in Redis (gateway/directory/replica.py) against a real redis-server: the
 journal's exact bytes trimmed as the in-memory journal is, the state and config, read back into a new session
-(adopt.py's path), and the takeover / sweep race decided once."""
+(adopt.py's path), the takeover / sweep race decided once, an owner finding its record taken over or swept
+(self-fencing), and the copy's expiry."""
 
 from __future__ import annotations
 
@@ -18,7 +19,9 @@ import pytest
 import redis.asyncio as redis
 
 from gateway.directory.replica import Replicator, host_state, parse_entry
+from gateway.directory.runtime import DirectoryRuntime
 from gateway.directory.store import (
+    Ownership,
     SessionDirectory,
     config_key,
     journal_key,
@@ -31,13 +34,14 @@ from gateway.protocol.config import ConfigContext, default_config, response_defa
 from gateway.resume.attachment import Attachments
 from gateway.resume.credentials import ResumeCredential
 from gateway.resume.journal import Journal, JournalConfig
-from gateway.runtime.base import SessionKey
+from gateway.runtime.base import Fence, SessionKey
 from gateway.session import snapshot
 from gateway.session.core import SessionLimits
 from gateway.session.outbox import Outbox, OutboxLimits
 from gateway.session.runtime_config import RuntimeDefaults
 from gateway.session.session import DuplexSession
 from gateway.session.units import UnitGeometry
+from gateway.ws.messages import OwnerLost
 from tests.scaleout.cluster import Cluster
 
 LEASE_S = 1.0
@@ -237,3 +241,113 @@ async def test_the_sweep_waits_for_the_resume_grace_then_forgets_everything(
         await asyncio.sleep(0.6)
         assert [e.session_id for e in await directory.claim_orphans(0.5)] == ["sess_1"]
         assert not await raw.exists(*session_keys("sess_1"))
+
+
+async def test_an_abandoned_copy_expires_and_a_live_one_does_not(redis_url: str, raw: redis.Redis) -> None:
+    """The backstop of a copy nobody sweeps (every gateway dead): each key expires `copy_ttl_s` after its owner last
+    wrote or checked it; a live owner's ownership check (once per lease refresh period) renews them."""
+    ttl_s = 1.0
+    d = SessionDirectory(redis_url, "gw-a:8000", LEASE_S, copy_ttl_s=ttl_s)
+    try:
+        async with asyncio.timeout(DEADLINE_S):
+            reps = {}
+            for sid in ("live", "abandoned"):
+                await d.register(sid, "t:8001", 77, 2)
+                host = Host(new_session(sid))
+                reps[sid] = rep = Replicator(d, sid, host)
+                rep.start()
+                assert host.journal.offer(1, event(1))
+                await settled(rep)
+                await rep.aclose()  # "abandoned" stays so: its gateway died
+                assert await raw.exists(*session_keys(sid)) == 4
+                ttls = [await raw.pttl(k) for k in session_keys(sid)]
+                assert all(0 < t <= ttl_s * 1000 for t in ttls), ttls  # the write set every key's TTL
+            for _ in range(5):  # the live owner checks its session every lease_s / 3
+                await asyncio.sleep(ttl_s / 3)
+                assert await d.check_owned(["live"]) == {"live": Ownership.MINE}
+            assert await raw.exists(*session_keys("abandoned")) == 0
+            assert await raw.exists(*session_keys("live")) == 4
+            assert 0 < await raw.pttl(session_key("live")) <= ttl_s * 1000
+    finally:
+        await d.aclose()
+
+
+async def test_an_owner_learns_that_its_record_was_taken_over_or_swept(
+        directory: SessionDirectory, raw: redis.Redis) -> None:
+    async with asyncio.timeout(DEADLINE_S):
+        for sid in ("kept", "moved", "gone"):
+            await directory.register(sid, "t:8001", 77, 2)
+        await raw.hset(session_key("kept"), "orphaned_at", "1")  # a sweep saw it while its owner was cut off
+        await raw.hset(session_key("moved"), "owner", "gw-b:8000")  # adopted by gw-b meanwhile
+        await raw.delete(session_key("gone"))  # swept
+        found = await directory.check_owned(["kept", "moved", "gone"])
+        assert found == {"kept": Ownership.MINE, "moved": Ownership.MOVED, "gone": Ownership.GONE}
+        assert not await raw.hexists(session_key("kept"), "orphaned_at")  # its owner is back: the mark goes
+
+        # the write-through finds out too, stops, and says so
+        lost: list[tuple[str, Ownership]] = []
+        rep = Replicator(directory, "moved", Host(new_session("moved")), on_lost=lambda s, o: lost.append((s, o)))
+        rep.start()
+        for _ in range(100):
+            await asyncio.sleep(0.02)
+            if lost:
+                break
+        assert lost == [("moved", Ownership.MOVED)] and rep.lost and rep.writes == 0
+        assert not await raw.exists(state_key("moved"))  # gw-b's record was not written over
+        await rep.aclose()
+
+
+class FakeInner:
+    """The inner runtime of a DirectoryRuntime, recording what reaches it."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    async def close(self, key: SessionKey, fence: Fence) -> None:
+        self.calls.append("close")
+
+    async def forget(self, key: SessionKey) -> None:
+        self.calls.append("forget")
+
+    async def aclose(self) -> None:
+        pass
+
+
+@dataclass
+class PostingHost(Host):
+    posted: list[Any] = field(default_factory=list)
+
+    def post(self, msg: Any) -> None:
+        self.posted.append(msg)
+
+
+async def test_a_gateway_that_lost_a_session_ends_it_without_touching_its_sequence_or_record(
+        redis_url: str, raw: redis.Redis) -> None:
+    """Self-fencing (gateway/directory/runtime.py): the ownership check finds the record another gateway's; the
+    session's host is told, and its close drops only the local stream: no runtime close, no record delete."""
+    directory = SessionDirectory(redis_url, "gw-a:8000", 0.3)
+    inner = FakeInner()
+    rt = DirectoryRuntime(inner, directory, "t:8001")  # type: ignore[arg-type]
+    try:
+        async with asyncio.timeout(DEADLINE_S):
+            hosts = {}
+            for sid in ("adopted", "swept", "mine"):
+                await directory.register(sid, "t:8001", 77, 2)
+                hosts[sid] = PostingHost(new_session(sid))
+                rt.replicate(hosts[sid])
+            await raw.hset(session_key("adopted"), "owner", "gw-b:8000")
+            await raw.delete(*session_keys("swept"))
+            for _ in range(100):  # the check runs every lease_s / 3
+                await asyncio.sleep(0.05)
+                if hosts["adopted"].posted and hosts["swept"].posted:
+                    break
+            assert hosts["adopted"].posted == [OwnerLost(moved=True)]
+            assert hosts["swept"].posted == [OwnerLost(moved=False)]
+            assert hosts["mine"].posted == []
+            await rt.close(SessionKey("adopted", 77), Fence(2, 0))
+            assert inner.calls == ["forget"]  # nothing went to the sequence gw-b holds now
+            assert (await raw.hget(session_key("adopted"), "owner")) == "gw-b:8000"  # gw-b's record stands
+            await rt.close(SessionKey("mine", 77), Fence(2, 0))  # a session still its own closes as ever
+            assert inner.calls == ["forget", "close"] and not await raw.exists(session_key("mine"))
+    finally:
+        await rt.aclose()

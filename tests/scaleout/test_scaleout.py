@@ -156,6 +156,41 @@ async def test_sessions_go_where_the_replicas_report_room_and_a_dead_replica_fai
         await other.aclose()
 
 
+async def test_a_gateway_cut_off_past_its_lease_ends_the_session_another_gateway_adopted(
+        cluster: Cluster, clients: list[Raw]) -> None:
+    """Self-fencing: gateway A is paused (SIGSTOP) past its lease, so it counts as dead while its client's socket
+    stays open; the client resumes through B, which adopts the session. When A goes on, it finds the record B's and
+    ends the session there: its socket gets session.replaced and close 1000 session_replaced (TK-2), and nothing
+    reaches the Triton sequence, which goes on through B (and a resume through A is relayed to B)."""
+    gw_a, gw_b = cluster.gateways
+    r0 = cluster.replicas[0]
+    c, created, _ = await open_on(gw_a, cluster, clients)
+    sid, token = created["session"]["id"], created["resume_token"]
+    for unit in range(2):
+        await decides(c, unit)
+    await c.quiet(0.5)  # written through
+    last = c.last_seq
+    await asyncio.to_thread(gw_a.pause)
+    try:
+        await asyncio.sleep(LEASE_S + 0.5)  # A's lease has run out (its last refresh was at most now - LEASE_S)
+        b, resumed = await eventually(lambda: _resumed(gw_b, sid, token, last, clients), 3 * LEASE_S + 6, 0.5)
+        assert resumed["attachment_generation"] == 2 and resumed["replay_count"] == 0, resumed
+    finally:
+        await asyncio.to_thread(gw_a.cont)
+    replaced = await c.until("session.replaced", CLOSE_WAIT_S)  # within a lease refresh period of A going on
+    assert replaced["attachment_generation"] == 1 and replaced["reason"] == "takeover", replaced
+    assert await c.closed() == (1000, "session_replaced")
+    assert not [e for e in c.events if e["type"] in ("error", "session.closed")], c.events
+    await decides(b, 2)  # the sequence goes on through B: A's end of the session sent nothing to it
+    await b.ws.close()
+    a2, again = await resume(gw_a.addr, sid, resumed["resume_token"], b.last_seq)  # A holds it no more: relayed
+    clients.append(a2)
+    assert again["type"] == "session.resumed" and again["attachment_generation"] == 3, again
+    await decides(a2, 3)
+    await close(a2)
+    assert await held(r0) == 0
+
+
 async def test_a_killed_gateways_sessions_are_adopted_through_another_and_the_unclaimed_swept(
         cluster: Cluster, clients: list[Raw]) -> None:
     gw_a, gw_b = cluster.gateways
