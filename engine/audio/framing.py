@@ -96,7 +96,8 @@ class MelStreamState:
 
     def reset(self, cfg: StreamConfig, device: torch.device | str = "cpu") -> None:
         self.buffer = torch.zeros(0, device=device)
-        self.pending = torch.zeros(cfg.prefix_zeros, device=device)  # the §2.2 zero prefix
+        # the mel stream starts with 560 zeros: the reference left-pads its first delivery (model.md §2.2)
+        self.pending = torch.zeros(cfg.prefix_zeros, device=device)
         self.base_sample = 0
         self.unit = 0
         self.received = cfg.prefix_zeros

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-CLOSE_POSITIONS = 2  # `[terminator, </unit>]` (§3.6)
+CLOSE_POSITIONS = 2  # a unit closes with `[terminator, </unit>]`, fed together (model.md §3.6)
 # torch.compile modes that leave graph capture to the engine (the others capture CUDA graphs themselves)
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 
@@ -74,9 +74,9 @@ class SpecialIds:
 @dataclass(frozen=True)
 class DecodeRules:
     max_steps: int = 20  # max_new_speak_tokens_per_chunk
-    max_speak_chars_per_unit: int = 28  # 0 = off (Q5)
+    max_speak_chars_per_unit: int = 28  # reject a token past 28 characters of unit text; 0 = off (Q5)
     force_listen_count: int = 3
-    midturn_listen: Literal["tts_bos", "allow"] = "tts_bos"  # Q1
+    midturn_listen: Literal["tts_bos", "allow"] = "tts_bos"  # mid-turn listen fed as <|tts_bos|> (Q1)
 
 
 @dataclass(frozen=True)
@@ -95,7 +95,7 @@ class Stage0Config:
     # the current frame + the optional stacked previous one (protocol.md §9.4 V-2; model.md §1.4 says why 2)
     max_frames_per_unit: int = 2
     default_prompt: str = "Streaming Omni Conversation."
-    empty_ref_audio_markers: bool = True  # Q25
+    empty_ref_audio_markers: bool = True  # empty audio markers in the prefix without a reference clip (Q25)
     decode_batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     # graph attention spans (decode and prefill); the slot length is added. Steady-state sessions sit between
     # `window_low` and `window_high`, hence the upper buckets.

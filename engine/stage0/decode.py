@@ -57,7 +57,7 @@ class UnitDecoder:
     rows: list[TTSRow] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        # A0
+        # forced listen for the session's first units, or by the caller (A0)
         self.force = (self.turn.units_generated < self.rules.force_listen_count) or self.force_listen_override
         self.turn.units_generated += 1
         # A1 is decided now, before any step: an override while the turn is open feeds `<|turn_eos|>`
@@ -78,22 +78,22 @@ class UnitDecoder:
 
     def step(self, sampled: int | None) -> Feed | Stop:
         ids = self.ids
-        if self.j == self.rules.max_steps - 1:  # B1
+        if self.j == self.rules.max_steps - 1:  # the last step closes the unit unsampled (B1)
             return self._stop(ids.chunk_eos)
-        if self.force:  # B2
+        if self.force:  # a forced unit listens without a draw (B2)
             t = ids.listen
         else:
             if sampled is None:
                 raise ValueError("step() needs a sampled id when the step is not forced")
             t = sampled
             if t == ids.listen and not self.turn.current_turn_ended and self.rules.midturn_listen == "tts_bos":
-                t = ids.tts_bos  # B3 (Q1)
-        self.is_listen = t == ids.listen  # B4
+                t = ids.tts_bos  # mid-turn listen becomes <|tts_bos|>, fed (B3, Q1)
+        self.is_listen = t == ids.listen  # the unit is a listen unit iff this step's id is <|listen|> (B4)
         if self.j == 0:
             self.decision = t
-        if t in ids.terminators:  # B5
+        if t in ids.terminators:  # a terminator stops the unit, not fed yet (B5)
             return self._stop(t)
-        self.turn.current_turn_ended = False  # B6
+        self.turn.current_turn_ended = False  # a text token reopens the turn (B6)
         if self.j >= 1 and self.rules.max_speak_chars_per_unit > 0:
             if len(self._text.with_token(t)) >= self.rules.max_speak_chars_per_unit:
                 return self._stop(ids.chunk_eos, rejected=t)

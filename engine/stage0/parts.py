@@ -53,7 +53,7 @@ class PrefixEncoder:
         self.config, self.hidden_size = config, hidden_size
 
     def embeds(self, prompt: str, ref_audio: torch.Tensor | None) -> torch.Tensor:
-        """System prefix (§3.2) → [P, H]."""
+        """The system prefix (prompt and reference-audio markers, model.md §3.2) → [P, H]."""
         ref = None
         if ref_audio is not None:
             ref = self.frontend.encode_reference(ref_audio).to(self.runner.device, self.runner.dtype)
