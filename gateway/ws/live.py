@@ -34,7 +34,7 @@ from gateway.ws.meters import SessionMeters
 from gateway.ws.writer import Json, Socket, Writer
 
 SHUTDOWN_CLOSE = (int(CloseCode.GOING_AWAY), "shutdown")
-REPLACED_CLOSE = (int(CloseCode.NORMAL), "session_replaced")  # TK-2
+REPLACED_CLOSE = (int(CloseCode.NORMAL), "session_replaced")  # the socket a takeover replaced closes so (TK-2)
 
 
 class LiveSession:
