@@ -9,8 +9,9 @@ the newest fence (model_repository/common/sessions.py). Without the sweep the re
 until its idle timeout (the profile's `session_idle_ttl_s`, minutes).
 
 NOTE: a gateway cut off from Redis for longer than its lease counts as dead: its sessions are swept while it
-may still serve them (they then fail with a runtime error). The lease (10 s, refreshed every 3.3 s) is the
-trade-off between that and how long a dead gateway's slots stay taken.
+may still serve them; once it reaches Redis again it finds their records gone and ends them (runtime_dead,
+gateway/directory/runtime.py). The lease (10 s, refreshed every 3.3 s) is the trade-off between that and how long
+a dead gateway's slots stay taken.
 """
 
 from __future__ import annotations
