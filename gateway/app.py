@@ -46,10 +46,9 @@ def triton_runtime(settings: GatewaySettings) -> Runtime:
     assert settings.advertise_addr is not None  # the settings refuse a directory without it
     directory = SessionDirectory(settings.redis_url, settings.advertise_addr, settings.directory_lease_s,
                                  copy_ttl_s=settings.copy_ttl_s())
-    # dead gateways' sequences are closed stage by stage: only on the served (stages) path
+    # dead gateways' sequences are closed stage by stage (the settings refuse a directory in pipeline mode)
     sweeper = Sweeper(directory, settings.directory_lease_s, settings.runtime_timeout_s,
-                      batch_dim=settings.triton_batch_dim, grace_s=settings.disconnect_grace_s
-                      ) if settings.triton_mode == "stages" else None
+                      batch_dim=settings.triton_batch_dim, grace_s=settings.disconnect_grace_s)
     return DirectoryRuntime(runtime, directory, settings.triton_url, sweeper)
 
 

@@ -100,6 +100,10 @@ class GatewaySettings(BaseModel):
     def _directory_needs_an_address(self) -> GatewaySettings:
         if self.redis_url and not self.advertise_addr:
             raise ValueError("redis_url needs advertise_addr (DUPLEX_ADVERTISE_ADDR): where other gateways reach this one")
+        if self.redis_url and self.triton_mode != "stages":
+            raise ValueError("redis_url (several gateways sharing a session directory) needs triton_mode=stages: a dead "
+                             "gateway's sessions are adopted and swept through the stage models' sequences, which the "
+                             "pipeline mode does not expose (docs/deploy.md, Scale-out)")
         floor = self.directory_lease_s + self.disconnect_grace_s
         if self.directory_copy_ttl_s is not None and self.directory_copy_ttl_s <= floor:
             raise ValueError(f"directory_copy_ttl_s ({self.directory_copy_ttl_s:g}) must exceed directory_lease_s + "
