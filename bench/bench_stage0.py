@@ -265,6 +265,10 @@ def bench_engine(model: Qwen3LLM, cfg: LLMConfig, b: int, args: argparse.Namespa
                  ms=stats(v)) for k, v in kinds.items() if v]
 
 
+class RingOwner:
+    """Stands for a session in the history ring, which holds its rows' owners weakly (a bare object() cannot be)."""
+
+
 def bench_sampler(vocab: int, b: int, args: argparse.Namespace, dev: torch.device) -> list[dict]:
     """One step's sampling of b rows (Step A, B1-B6, the read-back), each row with a full 512-id history:
     the full-vocabulary sort with the history sent from the host vs the candidates with the device ring."""
@@ -276,7 +280,8 @@ def bench_sampler(vocab: int, b: int, args: argparse.Namespace, dev: torch.devic
     histories = [torch.randint(0, vocab, (params[0].repetition_window,), generator=g).tolist() for _ in range(b)]
     uniforms = [[0.5, 0.5]] * b
     ring = HistoryRing(b, params[0].repetition_window, vocab, dev)
-    ring.sync([(i, object(), h, params[0].repetition_window) for i, h in enumerate(histories)])
+    owners = [RingOwner() for _ in range(b)]  # alive for the whole run: the ring holds its owners weakly
+    ring.sync([(i, owners[i], h, params[0].repetition_window) for i, h in enumerate(histories)])
 
     def full() -> None:
         batch = SamplingBatch.build(params, histories, uniforms, vocab, dev)
