@@ -14,7 +14,9 @@ copied from the host vs the top-k candidates with the device history ring:
     python bench/bench_stage0.py --sampler-only --sampler-batches 1,32
 CPU smoke test on the tiny model (graph sets run in eager replay):
     python bench/bench_stage0.py --tiny
-Rows: the model forward eager / in our CUDA graphs (decode and unit prefill, with --compile also compiled);
+Rows: the model forward eager / in our CUDA graphs (decode and unit prefill, with --compile also compiled; the
+graph rows use the engine rows' slot length, span buckets and compile settings, so they replay what the engine's
+step replays, and each compiled row compiles from a fresh dynamo state as a serving process does);
 the batched audio front end for N sessions' units (log-mel on the device + streaming Whisper + projector,
 bench/stage0_frontend.py); then the engine's own `step()` (graphs and compile as configured by
 Stage0Config, scripted decisions §9.5, merged unit close) with the real front end: decode steps and unit
@@ -43,7 +45,7 @@ from engine.hostio import read_back
 from engine.model.llm import Qwen3LLM, SlotKVCache
 from engine.stage0 import DecodeRules, Fence, SamplingParams, Stage0Config, Stage0Engine
 from engine.stage0.frontend import AudioFrontEndAdapter
-from engine.stage0.graphs import DecodeGraphs, PrefillGraphs
+from engine.stage0.graphs import DecodeGraphs, PrefillGraphs, bucket
 from engine.stage0.penalty import HistoryRing
 from engine.stage0.runner import KV_LIMIT_QUANTUM
 from engine.stage0.sampling import TOP_CANDIDATES, SamplerIds, SamplingBatch, sample
@@ -116,13 +118,47 @@ def graph_modes(args: argparse.Namespace) -> list[str | None]:
     return [] if args.no_graphs else [None] + ([args.compile] if args.compile else [])
 
 
+def engine_config(b: int, args: argparse.Namespace, dev: torch.device) -> tuple[Stage0Config, DecodeRules]:
+    """The engine rows' configuration for b sessions at `args.context`; the graph rows build their KV, span
+    buckets and compile mode from it too, so a graph row replays what the engine's step replays (same slot
+    length, hence the same attention span `kv.reserved_pos`, same batch bucket, same compile)."""
+    rules = DecodeRules(force_listen_count=0)
+    # KV room for the timed units, the warm-up unit and the engine's two-unit admission margin
+    room = (args.engine_units + 3) * Stage0Config(max_frames_per_unit=0).unit_max_positions(rules)
+    max_context = args.context + room if args.slot_len is None else args.slot_len - 1
+    if max_context < args.context + room:
+        raise SystemExit(f"--slot-len {args.slot_len} holds no {args.engine_units} units after {args.context} "
+                         f"positions (needs {args.context + room + 1}; fewer --engine-units or a shorter context)")
+    config = Stage0Config(
+        max_sessions=b, eviction="off", max_context=max_context, max_frames_per_unit=0,
+        decode_batch_buckets=(b,), decode_kv_buckets=(quantized(max_context),),
+        prefill_batch_buckets=(b,), use_cuda_graphs=not args.no_graphs,
+        eager_replay_graphs=dev.type != "cuda" and not args.no_graphs, compile_mode=args.compile,
+        compile_dynamic=False if args.compile_static else None,
+        fuse_projections=not args.no_fuse, merge_unit_close=True, scripted_decisions=True, benchmark_mode=True,
+        # all speak units, so every session decodes in lock step (turn-end every `speak_units`)
+        script_plan=ScriptPlan(listen_units=0, tail_listen_units=0))
+    return config, rules
+
+
+def fresh_compile(mode: str | None) -> None:
+    """Forget earlier compiles of the decoder layer before a compiled graph set or engine is built, so each row
+    compiles as a fresh serving process does. NOTE: dynamo keeps per-code-object state: after another row's
+    compiles of `run_layer`, a compile_dynamic=None compile is symbolic at once (automatic dynamic) where a
+    fresh process compiles its first shape static, so without this a row's kernels depended on the rows
+    before it."""
+    if mode is not None:
+        torch._dynamo.reset()
+
+
 def bench_decode(model: Qwen3LLM, cfg: LLMConfig, b: int, args: argparse.Namespace, dev: torch.device,
                  dtype: torch.dtype) -> list[dict]:
-    kv = random_kv(cfg, b, args.context + args.extra, dev, dtype)
+    config, rules = engine_config(b, args, dev)
+    kv = random_kv(cfg, b, config.slot_len(rules), dev, dtype)  # the engine rows' slot length
     x = torch.randn(b, 1, cfg.hidden_size, dtype=dtype, device=dev)
     pos = torch.full((b, 1), args.context, device=dev)
     slots = torch.arange(b)  # dense layout, as the engine's decode rows: row i = slot i
-    span = quantized(args.context + 1)
+    span = min(kv.max_len, quantized(args.context + 1))  # the engine's eager span (ModelRunner._limit)
     out = []
     pos_host = pos[:, 0].cpu()
     with torch.no_grad():
@@ -130,24 +166,33 @@ def bench_decode(model: Qwen3LLM, cfg: LLMConfig, b: int, args: argparse.Namespa
             Qwen3LLM.decode_attention = attention
             eager = timed(lambda: model.logits(model(x, pos, None, kv, kv_limit=span)[:, -1]),
                           args.iters, args.warmup, dev)
-            out.append(dict(name=f"model eager decode [{attention}]", batch=b, ctx=args.context, ms=eager))
+            out.append(dict(name=f"model eager decode [{attention}]", batch=b, ctx=args.context, ms=eager,
+                            span=span))
             for mode in graph_modes(args):
-                graphs = DecodeGraphs.create(model, kv, (b,), (span,), compile_mode=mode,
-                                             eager_replay=dev.type != "cuda", compile_dynamic=False)
+                fresh_compile(mode)
+                graphs = DecodeGraphs.create(model, kv, config.decode_batch_buckets, config.decode_kv_buckets,
+                                             compile_mode=mode, eager_replay=dev.type != "cuda",
+                                             compile_dynamic=config.compile_dynamic)
                 assert graphs is not None
                 ms = timed(lambda g=graphs: model.logits(g.run(x[:, 0], pos_host, slots, args.context + 1)),
                            args.iters, args.warmup, dev)
                 name = f"graph decode [{attention}]" + (f" +{mode}" if mode else "")
-                out.append(dict(name=name, batch=b, ctx=args.context, ms=ms))
+                out.append(dict(name=name, batch=b, ctx=args.context, ms=ms, span=decode_span(graphs, args)))
         Qwen3LLM.decode_attention = args.decode_attention[0]
     return out
+
+
+def decode_span(graphs: DecodeGraphs, args: argparse.Namespace) -> int:
+    """The attention span a decode step at `args.context` replays (the bucket of its reach)."""
+    return bucket(args.context + 1, graphs.kv_buckets)
 
 
 def bench_prefill(model: Qwen3LLM, cfg: LLMConfig, args: argparse.Namespace, dev: torch.device,
                   dtype: torch.dtype) -> list[dict]:
     ctx = args.prefill_context
-    kv = random_kv(cfg, 1, ctx + args.extra, dev, dtype)
-    span = quantized(ctx + MERGED_PREFILL)
+    config, rules = engine_config(1, args, dev)
+    kv = random_kv(cfg, 1, max(config.slot_len(rules), ctx + args.extra), dev, dtype)
+    span = min(kv.max_len, quantized(ctx + MERGED_PREFILL))
     slot = torch.zeros(1, dtype=torch.long, device=dev)
     out = []
     with torch.no_grad():
@@ -156,16 +201,19 @@ def bench_prefill(model: Qwen3LLM, cfg: LLMConfig, args: argparse.Namespace, dev
             pos = torch.arange(ctx, ctx + n, device=dev)[None]
             ms = timed(lambda x=x, pos=pos: model.logits(model(x[None], pos, slot, kv, kv_limit=span)[:, -1]),
                        args.iters, args.warmup, dev)
-            out.append(dict(name=f"model eager prefill {n}", batch=1, ctx=ctx, ms=ms))
+            out.append(dict(name=f"model eager prefill {n}", batch=1, ctx=ctx, ms=ms, span=span))
         for mode in graph_modes(args):
-            graphs = PrefillGraphs.create(model, kv, (1,), (UNIT_PREFILL, MERGED_PREFILL), (span,), compile_mode=mode,
-                                          eager_replay=dev.type != "cuda", compile_dynamic=False)
+            fresh_compile(mode)
+            graphs = PrefillGraphs.create(model, kv, (1,), (UNIT_PREFILL, MERGED_PREFILL), config.decode_kv_buckets,
+                                          compile_mode=mode, eager_replay=dev.type != "cuda",
+                                          compile_dynamic=config.compile_dynamic)
             assert graphs is not None
             for n in (UNIT_PREFILL, MERGED_PREFILL):
                 x = torch.randn(n, cfg.hidden_size, dtype=dtype, device=dev)
                 ms = timed(lambda g=graphs, x=x: model.logits(g.run([0], [ctx], [x])[0][-1:]),
                            args.iters, args.warmup, dev)
-                out.append(dict(name=f"graph prefill {n}" + (f" +{mode}" if mode else ""), batch=1, ctx=ctx, ms=ms))
+                out.append(dict(name=f"graph prefill {n}" + (f" +{mode}" if mode else ""), batch=1, ctx=ctx, ms=ms,
+                                span=bucket(ctx + n, graphs.kv_buckets)))
     return out
 
 
@@ -214,18 +262,8 @@ class BenchFrontEnd:
 def bench_engine(model: Qwen3LLM, cfg: LLMConfig, b: int, args: argparse.Namespace, dev: torch.device,
                  dtype: torch.dtype) -> list[dict]:
     """The engine's own step(): b sessions at `context` retained positions, every unit a scripted speak unit."""
-    rules = DecodeRules(force_listen_count=0)
-    # KV room for the timed units, the warm-up unit and the engine's two-unit admission margin
-    room = (args.engine_units + 3) * Stage0Config(max_frames_per_unit=0).unit_max_positions(rules)
-    config = Stage0Config(
-        max_sessions=b, eviction="off", max_context=args.context + room, max_frames_per_unit=0,
-        decode_batch_buckets=(b,), decode_kv_buckets=(quantized(args.context + room),),
-        prefill_batch_buckets=(b,), use_cuda_graphs=not args.no_graphs,
-        eager_replay_graphs=dev.type != "cuda" and not args.no_graphs, compile_mode=args.compile,
-        compile_dynamic=False if args.compile_static else None,
-        fuse_projections=not args.no_fuse, merge_unit_close=True, scripted_decisions=True, benchmark_mode=True,
-        # all speak units, so every session decodes in lock step (turn-end every `speak_units`)
-        script_plan=ScriptPlan(listen_units=0, tail_listen_units=0))
+    config, rules = engine_config(b, args, dev)
+    fresh_compile(args.compile)
     tok = BenchTokenizer(cfg.vocab_size)
     front: object = BenchFrontEnd(cfg, config.audio_embeddings_per_unit, dev, dtype)
     if not args.no_engine_frontend:  # the real batched front end: a unit step is front end + prefill
@@ -260,9 +298,9 @@ def bench_engine(model: Qwen3LLM, cfg: LLMConfig, b: int, args: argparse.Namespa
                 break
             if unit and kind:
                 kinds[kind].append((time.perf_counter() - t0) * 1e3)
-    ctx = args.context
-    return [dict(name=f"engine step {k}" + (f" +{args.compile}" if args.compile else ""), batch=b, ctx=ctx,
-                 ms=stats(v)) for k, v in kinds.items() if v]
+    span = decode_span(engine.runner.graphs, args) if engine.runner.graphs is not None else None
+    return [dict(name=f"engine step {k}" + (f" +{args.compile}" if args.compile else ""), batch=b, ctx=args.context,
+                 ms=stats(v), span=span if k == "decode" else None) for k, v in kinds.items() if v]
 
 
 class RingOwner:
@@ -425,7 +463,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--frontend-iters", type=int, default=12, help="timed front-end calls (consecutive units)")
     ap.add_argument("--no-engine-frontend", action="store_true",
                     help="engine rows with random unit embeddings instead of the real audio front end")
-    ap.add_argument("--extra", type=int, default=64, help="KV positions beyond the context")
+    ap.add_argument("--extra", type=int, default=64,
+                    help="prefill rows: at least this many KV positions beyond --prefill-context")
+    ap.add_argument("--slot-len", type=int, default=None,
+                    help="KV positions per slot of the graph and engine rows, hence their top attention span "
+                         "(slot length - 1); default: what the engine rows need (context + their units' room + 1); "
+                         "the h200 profile serves 8358 (kv_window 8192 + one unit with two frames + 1)")
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--hf-iters", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=5)
@@ -501,11 +544,14 @@ def report(rows: list[dict], cfg: LLMConfig | None, n_params: int, elem: int, ar
             json.dump(dict(device=device, params=n_params, rows=rows), f, indent=2)
     if args.results:
         write_results(Path(args.results), result_rows(rows, args), device)
-    print(f"{'what':44s} {'batch':>5s} {'ctx':>6s} {'median ms':>10s} {'p99 ms':>8s} {'floor ms':>9s} {'x floor':>8s}")
+    print(f"{'what':44s} {'batch':>5s} {'ctx':>6s} {'span':>6s} {'median ms':>10s} {'p99 ms':>8s} {'floor ms':>9s} "
+          f"{'x floor':>8s}")
     for r in rows:
         floor = (f"{r['floor_ms']:9.3f} {r['median_ms'] / r['floor_ms']:8.2f}" if r["floor_ms"]
                  else f"{'-':>9s} {'-':>8s}")
-        print(f"{r['name']:44s} {r['batch']:5d} {r['ctx']:6d} {r['median_ms']:10.3f} {r['p99_ms']:8.3f} {floor}")
+        span = r.get("span") or "-"  # the attention span (kv_limit) of the row's forward
+        print(f"{r['name']:44s} {r['batch']:5d} {r['ctx']:6d} {span:>6} {r['median_ms']:10.3f} {r['p99_ms']:8.3f} "
+              f"{floor}")
 
 
 if __name__ == "__main__":

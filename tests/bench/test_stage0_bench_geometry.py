@@ -1,0 +1,61 @@
+"""bench/bench_stage0.py: the graph decode rows replay what the engine's step replays (issue 16).
+
+The H200 run at d1cf89b read the graph decode row at 2-3x the engine step: the graph rows had their own KV
+cache (context + 64 positions, attention span 8255) while the engine rows attended over 8456 positions of
+theirs, and the rows were compiled with different dynamo settings. The rows now share the engine rows'
+geometry; each row reports the attention span its forward ran.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run_bench(tmp_path: Path, *extra: str) -> list[dict]:
+    out = tmp_path / "rows.json"
+    small = ["--tiny", "--no-hf", "--contexts", "64", "--batches", "1,2", "--engine-batches", "2",
+             "--engine-units", "1", "--frontend-batches", "", "--sampler-batches", "", "--iters", "1",
+             "--warmup", "0", "--no-engine-frontend", "--json", str(out), *extra]
+    subprocess.run([sys.executable, str(REPO / "bench" / "bench_stage0.py"), *small], check=True, cwd=REPO,
+                   capture_output=True, timeout=300)
+    return json.loads(out.read_text())["rows"]
+
+
+def spans(rows: list[dict], prefix: str, batch: int) -> set[int]:
+    return {r["span"] for r in rows if r["name"].startswith(prefix) and r["batch"] == batch}
+
+
+def test_graph_decode_rows_attend_over_the_engine_rows_span(tmp_path: Path) -> None:
+    rows = run_bench(tmp_path)
+    engine = spans(rows, "engine step decode", 2)
+    # 64 positions + 4 units' room of 33 (bench_stage0.engine_config) + the reserved position = 197 slots
+    assert engine == {196}
+    assert spans(rows, "graph decode", 2) == engine  # matmul and sdpa rows alike
+    assert spans(rows, "graph decode", 1) == engine  # same slot length at every batch
+    assert spans(rows, "graph prefill", 1) == engine
+
+
+def test_slot_len_sets_the_span_of_graph_and_engine_rows(tmp_path: Path) -> None:
+    rows = run_bench(tmp_path, "--slot-len", "260", "--decode-attention", "matmul")
+    assert spans(rows, "engine step decode", 2) == spans(rows, "graph decode", 2) == {259}
+
+
+def test_slot_len_too_short_for_the_engine_rows_is_refused() -> None:
+    from bench.bench_stage0 import engine_config
+
+    args = argparse.Namespace(context=64, engine_units=1, slot_len=100, no_graphs=False, compile=None,
+                              compile_static=False, no_fuse=False)
+    with pytest.raises(SystemExit, match="needs 197"):
+        engine_config(1, args, torch.device("cpu"))
+    args.slot_len = 197
+    config, rules = engine_config(1, args, torch.device("cpu"))
+    assert config.slot_len(rules) == 197
