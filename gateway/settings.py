@@ -43,7 +43,7 @@ class GatewaySettings(BaseModel):
     voices: tuple[str, ...] = ("default",)
     default_voice_available: bool = True
     force_listen_count: int = Field(3, ge=0)
-    # §5.1 limits
+    # per-session and server limits, names and defaults as protocol.md §5.1
     idle_ttl_s: float | None = Field(300.0, gt=0)
     disconnect_grace_s: float = Field(30.0, gt=0)
     reaper_interval_s: float = Field(5.0, gt=0)
@@ -56,7 +56,7 @@ class GatewaySettings(BaseModel):
     handshake_timeout_s: float = Field(10.0, gt=0)
     close_ack_timeout_s: float = Field(10.0, gt=0)
     session_tombstone_ttl_s: float = Field(600.0, gt=0)
-    # transport (§1.5)
+    # WebSocket transport limits (protocol.md §1.5)
     max_frame_bytes: int = Field(15 * MiB, gt=0)
     ws_max_message_bytes: int = Field(16 * MiB, gt=0)
     outbound_max_bytes: int = Field(2 * MiB, gt=0)

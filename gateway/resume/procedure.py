@@ -74,12 +74,13 @@ def check_resume(req: ResumeRequest, target: ResumeTarget | None, *, route: str,
     att = None if target is None else target.attachments
     if target is None or att is None or att.state is AttachState.CLOSED \
             or (req.incarnation is not None and req.incarnation != target.incarnation):
-        raise _hs("session_resume_expired", "unknown, closed or expired session")  # RS2
+        raise _hs("session_resume_expired", "unknown, closed or expired session")  # must be open or detached (RS2)
     if not target.credential.verify(req.resume_token):
-        raise _hs("invalid_resume_token", "resume token does not match")  # RS3
+        raise _hs("invalid_resume_token", "resume token does not match")  # current or one-shot previous (RS3)
     if not att.resumable or target.journal.overflowed or route != target.route or profile != target.profile:
-        raise _hs("unsupported_session_resume", "session is not resumable on this route/profile")  # RS4
-    target.journal.check_cursor(req.last_received_server_event_seq)  # RS5, RS6
+        raise _hs("unsupported_session_resume", "session is not resumable on this route/profile")  # same route (RS4)
+    # a cursor past the last assigned seq is invalid (RS5); a pruned seq after it is a journal gap (RS6)
+    target.journal.check_cursor(req.last_received_server_event_seq)
     return req.last_received_server_event_seq + 1
 
 
