@@ -33,6 +33,10 @@ OTHER = "other"
 # Gateway-clock latencies: a ~1 s model unit dominates, so buckets span 10 ms .. 10 s.
 LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
 STAGES = frozenset({"thinker", "talker", "code2wav"})
+# P13 (docs/design/targets.md: text behind its generation <= 30 ms p50): fine edges below 100 ms, 30 ms among them,
+# and a unit's worth of TTS + Token2Wav above, where a transcript paired with its audio (C-3) lands.
+TEXT_WAIT_BUCKETS_S = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0,
+                       10.0)
 
 
 def _closed(value: str, allowed: Iterable[str]) -> str:
@@ -93,6 +97,15 @@ class GatewayMetrics:
                                registry=r)
         self.audio_out = Counter("duplex_audio_output_seconds_total", "Audio seconds written to clients",
                                  registry=r)
+        # Issue 14 / P13: how long generated text waited before its delta was handed to the socket.
+        self.transcript_delay = Histogram(
+            "duplex_transcript_delay_seconds",
+            "Text behind its generation: first token of a transcript/text delta sampled by the engine (start="
+            "sampled) or received by the gateway (start=received) -> the delta handed to the socket",
+            ["response", "start"], buckets=TEXT_WAIT_BUCKETS_S, registry=r)
+        # children resolved once: the writer observes per delta without building a label tuple ([audio][sampled])
+        self._text_waits = [[self.transcript_delay.labels(resp, start) for start in ("received", "sampled")]
+                            for resp in ("text", "audio")]
 
     # ---- helpers: one call per observable fact --------------------------------------------------------
     def set_session_counts(self, counts: dict[str, int]) -> None:
@@ -141,6 +154,10 @@ class GatewayMetrics:
 
     def audio_sent(self, seconds: float) -> None:
         self.audio_out.inc(max(0.0, seconds))
+
+    def transcript_delayed(self, seconds: float, audio: bool, sampled: bool) -> None:
+        """A delta's text waited `seconds` (the writer's hook; `audio`: a transcript paired with audio, C-3)."""
+        self._text_waits[audio][sampled].observe(seconds)
 
     def render(self) -> tuple[bytes, str]:
         """Body and content type for `GET /metrics` (text format 0.0.4)."""

@@ -341,7 +341,8 @@ class StepScheduler:
         s.text_sent = text
         self.emit(TokenEvent(session_id=s.session_id, fence=unit.job.fence, unit_index=unit.index, j=j,
                              token_id=unit.pending_token, text=piece, hidden=h, end_of_turn=dec.end_of_turn,
-                             is_tts_row=row is not None, decision=j == 0, listen=False, forced=dec.force))
+                             is_tts_row=row is not None, decision=j == 0, listen=False, forced=dec.force,
+                             sampled_at=_monotonic(unit.token_times[-1])))  # `_act` stamped the pending token
         unit.pending_token = None
 
     def _finish_unit(self, s: Session) -> None:
@@ -370,3 +371,9 @@ class StepScheduler:
             n += 1
         evict_span(self.model, self.runner.kv, s.slot, s.prefix_len, drop, s.cached_len)
         s.ledger, s.cached_len = s.ledger[n:], s.cached_len - drop
+
+
+def _monotonic(perf: float) -> float:
+    """A `time.perf_counter()` stamp on `time.monotonic()`'s clock, which other processes of the host share (both are
+    CLOCK_MONOTONIC on Linux; the offset keeps this exact where they are not)."""
+    return time.monotonic() - (time.perf_counter() - perf)

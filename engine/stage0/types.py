@@ -106,6 +106,7 @@ class TokenEvent:
     # unit was forced to listen (force_listen_count or an override), so no reader has to recompute either
     listen: bool = False
     forced: bool = False
+    sampled_at: float = 0.0  # time.monotonic() when the token was sampled (0.0: not a sampled token)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -57,6 +57,11 @@ class TextPiece:
     unit: int
     text: str
     token_id: int | None = None
+    # time.monotonic() stamps of the text's way out (P13): when the engine sampled the token (stage0's wire field
+    # `sampled_at`; comparable only on the engine's host, see `text_started_at`) and when the gateway's runtime
+    # client received it. None where nobody stamped it.
+    sampled_at: float | None = None
+    received_at: float | None = None
     kind: Literal["text"] = "text"
 
 
@@ -90,6 +95,20 @@ class StreamError:
 
 
 RuntimeEvent = Decision | TextPiece | AudioPiece | UnitDone | StreamError
+
+# An engine stamp further behind the gateway's receipt than this is not on the gateway's clock (the engine runs on
+# another host, whose CLOCK_MONOTONIC counts from its own boot): the receipt starts the text's wait instead.
+MAX_ENGINE_LEAD_S = 30.0
+
+
+def text_started_at(piece: TextPiece, now: float) -> tuple[float, bool]:
+    """(when the piece's text started on its way out, whether that is the engine's sampling time): the engine's
+    stamp when it is on this host's clock, else the gateway's receipt (`now` when the runtime did not stamp it)."""
+    received = piece.received_at if piece.received_at is not None else now
+    sampled = piece.sampled_at
+    if sampled is not None and 0.0 <= received - sampled <= MAX_ENGINE_LEAD_S:
+        return sampled, True
+    return received, False
 
 
 RUNTIME_DEAD = "runtime_dead"  # RuntimeFailure code: the session's stream to the runtime is gone (see below)

@@ -7,6 +7,7 @@ batch dimension of 1, as Triton requires for a model with `max_batch_size >= 1` 
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -86,7 +87,11 @@ def typed_event(ev: dict[str, Any], audio: np.ndarray | None, epoch: int) -> Run
     if kind == "decision":
         return Decision(epoch=epoch, unit=int(ev["unit"]), action=ev["action"], forced=bool(ev.get("forced", False)))
     if kind == "text":
-        return TextPiece(epoch=epoch, unit=int(ev["unit"]), text=ev.get("text", ""), token_id=ev.get("token_id"))
+        # parsed as the response arrives: its receipt on this clock, next to the engine's sampling stamp (P13)
+        sampled = ev.get("sampled_at")
+        return TextPiece(epoch=epoch, unit=int(ev["unit"]), text=ev.get("text", ""), token_id=ev.get("token_id"),
+                         sampled_at=float(sampled) if isinstance(sampled, (int, float)) else None,
+                         received_at=time.monotonic())
     if kind == "audio":
         pcm = b"" if audio is None else np.asarray(audio, dtype="<i2").reshape(-1).tobytes()
         return AudioPiece(epoch=epoch, unit=int(ev["unit"]), seq=int(ev.get("seq", 0)), pcm16=pcm)

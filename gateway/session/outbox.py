@@ -33,6 +33,10 @@ class OutItem:
     model_turn_id: int | None = None
     audio_ms: int = 0  # playback bytes this item carries (sent_ms accounting)
     text: str = ""  # transcript/text this item carries (sent transcript accounting)
+    # P13: time.monotonic() when that text started on its way out (the engine's sampling of its first token, or the
+    # gateway's receipt of it: `text_sampled` says which); the writer observes how long it waited
+    text_at: float | None = None
+    text_sampled: bool = False
     close: tuple[int, str] | None = None  # the writer closes the socket after sending this item
     size: int = field(default=0, compare=False)
 

@@ -19,7 +19,16 @@ from gateway.audio.codec import encode_output, pcm16_duration_ms
 from gateway.protocol import server_events as se
 from gateway.protocol.config import ResponseOptions, response_defaults
 from gateway.protocol.errors import Effect, ProtocolError
-from gateway.runtime.base import AudioPiece, Decision, Fence, RuntimeEvent, StreamError, TextPiece, UnitDone
+from gateway.runtime.base import (
+    AudioPiece,
+    Decision,
+    Fence,
+    RuntimeEvent,
+    StreamError,
+    TextPiece,
+    UnitDone,
+    text_started_at,
+)
 from gateway.session import ids
 from gateway.session.core import SessionCore
 from gateway.session.history import ConversationRecord, HistoryItem
@@ -66,6 +75,8 @@ class UnitOutput:
     speak: bool = False
     text: list[str] = field(default_factory=list)
     audio: list[bytes] = field(default_factory=list)
+    text_at: float | None = None  # when its first text started on its way out (`text_started_at`; P13)
+    text_sampled: bool = False  # `text_at` is the engine's sampling time, not the gateway's receipt
 
 
 class ResponseTrack:
@@ -163,7 +174,8 @@ class ResponseTrack:
             if text:
                 resp.transcript += text
                 self.core.emit(resp.text_delta_event(text, unit), kind=Kind.STREAM, epoch=resp.epoch,
-                               response_id=resp.id, model_turn_id=resp.model_turn_id, text=text)
+                               response_id=resp.id, model_turn_id=resp.model_turn_id, text=text,
+                               text_at=out.text_at, text_sampled=out.text_sampled)
             return
         pcm = b"".join(out.audio)
         dur = pcm16_duration_ms(len(pcm))
@@ -187,7 +199,7 @@ class ResponseTrack:
         self.core.emit(*resp.pair_events(base64.b64encode(wire).decode(), resp.options.output_format, rate, text,
                                          md),
                        kind=Kind.STREAM, epoch=resp.epoch, response_id=resp.id, model_turn_id=resp.model_turn_id,
-                       audio_ms=dur, text=text)
+                       audio_ms=dur, text=text, text_at=out.text_at if text else None, text_sampled=out.text_sampled)
 
     def playback(self, resp: Response) -> PlaybackEntry:
         """The response's playback entry, made on its first audio (the last audio response from then on)."""
@@ -326,6 +338,8 @@ class ResponseTrack:
                 self._on_speak(ev.unit)
         elif isinstance(ev, TextPiece):
             buf.text.append(ev.text)
+            if ev.text and buf.text_at is None:
+                buf.text_at, buf.text_sampled = text_started_at(ev, self.core.clock())
             resp = self.active
             if resp is not None and resp.spoke:
                 resp.text_tokens += 1

@@ -52,7 +52,8 @@ class LiveSession:
         self.writer = Writer(self.outbox, Projector(params.profile),
                              Sequencer(self.journal, self._resync_frame, lambda: self.post(JournalOverflow())),
                              on_drop=gw.metrics.stale_dropped_event, on_sent=self._after_send,
-                             on_send_failed=lambda g: self.post(Disconnected("transport_error", g)))
+                             on_send_failed=lambda g: self.post(Disconnected("transport_error", g)),
+                             on_text_sent=gw.metrics.transcript_delayed)
         self.session: DuplexSession | None = None
         self.released: dict[int, asyncio.Event] = {}  # per attachment: the socket is no longer this session's
         self.ended = asyncio.Event()

@@ -5,7 +5,8 @@ consuming no seq, S-2), projects to the profile, stamps `event_id` / `server_eve
 sequencer (J-1: the exact bytes sent are journaled), and sends to the socket of the current attachment, or
 to nobody while detached (the events are journaled all the same). It never changes session state.
 `lock` is held around each item so that a resume can put `session.resumed` and the replay in front of any
-live event (RS9).
+live event (RS9). For every item that carries generated text (a transcript pair or a text delta) it reports how
+long that text waited, from its start (`OutItem.text_at`) to the writer handing the item to the socket (P13).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -23,6 +25,8 @@ from gateway.session.outbox import Kind, Outbox, OutItem
 
 log = logging.getLogger(__name__)
 Json = dict[str, Any]
+TEXT_DELTA = "response.output_text.delta"  # a text-only response's delta; every other text item is an audio pair
+TextWaited = Callable[[float, bool, bool], None]  # (seconds, the response carries audio, from the engine's stamp)
 
 
 class Socket(Protocol):
@@ -35,10 +39,13 @@ class Writer:
                  is_stale: Callable[[OutItem], bool] = lambda item: False,
                  on_drop: Callable[[str], None] = lambda t: None,
                  on_sent: Callable[[Json], None] = lambda ev: None,
-                 on_send_failed: Callable[[int], None] = lambda generation: None) -> None:
+                 on_send_failed: Callable[[int], None] = lambda generation: None,
+                 on_text_sent: TextWaited = lambda seconds, audio, sampled: None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._outbox, self._projector, self.sequencer = outbox, projector, sequencer
         self.is_stale = is_stale
         self._on_drop, self._on_sent, self._on_send_failed = on_drop, on_sent, on_send_failed
+        self._on_text_sent, self._clock = on_text_sent, clock
         self._ids = EventIds()
         self.socket: Socket | None = None
         self.generation = 0
@@ -92,10 +99,15 @@ class Writer:
                         self._on_drop(ev["type"])
                     continue
                 sequenced = item.kind is not Kind.UNSEQUENCED
+                handed = self._clock() if item.text_at is not None else 0.0
+                sent = False
                 for ev in item.events:
                     texts = self.frames(ev, sequenced)
                     if texts and self.socket is not None and all([await self.send(t) for t in texts]):
                         self._on_sent(ev)
+                        sent = True
+                if sent and item.text_at is not None:  # P13: only text that reached a client counts
+                    self._on_text_sent(handed - item.text_at, item.events[0]["type"] != TEXT_DELTA, item.text_sampled)
                 if item.close is not None:
                     self.closed = True
                     await self.close_socket(*item.close)

@@ -264,7 +264,7 @@ class Stage0Bridge(EngineBridge):
                                             "unit": ev.unit_index, "forced": ev.forced}))
             elif ev.text:
                 unit.sink.emit(StageOutput({"type": "text", "token_id": ev.token_id, "text": ev.text,
-                                            "unit": ev.unit_index}))
+                                            "unit": ev.unit_index, "sampled_at": ev.sampled_at}))
             return
         del state.units[ev.unit_index]
         self._unit_done(state, unit, ev)
