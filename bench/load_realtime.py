@@ -5,7 +5,8 @@ server VAD commits), plays the returned audio into a simulated 1x player and, wi
 with `response.cancel` while audio streams. Sweeps N in the given order and stops after the first N that no
 longer holds real time (every session's audio keeps pace, no chunk gap > 1.2 s: targets.md P8). With
 --triton-metrics it scrapes the stage metrics before and after each N and reports mean rows per engine step
-per stage (batch occupancy, P12). Progress goes to stderr; the JSON is rewritten after every N; a table is
+per stage (batch occupancy, P12). It scrapes the gateway's own /metrics the same way and reports how long
+generated text waited before its delta left (`transcript_behind_generation_ms`, P13). Progress goes to stderr; the JSON is rewritten after every N; a table is
 printed last. Definitions of every figure: bench/loadgen/report.py.
 
     python bench/load_realtime.py --url ws://127.0.0.1:8000 --sessions 1,8,16,32,64 --duration 60 \\
@@ -38,7 +39,7 @@ if str(_ROOT) not in sys.path:
 
 import yaml  # noqa: E402
 
-from bench.loadgen import stages  # noqa: E402
+from bench.loadgen import stages, text_wait  # noqa: E402
 from bench.loadgen.fixtures import FixtureError, speech_fixtures  # noqa: E402
 from bench.loadgen.report import run_figures  # noqa: E402
 from bench.loadgen.user import User, UserLog  # noqa: E402
@@ -60,6 +61,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--duration", type=float, required=True, help="seconds each N runs")
     ap.add_argument("--profile", type=Path, help="the deploy profile the server runs (labels scripted runs)")
     ap.add_argument("--triton-metrics", help="Triton's metrics URL, http://HOST:PORT/metrics")
+    ap.add_argument("--gateway-metrics", help="the gateway's metrics URL (default: /metrics of --url); it must "
+                                              "serve only this load while a step runs")
     ap.add_argument("--api-key", help="sent as Authorization: Bearer KEY")
     ap.add_argument("--cancel-every", type=float, help="seconds between barge-in cancels per session")
     ap.add_argument("--out", type=Path, required=True, help="JSON results file")
@@ -72,6 +75,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error(f"--sessions must be comma-separated integers, got {args.sessions!r}")
     if not args.sessions or min(args.sessions) < 1 or args.duration <= 0:
         ap.error("--sessions needs N >= 1 and --duration must be > 0")
+    args.gateway_metrics = args.gateway_metrics or f"{http_base(args.url)}/metrics"
     return args
 
 
@@ -137,6 +141,13 @@ def scrape(url: str | None) -> stages.Sample | None:
         raise Unreachable(f"cannot scrape Triton's metrics at {url}: {exc}") from exc
 
 
+def scrape_gateway(url: str) -> text_wait.Sample:
+    try:
+        return text_wait.scrape(url)
+    except (OSError, ValueError) as exc:
+        raise Unreachable(f"cannot scrape the gateway's metrics at {url}: {exc}") from exc
+
+
 # -- one sweep step -----------------------------------------------------------------------------------
 async def _progress(n: int, users: list[User], t0: float) -> None:
     while True:
@@ -173,8 +184,10 @@ async def run_step(n: int, args: argparse.Namespace, speech: list[Any],
 
 
 def step_record(n: int, logs: list[UserLog], scripted: bool | None, before: stages.Sample | None,
-                after: stages.Sample | None) -> dict[str, Any]:
+                after: stages.Sample | None, gw_before: text_wait.Sample | None = None,
+                gw_after: text_wait.Sample | None = None) -> dict[str, Any]:
     run = run_figures(n, logs, scripted)
+    run["transcript_behind_generation_ms"] = text_wait.figures(gw_before, gw_after)
     empty = {s: None for s in stages.STAGES}
     m = stages.means(before, after) if before is not None and after is not None else None
     run["stage_rows_per_step"] = m["rows_per_step"] if m else empty
@@ -192,8 +205,8 @@ def _fmt(x: Any) -> str:
 
 
 def table(runs: list[dict[str, Any]]) -> str:
-    head = ("N", "held", "c->audio p50/p99", "cancel p50/p99", "text-audio p50", "max gap", "underruns",
-            "errors", "rows/step s0/tts/t2w")
+    head = ("N", "held", "c->audio p50/p99", "cancel p50/p99", "text-audio p50", "text behind gen p50/p99",
+            "max gap", "underruns", "errors", "rows/step s0/tts/t2w")
     lines = [" | ".join(head)]
     for r in runs:
         rows = r["stage_rows_per_step"]
@@ -201,7 +214,9 @@ def table(runs: list[dict[str, Any]]) -> str:
             str(r["sessions"]), "yes" if r["held_realtime"] else "NO",
             f"{_fmt(r['commit_to_first_audio_ms']['p50'])}/{_fmt(r['commit_to_first_audio_ms']['p99'])}",
             f"{_fmt(r['cancel_to_last_audio_ms']['p50'])}/{_fmt(r['cancel_to_last_audio_ms']['p99'])}",
-            _fmt(r["transcript_delay_ms"]["p50"]), _fmt(r["max_chunk_gap_ms"]), str(r["underruns"]),
+            _fmt(r["transcript_delay_ms"]["p50"]),
+            f"{_fmt(r['transcript_behind_generation_ms']['p50'])}/{_fmt(r['transcript_behind_generation_ms']['p99'])}",
+            _fmt(r["max_chunk_gap_ms"]), str(r["underruns"]),
             str(sum(r["errors"].values())),
             "/".join("-" if rows[s] is None else f"{rows[s]:.2f}" for s in stages.STAGES))))
     return "\n".join(lines)
@@ -229,11 +244,12 @@ async def sweep(args: argparse.Namespace) -> dict[str, Any]:
         if i:
             await asyncio.sleep(SETTLE_S)
         print(f"[N={n}] {n} sessions for {args.duration:.0f}s", file=sys.stderr, flush=True)
-        before = scrape(args.triton_metrics)
+        before, gw_before = scrape(args.triton_metrics), scrape_gateway(args.gateway_metrics)
         logs = await run_step(n, args, speech, plan)
         if not any(log.opened_t is not None for log in logs):
             raise Unreachable(f"no session of {n} could open at {args.url}: {logs[0].failure}")
-        run = step_record(n, logs, scripted, before, scrape(args.triton_metrics))
+        run = step_record(n, logs, scripted, before, scrape(args.triton_metrics), gw_before,
+                          scrape_gateway(args.gateway_metrics))
         doc["runs"].append(run)
         write(args.out, doc)
         print(f"[N={n}] held real time: {run['held_realtime']}"

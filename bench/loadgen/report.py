@@ -12,6 +12,9 @@
   audio delta (0 if none arrived after the cancel); `cancel_to_done_ms`: the same origin -> its `response.done`.
 - `transcript_delay_ms`: per model unit, first transcript delta receipt - first audio delta receipt (negative
   = the text arrived ahead of the audio).
+- `transcript_behind_generation_ms` (targets.md P13, added by load_realtime.py from the gateway's /metrics, see
+  text_wait.py): per delta, token sampled by stage0 -> its transcript/text delta handed to the client's socket;
+  unlike `transcript_delay_ms` it includes the time the text waited for its unit's audio (C-3 pairing).
 - chunk gaps: receive-time intervals between consecutive audio deltas of a response; player: the §10.2
   gapless 1x player, an underrun is a gap > `UNDERRUN_EPS_MS`.
 - real-time factor of a response: its audio duration / (last delta end - first delta receipt) on a 1x player.

@@ -55,6 +55,12 @@ def test_two_sessions_fill_every_field_and_the_stage_metrics(stack: Stack, tmp_p
     for key in ("commit_to_first_audio_ms", "cancel_to_last_audio_ms"):
         assert run[key]["p50"] is not None and run[key]["p99"] is not None, (key, run)
     assert run["transcript_delay_ms"]["p50"] is not None
+    # P13 from the gateway's /metrics: every delta timed from stage0's sampling stamp (one host, one clock)
+    behind = run["transcript_behind_generation_ms"]
+    assert behind["p50"] is not None and behind["p99"] is not None and behind["count"] >= 1, behind
+    assert behind["start"] == {"sampled": behind["count"], "received": 0}, behind
+    assert behind["by_response"]["audio"]["count"] == behind["count"] and "sampled" in behind["measures"]
+    assert "text behind gen p50/p99" in proc.stdout
     # a cancelled turn may have sent a single chunk: a gap of 0 is a value, not a missing one
     assert isinstance(run["max_chunk_gap_ms"], float) and isinstance(run["underruns"], int)
     assert run["cancels_sent"] >= 1 and run["responses"] >= 2

@@ -1,4 +1,5 @@
-"""bench/loadgen: the figures of a run from fabricated receipt stamps, the stage-metric scrape, the CLI's failure."""
+"""bench/loadgen: the figures of a run from fabricated receipt stamps, the stage-metric and gateway-metric scrapes,
+the CLI's failure."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.loadgen import stages
+from bench.loadgen import stages, text_wait
 from bench.loadgen.report import commit_latencies, play, run_figures
 from bench.loadgen.user import ResponseLog, UserLog, audio_delta_ms
 
@@ -110,6 +111,27 @@ def test_stage_tails_find_the_slow_steps_a_mean_hides() -> None:
     assert t["step_p99_ms"]["tts"] is None and t["slow_steps"]["tts"] is None
 
 
+def test_text_wait_quantiles_come_from_the_gateway_histogram_over_the_step() -> None:
+    from gateway.observability import GatewayMetrics
+
+    m = GatewayMetrics(4, process_defaults=False)
+    m.transcript_delayed(5.0, True, True)  # before the step: must not count
+    before = text_wait.parse(m.render()[0].decode())
+    for s in (0.31, 0.32, 0.33, 0.34, 0.45):  # audio pairs: each waited for its unit's speech
+        m.transcript_delayed(s, True, True)
+    m.transcript_delayed(0.025, False, False)  # a text-only delta, timed from the gateway's receipt
+    f = text_wait.figures(before, text_wait.parse(m.render()[0].decode()))
+    assert f["count"] == 6 and f["start"] == {"sampled": 5, "received": 1}
+    # rank 3 of 6 lies in (0.2, 0.35], which holds 4 of them after the 1 below 0.03: 200 + 150 * 2/4 ms
+    assert f["p50"] == pytest.approx(275.0)
+    assert f["p99"] == pytest.approx(350.0 + 150.0 * (5.94 - 5) / 1)  # inside (0.35, 0.5]
+    assert f["within_30ms"] == pytest.approx(1 / 6, abs=1e-3)
+    assert f["by_response"]["audio"]["count"] == 5 and f["by_response"]["text"]["p50"] == pytest.approx(25.0)
+    assert "sampled" in f["measures"]
+    empty = text_wait.figures(None, None)
+    assert empty["p50"] is None and empty["count"] == 0
+
+
 def test_unreachable_gateway_fails_loudly(tmp_path: Path) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -138,6 +160,7 @@ def test_sweep_runs_n_in_order_and_stops_at_the_first_n_not_held(tmp_path: Path,
     monkeypatch.setattr(load_realtime, "check_ready", lambda url: None)
     monkeypatch.setattr(load_realtime, "speech_fixtures", lambda: [])
     monkeypatch.setattr(load_realtime, "run_step", fake_run_step)
+    monkeypatch.setattr(load_realtime, "scrape_gateway", lambda url: text_wait.parse(""))
     out = tmp_path / "r.json"
     assert load_realtime.main(["--url", "ws://x:1", "--sessions", "1,8,16,32", "--duration", "5",
                                "--profile", str(REPO / "deploy/profiles/h200-scripted.yaml"), "--out", str(out)]) == 0
@@ -147,6 +170,7 @@ def test_sweep_runs_n_in_order_and_stops_at_the_first_n_not_held(tmp_path: Path,
     assert doc["scripted"] is True and all(r["scripted"] for r in doc["runs"])
     assert doc["scripted_plan"] == {"listen_units": 3, "speak_units": 3, "text_ids_per_unit": 4, "tail_listen_units": 0}
     assert doc["runs"][0]["stage_rows_per_step"] == {"stage0": None, "tts": None, "token2wav": None}
+    assert doc["runs"][0]["transcript_behind_generation_ms"]["count"] == 0
 
 
 def test_a_server_that_opens_no_session_fails_loudly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -160,6 +184,7 @@ def test_a_server_that_opens_no_session_fails_loudly(tmp_path: Path, monkeypatch
     monkeypatch.setattr(load_realtime, "check_ready", lambda url: None)
     monkeypatch.setattr(load_realtime, "speech_fixtures", lambda: [])
     monkeypatch.setattr(load_realtime, "run_step", refused)
+    monkeypatch.setattr(load_realtime, "scrape_gateway", lambda url: text_wait.parse(""))
     assert load_realtime.main(["--url", "ws://x:1", "--sessions", "2", "--duration", "5",
                                "--out", str(tmp_path / "r.json")]) == 2
     assert "no session of 2 could open at ws://x:1: open refused: runtime_unavailable" in capsys.readouterr().err
