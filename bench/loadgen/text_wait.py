@@ -70,23 +70,27 @@ def quantile(buckets: list[tuple[float, float]], q: float) -> float | None:
     return lo
 
 
-def _row(buckets: list[tuple[float, float]]) -> dict[str, Any]:
+def _row(buckets: list[tuple[float, float]], sum_s: float) -> dict[str, Any]:
+    """Quantiles as fine as the buckets; the mean is exact (Δsum / Δcount)."""
     total = buckets[-1][1] if buckets else 0.0
     p50, p99 = quantile(buckets, 0.50), quantile(buckets, 0.99)
     within = next((cum for le, cum in buckets if abs(le - TARGET_S) < 1e-9), None)
     return {"p50": None if p50 is None else round(p50 * MS, 1), "p99": None if p99 is None else round(p99 * MS, 1),
-            "count": int(total), "within_30ms": round(within / total, 3) if total and within is not None else None}
+            "mean": round(sum_s / total * MS, 1) if total else None, "count": int(total),
+            "within_30ms": round(within / total, 3) if total and within is not None else None}
 
 
 def figures(before: Sample | None, after: Sample | None) -> dict[str, Any]:
     """`transcript_behind_generation_ms` of one sweep step: all deltas, then by response kind and by start."""
     if before is None or after is None:
-        return {"measures": MEASURES, "p50": None, "p99": None, "count": 0, "within_30ms": None,
+        return {"measures": MEASURES, "p50": None, "p99": None, "mean": None, "count": 0, "within_30ms": None,
                 "by_response": {r: None for r in RESPONSES}, "start": {s: 0 for s in STARTS}}
 
-    def delta(resp: str, start: str) -> int:
-        return int(after.get((resp, start, "count"), 0.0) - before.get((resp, start, "count"), 0.0))
+    def delta(resp: str, start: str, key: str) -> float:
+        return after.get((resp, start, key), 0.0) - before.get((resp, start, key), 0.0)
 
-    return {"measures": MEASURES, **_row(_buckets(before, after, RESPONSES)),
-            "by_response": {r: _row(_buckets(before, after, (r,))) for r in RESPONSES},
-            "start": {s: sum(delta(r, s) for r in RESPONSES) for s in STARTS}}
+    def row(responses: tuple[str, ...]) -> dict[str, Any]:
+        return _row(_buckets(before, after, responses), sum(delta(r, s, "sum") for r in responses for s in STARTS))
+
+    return {"measures": MEASURES, **row(RESPONSES), "by_response": {r: row((r,)) for r in RESPONSES},
+            "start": {s: int(sum(delta(r, s, "count") for r in RESPONSES)) for s in STARTS}}

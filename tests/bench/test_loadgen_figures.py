@@ -126,10 +126,11 @@ def test_text_wait_quantiles_come_from_the_gateway_histogram_over_the_step() -> 
     assert f["p50"] == pytest.approx(275.0)
     assert f["p99"] == pytest.approx(350.0 + 150.0 * (5.94 - 5) / 1)  # inside (0.35, 0.5]
     assert f["within_30ms"] == pytest.approx(1 / 6, abs=1e-3)
+    assert f["mean"] == pytest.approx((0.31 + 0.32 + 0.33 + 0.34 + 0.45 + 0.025) / 6 * 1000, abs=0.1)  # exact
     assert f["by_response"]["audio"]["count"] == 5 and f["by_response"]["text"]["p50"] == pytest.approx(25.0)
     assert "sampled" in f["measures"]
     empty = text_wait.figures(None, None)
-    assert empty["p50"] is None and empty["count"] == 0
+    assert empty["p50"] is None and empty["mean"] is None and empty["count"] == 0
 
 
 def test_unreachable_gateway_fails_loudly(tmp_path: Path) -> None:
