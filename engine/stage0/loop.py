@@ -238,7 +238,7 @@ class StepScheduler:
             raise FrontEndError(f"unit {job.index}: the batched audio front end failed: {audio}")
         if audio is None:  # a front end without `encode_units`
             audio = self.frontend.encode_unit(s.frontend_state, job.pcm, job.index)
-        if tuple(audio.shape) != (cfg.audio_embeddings_per_unit, h):  # I3
+        if tuple(audio.shape) != (cfg.audio_embeddings_per_unit, h):  # exactly 10 embeddings per unit (I3)
             raise FrontEndError(f"unit {job.index}: audio embeddings have shape {tuple(audio.shape)}")
         parts.append(audio.to(self.runner.device, self.runner.dtype))
         return torch.cat(parts)
@@ -270,7 +270,7 @@ class StepScheduler:
             unit.decoder = UnitDecoder(self.ids, s.rules, s.turn, self.tokenizer.decode,
                                        force_listen_override=unit.job.force_listen_override or s.override_next)
             s.override_next = False
-            if unit.decoder.close_turn_first:  # A1
+            if unit.decoder.close_turn_first:  # an override mid-turn feeds <|turn_eos|> first (A1)
                 s.phase = Phase.TURN_EOS
                 return False
         elif s.phase is Phase.TURN_EOS:

@@ -165,7 +165,7 @@ class Journal:
         return [e.data for e in self._entries if e.seq > last_received]
 
 
-# ---- writer-side glue (§1.4, J-1, J-4) --------------------------------------------------------------
+# ---- writer-side glue: sequenced events journaled as sent, overflow stops journaling (§1.4, J-1, J-4) ------
 Frame = Callable[[int | None], str]
 
 

@@ -78,7 +78,7 @@ def check_resume(req: ResumeRequest, target: ResumeTarget | None, *, route: str,
     if not target.credential.verify(req.resume_token):
         raise _hs("invalid_resume_token", "resume token does not match")  # current or one-shot previous (RS3)
     if not att.resumable or target.journal.overflowed or route != target.route or profile != target.profile:
-        raise _hs("unsupported_session_resume", "session is not resumable on this route/profile")  # same route (RS4)
+        raise _hs("unsupported_session_resume", "session is not resumable on this route/profile")  # same route and profile (RS4)
     # a cursor past the last assigned seq is invalid (RS5); a pruned seq after it is a journal gap (RS6)
     target.journal.check_cursor(req.last_received_server_event_seq)
     return req.last_received_server_event_seq + 1

@@ -102,7 +102,7 @@ class InputTrack:
         resampled = self.feed.resample(samples, decoded.rate_hz, fmt)
         item_start = self._item_start_ms if self.item_id is not None else self.feed.clock_ms
         vad = self.vad.classify(resampled, item_start)
-        if vad is not None:  # §8.2 priority 1
+        if vad is not None:  # server VAD, when on, decides speech before the client's is_speech (§8.2 priority 1)
             return PreparedAudio(resampled, wire, frames, vad.is_speech, "server_vad", vad)
         return PreparedAudio(resampled, wire, frames, speech, "client_hint" if ev.is_speech is not None else "rms")
 
@@ -182,21 +182,21 @@ class InputTrack:
     def commit(self, ev: ce.InputAudioBufferCommit) -> None:
         self.check_commit(ev.response_create)
         config, responses = self.core.config, self.responses
-        if ev.is_speech is False:  # C5
+        if ev.is_speech is False:  # a non-speech commit clears the item, appends nothing (C5)
             self.feed.drop_partial()
             item, prev, start, end = self.add_user_item()
             self.commit_events(item, prev, start, end, reason="non_speech", no_response=True)
             responses.emit_listen(None, "non_speech_commit", None)
             return
-        if ev.response_create:  # C8
+        if ev.response_create:  # commit and precreate a response (C8)
             self._final_append(ev.final)
             item = self._committed()
             responses.open_response("response_create", response_defaults(config), precreated=True,
                                     input_item_id=item)
-        elif not config.effective_auto_response or responses.active is None:  # C1, C2
+        elif not config.effective_auto_response or responses.active is None:  # a final append, nothing else (C1, C2)
             self._final_append(ev.final)
             self._committed()
-        elif self.overlap.overlap_ms <= config.overlap_short_ack_ms:  # C3
+        elif self.overlap.overlap_ms <= config.overlap_short_ack_ms:  # a short overlap is a backchannel (C3)
             self.core.emit(se.OverlapDecision(session_id=self.core.session_id, epoch=responses.epoch,
                                               response_id=responses.active.id,
                                               policy=config.effective_overlap_policy, action="drop",
@@ -286,7 +286,7 @@ class InputTrack:
         self.accept_audio(prep, force_listen=False, final=False)
         self.commit(ce.InputAudioBufferCommit(type="input_audio_buffer.commit"))
 
-    # ---- clear and cancel (§3.1, T-2) ----------------------------------------------------------------------
+    # ---- clear and cancel: input.cancel advances the epoch once (§3.1, T-2) --------------------------------
     def clear(self) -> str | None:
         """Drop the open item's unsubmitted audio; returns its id."""
         item = self.item_id

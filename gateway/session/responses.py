@@ -65,7 +65,7 @@ class Response:
                 "modalities": ["text"] if text_only else ["text", "audio"], "usage": None,
                 "metadata": self.options.metadata, "duplex": duplex}
 
-    # R1-R2
+    # response.created, then the assistant item, output item and content part, before any output (R1-R2)
     def opening_events(self) -> list[Json]:
         return [
             se.ResponseCreated(response=self.response_obj("in_progress", None, [], self.duplex())).model_dump(),
@@ -74,12 +74,12 @@ class Response:
             se.ContentPartAdded(**self._ref(), part=self.part("")).model_dump(),
         ]
 
-    # R3
+    # the model chose speak: at most once, before the first delta (R3)
     def speak_event(self, session_id: str, unit: int | None) -> Json:
         return se.ResponseSpeak(**self._ref(), session_id=session_id, epoch=self.epoch,
                                 model_turn_id=self.model_turn_id, model_unit_index=unit).model_dump()
 
-    # R4
+    # one unit's output: the audio delta and its transcript delta, sent as a pair (R4, C-3)
     def pair_events(self, audio_b64: str, fmt: str, rate: int, text: str, md: Json) -> list[Json]:
         return [se.AudioDelta(**self._ref(), delta=audio_b64, format=fmt, sample_rate_hz=rate,
                               metadata=md).model_dump(),
@@ -91,7 +91,8 @@ class Response:
         return se.TextDelta(**self._ref(), delta=text,
                             metadata={"epoch": self.epoch, "model_unit_index": unit}).model_dump()
 
-    # R5-R8 (also K3-K9, and L4 with no R5)
+    # the end: audio/transcript done, part and item done, response.done, rate limits (R5-R8; a cancel K3-K9;
+    # a declined precreated response L4, without R5)
     def terminal_events(self, status: str, status_details: Json, item_status: str, duplex: Json) -> list[Json]:
         out: list[Json] = []
         text = self.transcript
