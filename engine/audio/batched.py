@@ -83,9 +83,11 @@ def _layer(layer: WhisperEncoderLayer, x: torch.Tensor, kv: _PoolKV | _PrivateKV
     return x + layer.fc2(F.gelu(layer.fc1(layer.final_layer_norm(x))))
 
 
-def forward_stream_batch(encoder: WhisperEncoder, units: Sequence[UnitMel],
-                         caches: Sequence[AudioKVCache]) -> torch.Tensor:
-    """One unit per session -> post-LN hidden [B, S, d]; each cache advanced as `forward_stream` would."""
+def forward_stream_batch(encoder: WhisperEncoder, units: Sequence[UnitMel], caches: Sequence[AudioKVCache],
+                         mels: torch.Tensor | None = None) -> torch.Tensor:
+    """One unit per session -> post-LN hidden [B, S, d]; each cache advanced as `forward_stream` would.
+    `mels`: the units' mel slices already stacked [B, n_mels, T_max], zero-padded on the right
+    (MelStreamer.next_units_stacked); else they are stacked here."""
     dev = encoder.conv1.weight.device
     trims = [_trim(u) for u in units]
     s = trims[0][1]
@@ -103,7 +105,7 @@ def forward_stream_batch(encoder: WhisperEncoder, units: Sequence[UnitMel],
     # every per-session index in one host -> device copy (no blocking copy: tests/engine/test_stage0_syncs.py)
     starts, lefts, slots = to_device(torch.tensor(rows), dev).unbind(0)  # [B] each
     at = starts[:, None] + torch.arange(s, device=dev)  # [B, S]: each session's new frames, positions
-    x = _embed_units(encoder, units, lefts, s) + encoder.embed_positions.weight[at]  # [B, S, d]
+    x = _embed_units(encoder, units, lefts, s, mels) + encoder.embed_positions.weight[at]  # [B, S, d]
     span = max(lengths) + s  # every cache has room: the reset rule ran above
     mask = None
     if any(n + s != span for n in lengths):  # [B, 1, 1, span]: a session's own past + unit only
@@ -129,13 +131,16 @@ def _attention_kernels(dev: torch.device) -> contextlib.AbstractContextManager:
     return sdpa_kernel(list(CUDA_ATTENTION)) if dev.type == "cuda" else contextlib.nullcontext()
 
 
-def _embed_units(encoder: WhisperEncoder, units: Sequence[UnitMel], lefts: torch.Tensor, s: int) -> torch.Tensor:
+def _embed_units(encoder: WhisperEncoder, units: Sequence[UnitMel], lefts: torch.Tensor, s: int,
+                 stacked: torch.Tensor | None) -> torch.Tensor:
     """The CNN over every unit's mel, `s` frames kept from `lefts` [B] on (`forward_stream`'s trim) -> [B, S, d]."""
     dev = encoder.conv1.weight.device
-    t_max = max(u.mel.shape[-1] for u in units)
-    # Right zero-padding is what conv1's own padding adds at a slice edge: the kept frames are unchanged. Only
-    # a first unit (102 frames among 104) needs it.
-    mels = [u.mel if u.mel.shape[-1] == t_max else F.pad(u.mel, (0, t_max - u.mel.shape[-1])) for u in units]
-    x = encoder.embed_cnn(to_device(torch.stack(mels), dev))  # [B, n_mels, T] -> [B, ceil(T / 2), d]
+    if stacked is None:
+        t_max = max(u.mel.shape[-1] for u in units)
+        # Right zero-padding is what conv1's own padding adds at a slice edge: the kept frames are unchanged. Only
+        # a first unit (102 frames among 104) needs it.
+        mels = [u.mel if u.mel.shape[-1] == t_max else F.pad(u.mel, (0, t_max - u.mel.shape[-1])) for u in units]
+        stacked = torch.stack(mels)
+    x = encoder.embed_cnn(to_device(stacked, dev))  # [B, n_mels, T] -> [B, ceil(T / 2), d]
     frames = lefts[:, None] + torch.arange(s, device=dev)  # [B, S]
     return x.gather(1, frames[..., None].expand(-1, -1, x.shape[-1]))  # [B, S, d]

@@ -52,14 +52,15 @@ class AudioFrontEnd:
                  kv_slots: int = 0) -> None:
         """`kv_slots`: sessions whose audio KV lives in one `AudioKVPool` (allocated at the first session, on the
         encoder's device and dtype; the engine's max_sessions); the batched encoder's host work then does not
-        grow with the batch. A session beyond them gets a private cache and still works, batched more slowly."""
+        grow with the batch. The sessions' mel samples live in as many slots of one `MelPool` (engine/audio/melpool.py),
+        so the push, window advance and unit cut do not either. A session beyond them gets a private cache and mel window and still works, batched more slowly."""
         self.encoder, self.projector, self.cfg = encoder, projector, cfg
         if kv_slots < 0:
             raise ValueError(f"kv_slots must be >= 0, got {kv_slots}")
         self.kv_slots = kv_slots
         self.kv_pool: AudioKVPool | None = None
         self.stream_cfg = stream_cfg = stream_cfg or StreamConfig()
-        self.streamer = MelStreamer(stream_cfg, mel_device)
+        self.streamer = MelStreamer(stream_cfg, mel_device, slots=kv_slots)
         self.block = int(cfg.audio_chunk_length * ENCODER_FRAMES_PER_SECOND)
         # 100 mel frames -> 50 encoder frames -> 10 embeddings (§2.5): the per-unit contract.
         self.embeddings_per_unit = cnn_length(stream_cfg.chunk_frames) // cfg.audio_pool_step
@@ -111,15 +112,16 @@ class AudioFrontEnd:
         log-mel over their windows, one encoder pass, one projector -> a [10, llm_hidden] per session."""
         if not states:
             return []
-        for state, pcm in zip(states, _on_device(pcms or [None] * len(states), self.streamer.logmel.device),
-                              strict=True):
-            if pcm is not None:
-                self.push(state, pcm)
-        units = self.streamer.next_units([s.mel for s in states])
+        self.streamer.into_pool([s.mel for s in states])  # a session that started beyond the pool, once
+        pcms = pcms or [None] * len(states)
+        if any(s.mel.pool is None for s in states):  # a private window takes its PCM on its own: one copy first
+            pcms = _on_device(pcms, self.streamer.logmel.device)
+        self.streamer.push_many([s.mel for s in states], pcms)  # the pooled ones: one scatter
+        units, mels = self.streamer.next_units_stacked([s.mel for s in states])
         for state, unit in zip(states, units, strict=True):
             state.last_unit = unit
         self._into_pool(states)
-        hidden = forward_stream_batch(self.encoder, units, [s.kv for s in states])  # [B, 50, d]
+        hidden = forward_stream_batch(self.encoder, units, [s.kv for s in states], mels)  # [B, 50, d]
         emb = self.projector.embed(hidden, self.cfg.audio_pool_step)  # [B, 10, llm_hidden]
         if emb.shape[1] != self.embeddings_per_unit:
             raise AssertionError(f"{emb.shape[1]} audio embeddings per unit, expected {self.embeddings_per_unit}")
@@ -181,6 +183,6 @@ def _on_device(pcms: list[torch.Tensor | None], device: torch.device) -> list[to
     host = [p for p in pcms if p is not None and p.device != device]
     if not host:
         return pcms
-    flat = to_device(torch.cat([p.detach().reshape(-1).to(torch.float32) for p in host]), device)
+    flat = to_device(torch.cat([p if p.dim() == 1 else p.reshape(-1) for p in host]).detach(), device).float()
     parts = iter(flat.split([p.numel() for p in host]))
     return [next(parts) if p is not None and p.device != device else p for p in pcms]

@@ -127,19 +127,29 @@ class LogMel:
         dynamic floor is the max over its valid frames only. The padded batch is one gather from the
         windows laid end to end, so the ops dispatched do not grow with the number of windows (issue 15).
         """
-        cfg, half = self.cfg, self.cfg.n_fft // 2
         sizes = [w.numel() for w in waveforms]
-        frames = [n // cfg.hop_length for n in sizes]
         starts = [0, *itertools.accumulate(sizes)][:-1]
         flat = to_device(torch.cat(waveforms), self.device).to(torch.float32)  # [sum N_i]
+        out = self.batch_padded(flat, sizes, starts, modes)
+        return [out[i, :, :n // self.cfg.hop_length] for i, n in enumerate(sizes)]
+
+    def batch_padded(self, flat: torch.Tensor, sizes: list[int], starts: list[int], modes: list[FloorMode],
+                     ring: int = 0, rows: list[int] | None = None) -> torch.Tensor:
+        """`batch` over windows read from `flat` (fp32, on this device): window i is flat[starts[i]:][:sizes[i]],
+        or with `ring` the samples flat[rows[i] + (starts[i] + j) % ring] (a MelPool slot) -> [B, n_mels, T_max]
+        features; the frames past a window's own sizes[i] // hop are not its features (padding)."""
+        cfg, half = self.cfg, self.cfg.n_fft // 2
+        frames = [n // cfg.hop_length for n in sizes]
         # every per-window number in one host -> device copy (no blocking copy on CUDA)
-        info = to_device(torch.tensor([sizes, starts, frames, [m is FloorMode.DYNAMIC for m in modes]],
-                                      dtype=torch.int32), self.device)  # [4, B]; int32: the [B, L] index below
-        size, start, frame, dynamic = (row[:, None] for row in info.unbind(0))  # [B, 1] each
+        info = to_device(torch.tensor([sizes, starts, frames, [m is FloorMode.DYNAMIC for m in modes],
+                                       rows or [0] * len(sizes)], dtype=torch.int32), self.device)  # [5, B]
+        size, start, frame, dynamic, row = (r[:, None] for r in info.unbind(0))  # [B, 1] each; int32: [B, L] index
         pos = torch.arange(-half, max(sizes) + half, device=self.device, dtype=torch.int32)[None]  # [1, L]
         reflected = pos.abs()  # [1, L]: index in the window, the left edge mirrored
         index = 2 * (size - 1) - reflected  # [B, L]: the right edge mirrored
         torch.minimum(index, reflected, out=index).clamp_(min=0).add_(start)  # both edges, into `flat`
+        if ring:
+            index.remainder_(ring).add_(row)
         wav = flat[index].masked_fill_(pos >= size + half, 0.0)  # [B, L]: reflect-padded, zeros past the end
         stft = torch.stft(wav, cfg.n_fft, cfg.hop_length, window=self.window, center=False,
                           return_complex=True)  # [B, n_freqs, 1 + (L - n_fft) // hop]
@@ -149,5 +159,4 @@ class LogMel:
         valid = torch.arange(t_max, device=self.device)[None, :] < frame  # [B, T_max]
         peak = log_spec.masked_fill(~valid[:, None, :], float("-inf")).amax(dim=(1, 2))  # [B]
         floor = torch.where(dynamic[:, 0].bool(), peak - cfg.dynamic_range, torch.full_like(peak, cfg.fixed_floor))
-        out = (torch.maximum(log_spec, floor[:, None, None]) + cfg.scale_offset) / cfg.scale_divisor
-        return [out[i, :, :n] for i, n in enumerate(frames)]
+        return (torch.maximum(log_spec, floor[:, None, None]) + cfg.scale_offset) / cfg.scale_divisor

@@ -1,8 +1,9 @@
 """Batched audio front end (issue 15): one log-mel STFT over many windows and one streaming-encoder pass
 over many sessions' units give what the per-session path gives, for sessions at different points of
 their stream in the same batch: the first unit, both sides of the fixed/dynamic floor switch, the 30 s
-window slide, and the audio-KV reset (model.md §2.2-§2.4). The sessions' audio KV are slots of one pool
-(a slot freed when its session's state is dropped, then reused); a session beyond the pool has its own.
+window slide, and the audio-KV reset (model.md §2.2-§2.4). The sessions' audio KV and mel samples are slots
+of two pools (a slot freed when its session's state is dropped, then reused); a session beyond the pools has
+its own.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from engine.audio import AudioFrontEnd, FloorMode, LogMel, StreamConfig
+from engine.audio import AudioFrontEnd, FloorMode, LogMel, MelStreamer, StreamConfig
 from engine.audio.batched import forward_stream_batch
 from engine.audio.frontend import AudioStreamState
 from tests.engine.test_audio_encoder import build, tiny_audio
@@ -80,8 +81,10 @@ def test_batched_units_equal_per_session_units_at_every_stream_point() -> None:
     fe = _front_end()
     states = [_advanced(fe, i, k) for i, k in enumerate(START_UNITS)]
     assert fe.kv_pool is not None and fe.kv_pool.free == 0 and fe.kv_pool.holds([s.kv for s in states])
-    single, batched = copy.deepcopy(states), copy.deepcopy(states)  # each list: its own copy of the pool
+    assert fe.streamer.pool is not None and fe.streamer.pool.free == 0
+    single, batched = copy.deepcopy(states), copy.deepcopy(states)  # each list: its own copy of the pools
     assert batched[0].kv.pool is not None and batched[0].kv.pool.holds([s.kv for s in batched])
+    assert batched[0].mel.pool is not None and all(s.mel.pool is batched[0].mel.pool for s in batched)
     for step in range(3):  # the special units first, then two ordinary ones
         pcms = [_unit_pcm(i, k + step) for i, k in enumerate(START_UNITS)]
         want = [fe.encode_unit(s, p) for s, p in zip(single, pcms, strict=True)]
@@ -129,12 +132,14 @@ def test_a_dropped_session_frees_its_slot_and_the_next_session_reuses_it() -> No
     assert fe.kv_pool is not None and fe.kv_pool.free == 0
     beyond = fe.new_session()  # a third session: no slot left, a private cache
     assert beyond.kv.pool is None and fe.kv_pool.free == 0
-    slot = old.kv.slot
+    assert beyond.mel.pool is None and fe.streamer.pool is not None and fe.streamer.pool.free == 0
+    slot, mel_slot = old.kv.slot, old.mel.slot
     del old
     gc.collect()  # (refcounting frees it already; a cycle would need a collection)
-    assert fe.kv_pool.free == 1
-    new = fe.new_session()
+    assert fe.kv_pool.free == 1 and fe.streamer.pool.free == 1
+    new = fe.new_session()  # its ring still holds `old`'s samples past its 560 prefix zeros: never read
     assert new.kv.slot == slot and new.kv.length == 0 and fe.kv_pool.free == 0
+    assert new.mel.slot == mel_slot and new.mel.pool is fe.streamer.pool and fe.streamer.pool.free == 0
     new_solo = solo.new_session()
     for k in range(4):  # units 27.. of `deep`: its KV resets at unit 29 (29 x 50 + 52 >= 1500)
         _step_and_compare(fe, [new, deep], [new_solo, deep_solo], [_unit_pcm(3, k), _unit_pcm(2, 27 + k)])
@@ -143,12 +148,82 @@ def test_a_dropped_session_frees_its_slot_and_the_next_session_reuses_it() -> No
     for k in range(2):
         _step_and_compare(fe, [new, beyond, deep], [new_solo, beyond_solo, deep_solo],
                           [_unit_pcm(3, 4 + k), _unit_pcm(4, k), _unit_pcm(2, 31 + k)])
-    assert beyond.kv.pool is None
+    assert beyond.kv.pool is None and beyond.mel.pool is None
     del new
-    assert fe.kv_pool.free == 1
-    for k in range(2):  # `beyond` moves into the freed slot, its 100 cached frames with it
+    assert fe.kv_pool.free == 1 and fe.streamer.pool.free == 1
+    for k in range(2):  # `beyond` moves into the freed slots, its 100 cached frames and its samples with it
         _step_and_compare(fe, [beyond, deep], [beyond_solo, deep_solo], [_unit_pcm(4, 2 + k), _unit_pcm(2, 33 + k)])
         assert beyond.kv.pool is fe.kv_pool and beyond.kv.slot == slot and fe.kv_pool.free == 0
+        assert beyond.mel.pool is fe.streamer.pool and beyond.mel.slot == mel_slot and fe.streamer.pool.free == 0
+
+
+def _mel_facts(unit) -> tuple:  # noqa: ANN001 - a UnitMel
+    return (unit.unit, unit.frames, unit.prefix_extra, unit.suffix_extra, unit.floor, unit.buffer_samples,
+            unit.base_sample)
+
+
+def test_pooled_mel_windows_equal_windows_of_their_own() -> None:
+    """The mel samples in a MelPool ring (written with one scatter, windows read with one gather, units cut
+    with one) give the units the private windows give: the first unit with its 560 prefix zeros, both floors,
+    the 30 s slides, and a ring that has wrapped (a session at unit 58 has received more than its capacity)."""
+    pooled, private = MelStreamer(CFG, slots=len(START_UNITS)), MelStreamer(CFG)
+    mine = [pooled.new_state() for _ in START_UNITS]
+    theirs = [private.new_state() for _ in START_UNITS]
+    assert pooled.pool is not None and all(s.pool is pooled.pool for s in mine) and theirs[0].pool is None
+    for i, k in enumerate(START_UNITS):  # the per-session path on both
+        for u in range(k):
+            pooled.push(mine[i], _unit_pcm(i, u))
+            private.push(theirs[i], _unit_pcm(i, u))
+            torch.testing.assert_close(pooled.next_unit(mine[i]).mel, private.next_unit(theirs[i]).mel, atol=0, rtol=0)
+    assert mine[-1].received > pooled.pool.capacity  # the ring wrapped
+    for step in range(2):
+        pcms = [_unit_pcm(i, k + step) for i, k in enumerate(START_UNITS)]
+        pooled.push_many(mine, pcms)
+        units, mels = pooled.next_units_stacked(mine)
+        assert mels is not None and mels.shape == (len(mine), CFG.mel.n_mels, 104)
+        for i, (state, unit, pcm) in enumerate(zip(theirs, units, pcms, strict=True)):
+            private.push(state, pcm)
+            want = private.next_unit(state)
+            assert _mel_facts(unit) == _mel_facts(want)
+            torch.testing.assert_close(unit.mel, want.mel, atol=ATOL, rtol=0)
+            n = want.mel.shape[1]
+            torch.testing.assert_close(mels[i, :, :n], want.mel, atol=ATOL, rtol=0)
+            assert not mels[i, :, n:].any()  # a first unit's 102 frames, zero-padded to 104
+    assert [s.base_sample for s in mine] == [s.base_sample for s in theirs]
+
+
+def test_a_session_pushed_past_its_ring_leaves_the_pool() -> None:
+    """PCM far ahead of the window (more than the ring holds) moves the session to samples of its own, with the
+    same units; its slot stays taken until the state is dropped."""
+    pooled, private = MelStreamer(CFG, slots=2), MelStreamer(CFG)
+    a, b = pooled.new_state(), private.new_state()
+    assert pooled.pool is not None
+    pcm = _pcm(5, pooled.pool.capacity)  # 33 s at once
+    pooled.push(a, pcm[:20_000])
+    pooled.push(a, pcm[20_000:])
+    private.push(b, pcm)
+    assert a.pool is None and pooled.pool.free == 1
+    for _ in range(3):
+        torch.testing.assert_close(pooled.next_units([a])[0].mel, private.next_unit(b).mel, atol=ATOL, rtol=0)
+    del a
+    assert pooled.pool.free == 2
+
+
+def _front_end_ops(sessions: int) -> int:
+    """ATen ops of one whole `encode_units` (PCM push, mel windows, log-mel, encoder, projector) over `sessions`
+    staggered sessions, every one in the pools."""
+    fe = _front_end(kv_slots=sessions)
+    states = [_advanced(fe, i, 2 + i % 3) for i in range(sessions)]
+    pcms = [_unit_pcm(i, s.next_unit) for i, s in enumerate(states)]
+    with _Ops() as ops:
+        fe.encode_units(states, pcms)
+    return ops.count
+
+
+def test_the_pooled_front_end_dispatches_as_many_ops_for_six_sessions_as_for_two() -> None:
+    """Not only the encoder: the sessions' PCM push, window advance and unit cut do not grow with the batch
+    either (issue 15: about 9 ops a session before the mel pool)."""
+    assert _front_end_ops(6) == _front_end_ops(2)
 
 
 class _Ops(TorchDispatchMode):
@@ -185,8 +260,11 @@ def test_batched_units_on_the_gpu_equal_the_cpu_path() -> None:
     gpu = AudioFrontEnd(enc.cuda(), proj.cuda(), tiny_audio(1500), mel_device="cuda", kv_slots=3)
     states = [_advanced(cpu, i, k) for i, k in enumerate((0, 4, 29))]
     on_gpu = [gpu.new_session() for _ in states]  # the same stream points in the GPU front end's pool
-    for g, s in zip(on_gpu, states, strict=True):
-        g.mel = copy.deepcopy(s.mel)
+    for g, s in zip(on_gpu, states, strict=True):  # each ring is indexed by stream sample: copied whole
+        assert g.mel.pool is gpu.streamer.pool and s.mel.pool is cpu.streamer.pool
+        g.mel.pool.data[g.mel.slot].copy_(s.mel.pool.data[s.mel.slot])
+        g.mel.base_sample, g.mel.window_end, g.mel.unit, g.mel.received = (
+            s.mel.base_sample, s.mel.window_end, s.mel.unit, s.mel.received)
         g.kv.k.copy_(s.kv.k)
         g.kv.v.copy_(s.kv.v)
         g.kv.length, g.kv.resets = s.kv.length, s.kv.resets

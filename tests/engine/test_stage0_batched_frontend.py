@@ -121,17 +121,19 @@ def _close_and_reuse(engine: Stage0Engine, pool_free: Any) -> list[int]:
 
 
 def test_a_closed_session_s_audio_kv_slot_serves_the_next_session() -> None:
-    """The audio KV slot of a closed session is free once nothing holds the session (HistoryRing holds its
+    """The audio KV slot (and mel slot) of a closed session is free once nothing holds the session (HistoryRing holds its
     owner weakly), so the session opened in its place gets the slot (at once, or at its next batch after a
     private cache); its units equal the per-session front end's throughout, beside sessions further on in
     their streams."""
     model = tiny_llm()
     front = CountingFrontEnd(_audio())
     batched, got = _engine(front, model)
-    free = _close_and_reuse(batched, lambda: front.audio.kv_pool.free)
-    assert free[0] == 0 and free[-1] == 0
-    kvs = [batched.session(f"s{i}").frontend_state.kv for i in range(1, 5)]
-    assert all(kv.pool is front.audio.kv_pool for kv in kvs) and len({kv.slot for kv in kvs}) == 4
+    free = _close_and_reuse(batched, lambda: (front.audio.kv_pool.free, front.audio.streamer.pool.free))
+    assert free[0] == (0, 0) and free[-1] == (0, 0)
+    states = [batched.session(f"s{i}").frontend_state for i in range(1, 5)]
+    assert all(s.kv.pool is front.audio.kv_pool for s in states) and len({s.kv.slot for s in states}) == 4
+    # the mel samples too: s4 streams in s0's mel slot (its window and pending PCM in the pool's ring)
+    assert all(s.mel.pool is front.audio.streamer.pool for s in states) and len({s.mel.slot for s in states}) == 4
     solo, want = _engine(PerSessionFrontEnd(_audio()), model)
     _close_and_reuse(solo, lambda: 0)
     assert max(front.batches) == 4
