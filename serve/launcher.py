@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from serve.mps import MpsDaemon, plan_mps, private_daemon, start_daemon
+from serve.stopping import Stop, held, raise_stop
 from serve.supervisor import TritonSupervisor
 from serve.tritonserver import (  # noqa: F401 - re-exported for the launcher's callers
     DEFAULT_CACHE_DIR,
@@ -150,14 +151,6 @@ def _wait_gateway(proc: subprocess.Popen[bytes], url: str, require_ready: bool,
         time.sleep(READY_POLL_S)
 
 
-class _Stop(Exception):
-    pass
-
-
-def _raise_stop(signum: int, _frame: object) -> None:
-    raise _Stop(signal.Signals(signum).name)
-
-
 # Run in a child interpreter: the launcher itself never imports `engine` (it runs in the gateway image too).
 _CHECK_CONFIG = """
 import sys
@@ -258,7 +251,7 @@ def _start_mps(opts: ServeOptions, profile: dict[str, object], kids: _Children) 
 
 
 def _run(opts: ServeOptions, kids: _Children) -> None:
-    """Start what `opts` asks for, then supervise until a signal (raises _Stop) or a fatal LaunchError."""
+    """Start what `opts` asks for, then supervise until a signal (raises Stop) or a fatal LaunchError."""
     profile = load_profile(opts.profile)
     if opts.max_sessions is not None:
         profile["max_sessions"] = opts.max_sessions
@@ -279,8 +272,9 @@ def _run(opts: ServeOptions, kids: _Children) -> None:
         # policy is the supervisor there.
         supervisor = TritonSupervisor(kids.server, _say) if opts.only is None else None
     if opts.only != "triton" and _gateway_available():
-        kids.gateway = subprocess.Popen(_gateway_cmd(opts), env=gateway_env(triton_url, profile), cwd=REPO_ROOT,
-                                        start_new_session=True)
+        with held():  # a stop inside Popen would leave the gateway running unheld (serve/stopping.py)
+            kids.gateway = subprocess.Popen(_gateway_cmd(opts), env=gateway_env(triton_url, profile), cwd=REPO_ROOT,
+                                            start_new_session=True)
         base = f"http://{opts.host}:{opts.port}"
         _wait_gateway(kids.gateway, base, require_ready=opts.only != "gateway", supervisor=supervisor)
         _say(f"[serve] demo: {base}/  (Ctrl-C stops)")
@@ -312,11 +306,11 @@ def serve(opts: ServeOptions) -> int:
     """Run until Ctrl-C/SIGTERM (exit 0) or until a child dies for good (exit 1). Startup errors exit 2."""
     # SIGINT too: a shell that starts us in the background sets SIGINT to "ignore", which Python keeps.
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, _raise_stop)
+        signal.signal(sig, raise_stop)
     kids = _Children()
     try:
         _run(opts, kids)
-    except (KeyboardInterrupt, _Stop):
+    except (KeyboardInterrupt, Stop):
         _say("\n[serve] stopping ...")
         return 0
     except LaunchError as exc:

@@ -27,6 +27,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from serve.stopping import held
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CACHE_DIR = REPO_ROOT / ".cache"
 STUB_NAME = "triton_python_backend_stub"
@@ -202,7 +204,8 @@ class TritonServer:
     def start(self) -> None:
         check_ports_free(self.ports.all())
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "wb") as log:
+        # a launcher's stop signal inside Popen would leave tritonserver running unheld (serve/stopping.py)
+        with open(self.log_path, "wb") as log, held():
             self.proc = subprocess.Popen(
                 self.command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 env=self.env or triton_env(self.install), start_new_session=True,
