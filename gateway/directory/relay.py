@@ -30,11 +30,12 @@ FORWARDED_HEADERS = ("authorization",)
 
 
 async def relayed_to_owner(gw: GatewayState, ws: WebSocket, opener: dict[str, Any]) -> bool:
-    """A resume of a session this gateway does not hold, owned by a live gateway: relay it there (True).
-    False: resume here: a dead gateway's session is adopted first (adopt.py); for an unknown session the local
-    procedure answers `session_resume_expired`."""
+    """A resume of a session owned by another live gateway: relay it there (True). False: resume here: a dead
+    gateway's session is adopted first (adopt.py); for an unknown session the local procedure answers
+    `session_resume_expired`. A session this gateway holds is checked too: while it was cut off from Redis past
+    its lease another gateway may have adopted it, and this copy is stale until the ownership check fences it."""
     directory, sid = gw.directory, opener.get("session_id")
-    if directory is None or not isinstance(sid, str) or sid in gw.sessions:
+    if directory is None or not isinstance(sid, str):
         return False
     try:
         entry = await directory.lookup(sid)
@@ -43,6 +44,8 @@ async def relayed_to_owner(gw: GatewayState, ws: WebSocket, opener: dict[str, An
                             effect=Effect.HANDSHAKE) from exc
     if entry is None or entry.owner == directory.addr:
         return False
+    if sid in gw.sessions and not entry.owner_alive:
+        return False  # our own stale copy and a dead adopter: the ownership check settles it, resume here
     if not entry.owner_alive:  # its gateway died: take the session over here, then resume it here (adopt.py)
         if gw.host_factory is not None:
             await adopt(gw, entry)
