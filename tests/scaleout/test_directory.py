@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
+from collections.abc import AsyncIterator
 
 import pytest
 import redis.asyncio as redis
 
 from gateway.directory.store import SessionDirectory, lease_key, session_key
-from tests.scaleout.cluster import Cluster
 
 LEASE_S = 1.0  # each Redis call attempt is bounded by LEASE_S / 2: room for a loaded CI machine
 DEADLINE_S = 15.0  # a stalled test fails here, naming the await it was stuck on (not at pytest-timeout's 300 s)
@@ -19,15 +17,6 @@ DEADLINE_S = 15.0  # a stalled test fails here, naming the await it was stuck on
 pytestmark = [pytest.mark.skipif(shutil.which("redis-server") is None,
                                  reason="redis-server is not installed (requirements/apt.txt)"),
               pytest.mark.timeout(60)]  # a backstop: DEADLINE_S fails first, with a clearer error
-
-
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    cluster = Cluster(Path(tmp_path_factory.mktemp("redis")))
-    try:
-        yield cluster.start_redis().url
-    finally:
-        cluster.stop()
 
 
 @pytest.fixture

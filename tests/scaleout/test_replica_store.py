@@ -10,9 +10,8 @@ import dataclasses
 import json
 import shutil
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -42,7 +41,6 @@ from gateway.session.runtime_config import RuntimeDefaults
 from gateway.session.session import DuplexSession
 from gateway.session.units import UnitGeometry
 from gateway.ws.messages import OwnerLost
-from tests.scaleout.cluster import Cluster
 
 LEASE_S = 1.0
 DEADLINE_S = 15.0
@@ -50,15 +48,6 @@ DEADLINE_S = 15.0
 pytestmark = [pytest.mark.skipif(shutil.which("redis-server") is None,
                                  reason="redis-server is not installed (requirements/apt.txt)"),
               pytest.mark.timeout(60)]
-
-
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    cluster = Cluster(Path(tmp_path_factory.mktemp("redis")))
-    try:
-        yield cluster.start_redis().url
-    finally:
-        cluster.stop()
 
 
 @pytest.fixture

@@ -1,0 +1,20 @@
+"""Fixtures the scale-out tests share."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.scaleout.cluster import Cluster
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real redis-server of the test module's own (tests/scaleout/cluster.py), nothing persisted."""
+    cluster = Cluster(Path(tmp_path_factory.mktemp("redis")))
+    try:
+        yield cluster.start_redis().url
+    finally:
+        cluster.stop()
