@@ -54,14 +54,20 @@ def _retry(message: str) -> ProtocolError:
     return ProtocolError("runtime_resume_failed", message, effect=Effect.HANDSHAKE)
 
 
-async def adopt(gw: GatewayState, entry: Entry) -> None:
+async def adopt(gw: GatewayState, entry: Entry, token: object) -> None:
     """Take `entry` (its owner's lease is gone) over and host it here, detached; raises `runtime_resume_failed`
     (retryable) when it cannot now. A session that cannot go on is closed and forgotten, so the resume that
-    follows answers `session_resume_expired`."""
+    follows answers `session_resume_expired`. `token` (the resume's) must match the copy's credential first: a
+    resume that only knows the session id must not move the session and cancel its response."""
     directory, sid = gw.directory, entry.session_id
     assert directory is not None and gw.host_factory is not None
     try:
+        state_raw = await directory.state(sid)
+        if state_raw is not None and not _token_matches(json.loads(state_raw), token):
+            raise ProtocolError("invalid_resume_token", "resume token does not match", effect=Effect.HANDSHAKE)
         won = await directory.take_over(sid, entry.owner)
+    except ProtocolError:
+        raise
     except Exception as exc:  # noqa: BLE001 - Redis away: the client retries (CL-3)
         raise _retry(f"session directory: {exc.__class__.__name__}") from exc
     if not won:
@@ -79,6 +85,16 @@ async def adopt(gw: GatewayState, entry: Entry) -> None:
         await _give_back(gw, entry)
         raise _retry(f"adoption failed: {exc.__class__.__name__}") from exc
     log.info("adopted session %s of dead gateway %s (replica %s)", sid, entry.owner, entry.replica)
+
+
+def _token_matches(state: dict[str, Any], token: object) -> bool:
+    """The resume check RS3 against the copy's digests; a copy without them is left to `_rebuild` (Gone)."""
+    host = state.get("host") if isinstance(state, dict) else None
+    if not isinstance(host, dict) or not isinstance(host.get("digest"), str):
+        return True
+    previous = host.get("previous")
+    credential = ResumeCredential(bytes.fromhex(host["digest"]), bytes.fromhex(previous) if previous else None)
+    return credential.verify(token)
 
 
 async def _rebuild(gw: GatewayState, entry: Entry) -> None:

@@ -48,7 +48,7 @@ async def relayed_to_owner(gw: GatewayState, ws: WebSocket, opener: dict[str, An
         return False  # our own stale copy and a dead adopter: the ownership check settles it, resume here
     if not entry.owner_alive:  # its gateway died: take the session over here, then resume it here (adopt.py)
         if gw.host_factory is not None:
-            await adopt(gw, entry)
+            await adopt(gw, entry, opener.get("resume_token"))
         return False
     await relay_resume(ws, entry.owner, opener, max_size=gw.settings.ws_max_message_bytes)
     return True

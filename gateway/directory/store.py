@@ -295,6 +295,10 @@ class SessionDirectory:
         record, journal, state, config = await self._bounded("load", read, True)
         return record, journal, state, config
 
+    async def state(self, session_id: str) -> str | None:
+        """The session's state as written through (replica.py), or None."""
+        return await self._call("get", state_key(session_id))
+
     async def lookup(self, session_id: str) -> Entry | None:
         fields = await self._call("hgetall", session_key(session_id))
         if not fields:

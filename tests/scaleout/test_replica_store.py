@@ -12,11 +12,13 @@ import shutil
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import redis.asyncio as redis
 
+from gateway.directory.adopt import _token_matches, adopt
 from gateway.directory.replica import Replicator, host_state, parse_entry
 from gateway.directory.runtime import DirectoryRuntime
 from gateway.directory.store import (
@@ -30,6 +32,7 @@ from gateway.directory.store import (
     state_key,
 )
 from gateway.protocol.config import ConfigContext, default_config, response_defaults
+from gateway.protocol.errors import ProtocolError
 from gateway.resume.attachment import Attachments
 from gateway.resume.credentials import ResumeCredential
 from gateway.resume.journal import Journal, JournalConfig
@@ -340,3 +343,23 @@ async def test_a_gateway_that_lost_a_session_ends_it_without_touching_its_sequen
             assert inner.calls == ["forget", "close"] and not await raw.exists(session_key("mine"))
     finally:
         await rt.aclose()
+
+
+async def test_a_resume_with_a_wrong_token_does_not_take_a_dead_owners_session_over(
+        directory: SessionDirectory, raw: redis.Redis) -> None:
+    """Adoption checks the resume token against the copy (RS3) before it takes the record: a resume that only knows
+    the session id neither moves the session nor cancels its response (gateway/directory/adopt.py)."""
+    credential, token = ResumeCredential.issue()
+    host = host_state(Host(session=None, credential=credential))
+    gw = SimpleNamespace(directory=directory, host_factory=lambda route, profile: None)
+    async with asyncio.timeout(DEADLINE_S):
+        await raw.hset(session_key("sess_1"), mapping={"owner": "gw-dead:8000", "replica": "t:8001",
+                                                       "correlation_id": "5", "incarnation": "1"})
+        await raw.set(state_key("sess_1"), json.dumps({"host": host, "session": {}}))
+        entry = await directory.lookup("sess_1")
+        assert entry is not None and not entry.owner_alive
+        with pytest.raises(ProtocolError) as err:
+            await adopt(gw, entry, "x" * len(token))  # type: ignore[arg-type]
+        assert err.value.code == "invalid_resume_token"
+        assert (await directory.lookup("sess_1")).owner == "gw-dead:8000"  # not taken over
+        assert _token_matches({"host": host}, token)
