@@ -87,7 +87,7 @@ def forward_stream_batch(encoder: WhisperEncoder, units: Sequence[UnitMel], cach
                          mels: torch.Tensor | None = None) -> torch.Tensor:
     """One unit per session -> post-LN hidden [B, S, d]; each cache advanced as `forward_stream` would.
     `mels`: the units' mel slices already stacked [B, n_mels, T_max], zero-padded on the right
-    (MelStreamer.next_units_stacked); else they are stacked here."""
+    (MelStreamer.next_units); else they are stacked here."""
     dev = encoder.conv1.weight.device
     trims = [_trim(u) for u in units]
     s = trims[0][1]

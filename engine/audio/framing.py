@@ -10,7 +10,7 @@ window is re-analysed every unit so the dynamic floor sees exactly the reference
 (reflect-padded edges included); the window equals what readiness requires, so it does not depend on
 how far ahead the caller delivered. A streamer with `slots` keeps its sessions' samples in one `MelPool`
 (a ring per session, engine/audio/melpool.py): the window then advances and slides by index arithmetic, and
-`next_units_stacked` reads every window and cuts every unit with one gather each (issue 15).
+`next_units` reads every window and cuts every unit with one gather each (issue 15).
 """
 
 from __future__ import annotations
@@ -232,14 +232,11 @@ class MelStreamer:
         floor = self.advance(state)
         return self.cut(state, floor, self.logmel(self.window(state), floor))
 
-    def next_units(self, states: list[MelStreamState]) -> list[UnitMel]:
-        """`next_unit` of many sessions with one batched log-mel over their windows (LogMel.batch)."""
-        return self.next_units_stacked(states)[0]
-
-    def next_units_stacked(self, states: list[MelStreamState]) -> tuple[list[UnitMel], torch.Tensor | None]:
-        """`next_units`, and when every state is a slot of one pool on the log-mel device, their mel slices
-        stacked [B, n_mels, T_max] and zero-padded on the right (a first unit's 102 frames among 104): the
-        windows read with one gather, the slices cut with one (ops that do not grow with the batch)."""
+    def next_units(self, states: list[MelStreamState]) -> tuple[list[UnitMel], torch.Tensor | None]:
+        """`next_unit` of many sessions with one batched log-mel over their windows, and when every state is a
+        slot of one pool on the log-mel device, their mel slices stacked [B, n_mels, T_max] and zero-padded on the
+        right (a first unit's 102 frames among 104): the windows read with one gather, the slices cut with one
+        (ops that do not grow with the batch); else None."""
         floors = [self.advance(s) for s in states]
         pool = states[0].pool if states else None
         if pool is None or pool.device != self.logmel.window.device or any(s.pool is not pool for s in states):

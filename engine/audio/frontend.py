@@ -117,7 +117,7 @@ class AudioFrontEnd:
         if any(s.mel.pool is None for s in states):  # a private window takes its PCM on its own: one copy first
             pcms = _on_device(pcms, self.streamer.logmel.device)
         self.streamer.push_many([s.mel for s in states], pcms)  # the pooled ones: one scatter
-        units, mels = self.streamer.next_units_stacked([s.mel for s in states])
+        units, mels = self.streamer.next_units([s.mel for s in states])
         for state, unit in zip(states, units, strict=True):
             state.last_unit = unit
         self._into_pool(states)

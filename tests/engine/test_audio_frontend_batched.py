@@ -179,7 +179,7 @@ def test_pooled_mel_windows_equal_windows_of_their_own() -> None:
     for step in range(2):
         pcms = [_unit_pcm(i, k + step) for i, k in enumerate(START_UNITS)]
         pooled.push_many(mine, pcms)
-        units, mels = pooled.next_units_stacked(mine)
+        units, mels = pooled.next_units(mine)
         assert mels is not None and mels.shape == (len(mine), CFG.mel.n_mels, 104)
         for i, (state, unit, pcm) in enumerate(zip(theirs, units, pcms, strict=True)):
             private.push(state, pcm)
@@ -204,7 +204,7 @@ def test_a_session_pushed_past_its_ring_leaves_the_pool() -> None:
     private.push(b, pcm)
     assert a.pool is None and pooled.pool.free == 1
     for _ in range(3):
-        torch.testing.assert_close(pooled.next_units([a])[0].mel, private.next_unit(b).mel, atol=ATOL, rtol=0)
+        torch.testing.assert_close(pooled.next_units([a])[0][0].mel, private.next_unit(b).mel, atol=ATOL, rtol=0)
     del a
     assert pooled.pool.free == 2
 
