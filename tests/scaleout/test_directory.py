@@ -29,14 +29,6 @@ async def directories() -> AsyncIterator[list[SessionDirectory]]:
             await d.aclose()
 
 
-@pytest.fixture
-async def raw(redis_url: str) -> AsyncIterator[redis.Redis]:
-    r = redis.Redis.from_url(redis_url, decode_responses=True)
-    await r.flushdb()
-    yield r
-    await r.aclose()
-
-
 async def test_a_record_names_its_owner_and_replica_while_the_owner_holds_its_lease(
         redis_url: str, raw: redis.Redis, directories: list[SessionDirectory]) -> None:
     a, b = (SessionDirectory(redis_url, addr, LEASE_S) for addr in ("gw-a:8000", "gw-b:8000"))

@@ -54,14 +54,6 @@ pytestmark = [pytest.mark.skipif(shutil.which("redis-server") is None,
 
 
 @pytest.fixture
-async def raw(redis_url: str) -> AsyncIterator[redis.Redis]:
-    r = redis.Redis.from_url(redis_url, decode_responses=True)
-    await r.flushdb()
-    yield r
-    await r.aclose()
-
-
-@pytest.fixture
 async def directory(redis_url: str) -> AsyncIterator[SessionDirectory]:
     d = SessionDirectory(redis_url, "gw-a:8000", LEASE_S)
     yield d
