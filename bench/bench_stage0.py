@@ -131,6 +131,7 @@ def engine_config(b: int, args: argparse.Namespace, dev: torch.device) -> tuple[
                          f"positions (needs {args.context + room + 1}; fewer --engine-units or a shorter context)")
     config = Stage0Config(
         max_sessions=b, eviction="off", max_context=max_context, max_frames_per_unit=0,
+        span_align=1 if args.slot_len is not None else Stage0Config.span_align,  # --slot-len is taken as is
         decode_batch_buckets=(b,), decode_kv_buckets=(quantized(max_context),),
         prefill_batch_buckets=(b,), use_cuda_graphs=not args.no_graphs,
         eager_replay_graphs=dev.type != "cuda" and not args.no_graphs, compile_mode=args.compile,
@@ -468,7 +469,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--slot-len", type=int, default=None,
                     help="KV positions per slot of the graph and engine rows, hence their top attention span "
                          "(slot length - 1); default: what the engine rows need (context + their units' room + 1); "
-                         "the h200 profile serves 8358 (kv_window 8192 + one unit with two frames + 1)")
+                         "taken as is (span_align 1); the h200 profile serves 8385 (kv_window 8192 + one unit with two frames, "
+                         "rounded up to a multiple of 64, + 1; 8358 before the rounding)")
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--hf-iters", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=5)

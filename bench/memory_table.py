@@ -180,7 +180,8 @@ def render(s: Sizing) -> str:
     """The markdown block docs/deploy.md embeds (between its memory_table markers)."""
     a = s.assume
     lines = [f"Inputs: LLM slot {s.llm_slot_positions} positions (window_high {s.stage0.window_high} + one "
-             f"unit's max {s.stage0.unit_max_positions(s.rules)} + 1), TTS slot {s.tts.max_turn_positions} "
+             f"unit's max {s.stage0.unit_max_positions(s.rules)}, rounded up to a multiple of {s.stage0.span_align}, "
+             f"+ 1), TTS slot {s.tts.max_turn_positions} "
              f"positions, n_ts = {s.stream.n_timesteps}, voice prompt {a.prompt_s:g} s (P = {s.prompt_frames}), "
              f"{a.voices} voice(s), reserve {a.reserve_gib:g} GiB (assumed).", "",
              "| per session | bytes per position / frame | positions / frames | GiB |", "| --- | ---: | ---: | ---: |"]

@@ -88,6 +88,11 @@ class Stage0Config:
     window_high: int = 8000
     window_low: int = 6000
     max_context: int = 40960
+    # The slot's top attention span (`reserved_pos`, where steady-state sessions decode) is rounded up to a
+    # multiple of this. An odd span leaves the attention's [rows, L] scores rows unaligned for the GPU's
+    # matmul and SDPA kernels: on the H200 at 8 k, span 8357 vs 8456 made a decode step 17.9 vs 7.6 ms at
+    # batch 1 and 66.6 vs 18.7 ms at batch 32 (bench/RESULTS.md, stop 24). 1 keeps the exact length.
+    span_align: int = 64
     first_unit_samples: int = 16480  # protocol: unit 0 carries 1030 ms
     unit_samples: int = 16000
     audio_embeddings_per_unit: int = 10
@@ -129,7 +134,8 @@ class Stage0Config:
     script_plan: ScriptPlan | None = None  # the cycle of a scripted session (None: ScriptPlan's defaults)
 
     def __post_init__(self) -> None:
-        if self.max_sessions < 1 or self.window_low > self.window_high or self.window_low < 1:
+        if (self.max_sessions < 1 or self.window_low > self.window_high or self.window_low < 1
+                or self.span_align < 1):
             raise ValueError(f"bad Stage0Config: {self}")
         if self.compile_mode is not None and self.compile_mode not in COMPILE_MODES:
             raise ValueError(f"compile_mode {self.compile_mode!r}: use one of {COMPILE_MODES} or None")
@@ -151,8 +157,8 @@ class Stage0Config:
     def slot_len(self, rules: DecodeRules) -> int:
         """KV positions reserved per session: memory per session is bounded and known up front.
 
-        One extra position (`SlotKVCache.reserved_pos`) absorbs the writes of idle rows in dense decode.
+        One extra position (`SlotKVCache.reserved_pos`) absorbs the writes of idle rows in dense decode; the
+        positions before it are rounded up to a multiple of `span_align`.
         """
-        if self.eviction == "off":
-            return self.max_context + 1
-        return self.window_high + self.unit_max_positions(rules) + 1
+        need = self.max_context if self.eviction == "off" else self.window_high + self.unit_max_positions(rules)
+        return -(-need // self.span_align) * self.span_align + 1
