@@ -4,12 +4,11 @@ on the H200: bench/RESULTS.md, stop 24), and it still holds the window plus the 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engine.config import LLMConfig
 from engine.model.llm import SlotKVCache
 from engine.stage0.config import DecodeRules, Stage0Config
-import torch
-
 
 
 @pytest.mark.parametrize("window", [8000, 8192, 4096, 1000])
