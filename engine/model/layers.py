@@ -150,7 +150,8 @@ def write_and_read_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Ten
 
 class SlotAttention(nn.Module):
     """Bias-free q/k/v/o attention with RoPE over slot KV. Subclasses may override `project`
-    (how q, k, v are computed) and `attend` (the attention kernel); the default is one SDPA call."""
+    (how q, k, v are computed) and `attend` (the attention kernel); the default is one SDPA call.
+    `fuse()` makes q/k/v one matmul (same keys and values)."""
 
     def __init__(self, hidden: int, n_heads: int, n_kv: int, head_dim: int, layer: int) -> None:
         super().__init__()
@@ -160,13 +161,34 @@ class SlotAttention(nn.Module):
         self.k_proj = nn.Linear(hidden, n_kv * head_dim, bias=False)
         self.v_proj = nn.Linear(hidden, n_kv * head_dim, bias=False)
         self.o_proj = nn.Linear(n_heads * head_dim, hidden, bias=False)
+        self.register_buffer("qkv_weight", None, persistent=False)  # [(heads + 2 kvh) D, H] once fused
+
+    def fuse(self) -> None:
+        """One [q; k; v] matmul instead of three; q/k/v_proj.weight become views of it (same keys)."""
+        self.qkv_weight = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
+
+    def _apply(self, fn, recurse=True):  # noqa: ANN001, ANN202 - nn.Module signature
+        # a device/dtype move copies parameters and buffer apart: alias them again so a later
+        # load_state_dict still reaches the fused weight
+        out = super()._apply(fn, recurse)
+        if self.qkv_weight is not None:
+            self.fuse()
+        return out
+
+    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, T, H] → q [B, T, heads D], k, v [B, T, kvh D]: one matmul once fused, else three."""
+        if self.qkv_weight is None:
+            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        nq, nk = self.n_heads * self.head_dim, self.n_kv * self.head_dim
+        q, k, v = F.linear(x, self.qkv_weight).split((nq, nk, nk), dim=-1)
+        return q, k, v
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [B, T, H] → q [B, T, heads, D], k, v [B, T, kvh, D]."""
         b, t, _ = x.shape
-        return (self.q_proj(x).view(b, t, self.n_heads, self.head_dim),
-                self.k_proj(x).view(b, t, self.n_kv, self.head_dim),
-                self.v_proj(x).view(b, t, self.n_kv, self.head_dim))
+        q, k, v = self.qkv(x)
+        return (q.view(b, t, self.n_heads, self.head_dim), k.view(b, t, self.n_kv, self.head_dim),
+                v.view(b, t, self.n_kv, self.head_dim))
 
     def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
                mode: str) -> torch.Tensor:

@@ -26,7 +26,6 @@ from engine.model.layers import (
     SlotAttention,
     SlotKVCache,
     apply_rope,
-    fuse_linears,
     rope_cos_sin,
     rope_inv_freq,
     rotate_half,
@@ -44,27 +43,10 @@ class Attention(SlotAttention):
         super().__init__(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, layer)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-        self.register_buffer("qkv_weight", None, persistent=False)  # [(heads + 2 kvh) D, H] once fused
-
-    def fuse(self) -> None:
-        """One [q; k; v] matmul instead of three; q/k/v_proj.weight become views of it (same keys)."""
-        self.qkv_weight = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
-
-    def _apply(self, fn, recurse=True):  # noqa: ANN001, ANN202 - nn.Module signature
-        # a device/dtype move copies parameters and buffer apart: alias them again so a later
-        # load_state_dict still reaches the fused weight
-        out = super()._apply(fn, recurse)
-        if self.qkv_weight is not None:
-            self.fuse()
-        return out
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         b, t, _ = x.shape
-        nq, nk = self.n_heads * self.head_dim, self.n_kv * self.head_dim
-        if self.qkv_weight is not None:
-            q, k, v = F.linear(x, self.qkv_weight).split((nq, nk, nk), dim=-1)
-        else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k, v = self.qkv(x)
         q = self.q_norm(q.view(b, t, self.n_heads, self.head_dim))
         k = self.k_norm(k.view(b, t, self.n_kv, self.head_dim))
         return q, k, v.view(b, t, self.n_kv, self.head_dim)  # [B, T, heads|kvh, D]

@@ -83,6 +83,18 @@ class TTSModel(nn.Module):
         as at construction, so the table is bit-identical on every device."""
         self.inv_freq = self._inv_freq().to(self.emb_text.weight.device)
 
+    def fuse_projections(self) -> TTSModel:
+        """Load-time fusion: q/k/v and gate/up run as one matmul each (`Qwen3LLM.fuse_projections`). The fused
+        weights are non-persistent buffers whose slices are the original parameters: state_dict unchanged."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+        return self
+
+    @property
+    def fused(self) -> bool:
+        return self.model.layers[0].mlp.gate_up_weight is not None
+
     def condition(self, text_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """Condition rows cond_i = emb_text(t_i) + L2normalize(projector_semantic(h_i)) (§5.1).
 

@@ -23,6 +23,10 @@ class TTSEngineConfig:
     # compile); fused kernels round differently from eager, so exact graph == eager (I10) holds for the
     # uncompiled graph only.
     compile_step: bool = False
+    # q/k/v and gate/up as one matmul each (`TTSModel.fuse_projections`, applied at engine start): the step is
+    # latency-bound by its ~20 kernels per layer (bench/RESULTS.md stop 24: 416 per step, 2.6 us each), and
+    # fusing drops four GEMM launches per layer
+    fuse_projections: bool = True
     batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
     # condition-row counts (n + 1) with a captured prefill graph; longer units prefill eagerly
     row_buckets: tuple[int, ...] = (8, 16, 32, 64)

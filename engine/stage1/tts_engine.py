@@ -51,6 +51,8 @@ class _Work:
 class TTSEngine:
     def __init__(self, model: TTSModel, cfg: TTSEngineConfig | None = None) -> None:
         self.model, self.cfg = model.eval(), cfg or TTSEngineConfig()
+        if self.cfg.fuse_projections and not model.fused:
+            model.fuse_projections()  # same parameters (views), so the caller's model is unchanged in value
         self.mcfg = model.cfg
         self.runner = TTSRunner(model, self.cfg, dtype=model.emb_text.weight.dtype)
         self.slots = SlotTable(self.cfg.max_sessions)

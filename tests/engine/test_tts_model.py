@@ -94,3 +94,34 @@ def test_logits_are_fp32_even_in_bf16() -> None:
     model.reset_rope_()
     assert model.inv_freq.dtype == torch.float32
     assert model.logits(torch.zeros(2, 64, dtype=torch.bfloat16)).dtype == torch.float32
+
+
+def test_fused_projections_keep_keys_values_and_outputs() -> None:
+    """fuse_projections(): q/k/v and gate/up as one matmul each, with the same state_dict keys and values and the
+    same forward as transformers; a dtype move and a later load_state_dict still reach the fused matmuls."""
+    plain, fused = tiny_model(seed=5), tiny_model(seed=5).fuse_projections()
+    assert fused.fused and not plain.fused
+    assert fused.model.layers[0].self_attn.qkv_weight is not None
+    assert set(fused.state_dict()) == set(plain.state_dict())
+    for key, value in plain.state_dict().items():
+        assert torch.equal(fused.state_dict()[key], value), key
+    embeds = torch.randn(23, 64, generator=torch.Generator().manual_seed(6))
+    kv = TTSKVCache.allocate(fused.cfg, 1, 64, dtype=torch.float32)
+    with torch.no_grad():
+        out = fused(embeds[None], torch.arange(23)[None], torch.tensor([0]), kv)[0]
+    torch.testing.assert_close(out, _hf_full(plain, embeds), atol=ATOL, rtol=RTOL)
+    moved = fused.to(torch.float64)
+    moved.load_state_dict(tiny_model(seed=7).to(torch.float64).state_dict())
+    attn = moved.model.layers[0].self_attn
+    assert attn.qkv_weight.dtype == torch.float64
+    assert torch.equal(attn.qkv_weight[: attn.q_proj.weight.shape[0]], attn.q_proj.weight)
+    assert attn.qkv_weight.data_ptr() == attn.q_proj.weight.data_ptr()  # still one tensor: the load reached it
+
+
+def test_the_tts_engine_fuses_by_default() -> None:
+    from engine.stage1.config import TTSEngineConfig
+    from engine.stage1.tts_engine import TTSEngine
+
+    assert TTSEngine(tiny_model(), TTSEngineConfig(max_sessions=2, max_batch=2)).model.fused
+    off = TTSEngineConfig(max_sessions=2, max_batch=2, fuse_projections=False)
+    assert not TTSEngine(tiny_model(), off).model.fused
