@@ -48,7 +48,8 @@ from .options import (
 MS_PER_S = 1000.0
 WINDOW_LOW_FRACTION = 0.75  # eviction drops old units down to this share of the KV window (§7.4)
 
-OPTIONS = ("audio_worker", "compile_mode", "cuda_graphs", "merge_unit_close", "scripted_decisions")  # deploy profile `engine_options.stage0` keys
+OPTIONS = ("audio_worker", "batch_invariant", "compile_mode", "cuda_graphs", "merge_unit_close",
+           "scripted_decisions")  # deploy profile `engine_options.stage0` keys
 PLAN_KEYS = ("listen_units", "speak_units", "text_ids_per_unit", "tail_listen_units")  # ScriptPlan's fields
 
 
@@ -70,6 +71,14 @@ class _Session:
     units: dict[int, _Unit] = field(default_factory=dict)
     started: int = 0  # units whose decision the engine reached
     in_turn: bool = False  # a speak unit opened a turn that no `end_of_turn` has closed yet
+
+
+def _flag(opts: dict[str, Any], name: str) -> bool:
+    """A boolean engine option (default false); anything but a bool fails the load."""
+    value = opts.get(name, False)
+    if not isinstance(value, bool):
+        raise ConfigError(f"engine_options.stage0.{name} must be true or false, not {value!r}")
+    return value
 
 
 class Stage0Bridge(EngineBridge):
@@ -94,16 +103,14 @@ class Stage0Bridge(EngineBridge):
                            use_cuda_graphs=settings.device.startswith("cuda") and opts.get("cuda_graphs", True),
                            compile_mode=opts.get("compile_mode"),
                            merge_unit_close=bool(opts.get("merge_unit_close", True)),
+                           batch_invariant=_flag(opts, "batch_invariant"),
                            **scripted_decisions(opts.get("scripted_decisions")))
         self.hidden_dim = ck.config.llm.hidden_size
         self.engine = Stage0Engine(model.llm, ck.tokenizer, frontend, self._on_event, cfg)
         # off by default: measured on the H200 at 16 sessions (bench/RESULTS.md), the worker halves the stage0
         # step and commit->first audio p50 but the two threads then share one GIL-bound core and the tails grow
         # (unit->decision p99 1724 vs 732 ms, underruns 8.5 vs 1.9 s)
-        self.use_audio_worker = opts.get("audio_worker", False)
-        if not isinstance(self.use_audio_worker, bool):
-            raise ConfigError(
-                f"engine_options.stage0.audio_worker must be true or false, not {self.use_audio_worker!r}")
+        self.use_audio_worker = _flag(opts, "audio_worker")
         self.terminators = self.engine.ids.terminators
         self.sessions: dict[str, _Session] = {}
 
