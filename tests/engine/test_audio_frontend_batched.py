@@ -122,6 +122,39 @@ def _step_and_compare(fe: AudioFrontEnd, batched: list[AudioStreamState], single
     assert [_facts(s) for s in batched] == [_facts(s) for s in single]
 
 
+def _gathers(fe: AudioFrontEnd, states: list[AudioStreamState], pcms: list[torch.Tensor]) -> tuple[list, int]:
+    """encode_units(states, pcms) and how many `index_select` ops it dispatched (the KV window gather)."""
+
+    class Gathers(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - the mode's protocol
+            Gathers.count += func is torch.ops.aten.index_select.default
+            return func(*args, **(kwargs or {}))
+
+    with Gathers(), torch.inference_mode():
+        out = fe.encode_units(states, pcms)
+    return out, Gathers.count
+
+
+def test_a_run_of_pool_slots_reads_the_window_in_place_and_others_gather_it() -> None:
+    """Sessions in slots 0, 1, 2 (one run): the encoder attends to a view of the pool, no gather; sessions in
+    slots 0 and 2 gather their windows. Both equal the per-session path."""
+    fe, solo = _front_end(kv_slots=3), _front_end(kv_slots=0)
+    states = [_advanced(fe, i, 3 + 2 * i) for i in range(3)]
+    singles = [_advanced(solo, i, 3 + 2 * i) for i in range(3)]
+    assert [s.kv.slot for s in states] == [0, 1, 2]
+    for k, pick in enumerate(([0, 1, 2], [0, 2], [1, 2])):
+        pcms = [_unit_pcm(i, 20 + k) for i in pick]
+        got, gathers = _gathers(fe, [states[i] for i in pick], pcms)
+        want = [solo.encode_unit(singles[i], p) for i, p in zip(pick, pcms, strict=True)]
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, atol=ATOL, rtol=0)
+        run = pick == list(range(pick[0], pick[0] + len(pick)))
+        layers = 2 * len(fe.encoder.layers)  # K and V of every layer
+        assert gathers == (0 if run else layers), (pick, gathers)
+
+
 def test_a_dropped_session_frees_its_slot_and_the_next_session_reuses_it() -> None:
     """A slot keeps its last session's K/V; the session that reuses it must not see them (its own past only),
     next to a session deep in its stream (the padding mask), and through a §2.4 reset later on. A session
