@@ -249,6 +249,19 @@ class GatedMLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
+def fuse_layers(layers: nn.ModuleList) -> None:
+    """Load-time fusion of every decoder layer: q/k/v and gate/up as one matmul each. The fused weights are
+    non-persistent buffers whose slices are the original parameters, so state_dict keys, values and
+    load_state_dict are unchanged (and a device/dtype move keeps them aliased)."""
+    for layer in layers:
+        layer.self_attn.fuse()
+        layer.mlp.fuse()
+
+
+def layers_fused(layers: nn.ModuleList) -> bool:
+    return layers[0].mlp.gate_up_weight is not None
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
 

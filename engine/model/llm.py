@@ -26,6 +26,8 @@ from engine.model.layers import (
     SlotAttention,
     SlotKVCache,
     apply_rope,
+    fuse_layers,
+    layers_fused,
     rope_cos_sin,
     rope_inv_freq,
     rotate_half,
@@ -101,17 +103,13 @@ class Qwen3LLM(nn.Module):
         self.inv_freq = rope_inv_freq(self.cfg.head_dim, self.cfg.rope_theta).to(self.lm_head.weight.device)
 
     def fuse_projections(self) -> Qwen3LLM:
-        """Load-time fusion: q/k/v and gate/up run as one matmul each. The fused weights are
-        non-persistent buffers whose slices are the original parameters, so state_dict keys, values and
-        load_state_dict are unchanged (and a device/dtype move keeps them aliased)."""
-        for layer in self.model.layers:
-            layer.self_attn.fuse()
-            layer.mlp.fuse()
+        """q/k/v and gate/up as one matmul each (`fuse_layers`: state_dict keys and values unchanged)."""
+        fuse_layers(self.model.layers)
         return self
 
     @property
     def fused(self) -> bool:
-        return self.model.layers[0].mlp.gate_up_weight is not None
+        return layers_fused(self.model.layers)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings, unscaled (model.md §1.2). ids [...] → [..., H]."""

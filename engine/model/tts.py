@@ -25,6 +25,8 @@ from engine.model.layers import (
     RMSNorm,
     SlotAttention,
     SlotKVCache,
+    fuse_layers,
+    layers_fused,
     rope_cos_sin,
     rope_inv_freq,
     run_layer,
@@ -84,16 +86,13 @@ class TTSModel(nn.Module):
         self.inv_freq = self._inv_freq().to(self.emb_text.weight.device)
 
     def fuse_projections(self) -> TTSModel:
-        """Load-time fusion: q/k/v and gate/up run as one matmul each (`Qwen3LLM.fuse_projections`). The fused
-        weights are non-persistent buffers whose slices are the original parameters: state_dict unchanged."""
-        for layer in self.model.layers:
-            layer.self_attn.fuse()
-            layer.mlp.fuse()
+        """q/k/v and gate/up as one matmul each (`fuse_layers`): fewer kernels in the latency-bound step."""
+        fuse_layers(self.model.layers)
         return self
 
     @property
     def fused(self) -> bool:
-        return self.model.layers[0].mlp.gate_up_weight is not None
+        return layers_fused(self.model.layers)
 
     def condition(self, text_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """Condition rows cond_i = emb_text(t_i) + L2normalize(projector_semantic(h_i)) (§5.1).
