@@ -10,10 +10,15 @@ than the ring) is reloaded from the host before the step: a rare path.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 
 import torch
 
 from engine.hostio import to_device
+
+# The longest repetition window a session may ask for (SamplingParams): a session keeps this many of its latest
+# Step-B draws (engine/stage0/session.py DrawHistory), so its history does not grow with its length (P11).
+MAX_REPETITION_WINDOW = 4096
 
 
 class HistoryRing:
@@ -33,17 +38,17 @@ class HistoryRing:
         self.ids = torch.full((len(self.count), capacity), self.vocab, dtype=torch.long, device=self.device)
         self.owner = [None] * len(self.count)  # every slot reloads into the new ring
 
-    def sync(self, rows: list[tuple[int, object, list[int], int]]) -> None:
+    def sync(self, rows: list[tuple[int, object, Sequence[int], int]]) -> None:
         """Make each (slot, owner, history, window) row's ring hold the last `window` ids of `history`;
         only a mismatched row is reloaded, and a wider window first grows the ring (all rows reload)."""
         widest = max((window for *_, window in rows), default=0)
         if widest > self.capacity:
-            self._allocate(max(widest, 2 * self.capacity))
+            self._allocate(min(max(widest, 2 * self.capacity), MAX_REPETITION_WINDOW))  # widest <= the max
         for slot, owner, history, _ in rows:
             if not self._mirrors(slot, owner) or self.count[slot] != len(history):
                 self._load(slot, owner, history)
 
-    def _load(self, slot: int, owner: object, history: list[int]) -> None:
+    def _load(self, slot: int, owner: object, history: Sequence[int]) -> None:
         row = torch.full((self.capacity,), self.vocab, dtype=torch.long)
         start = max(0, len(history) - self.capacity)
         for n in range(start, len(history)):

@@ -58,7 +58,7 @@ class StepRecovery:
             return  # its unit finished before the failure: nothing of this session is undone
         s.cached_len = unit.start_len - len(s.pending_close)  # an owed close was not fed if the prefill failed
         s.turn = dataclasses.replace(unit.turn_before)
-        del s.history[unit.history_len:]
+        s.history.truncate(unit.history_len)
         self.fail_unit(s, error, code="internal_error")
         s.check_accounting()
 

@@ -19,7 +19,7 @@ import torch
 
 from engine.hostio import to_device
 from engine.sampling_draw import draw, draw_uniforms, session_generator
-from engine.stage0.penalty import HistoryRing
+from engine.stage0.penalty import MAX_REPETITION_WINDOW, HistoryRing
 from engine.stage0.topkp import candidate_draw, full_draw
 
 __all__ = ["SamplerIds", "SamplingBatch", "SamplingParams", "UniformStream", "draw", "sample"]
@@ -47,7 +47,8 @@ class SamplingParams:
         if not math.isfinite(self.temperature) or self.temperature <= 0 or not 0 < self.top_p <= 1 \
                 or self.top_k < 1:
             raise ValueError(f"bad sampling parameters: {self}")
-        if self.repetition_penalty <= 0 or self.turn_eos_length_penalty <= 0 or self.repetition_window < 1:
+        if self.repetition_penalty <= 0 or self.turn_eos_length_penalty <= 0 or not \
+                1 <= self.repetition_window <= MAX_REPETITION_WINDOW:
             raise ValueError(f"bad penalty parameters: {self}")
 
     def with_temperature(self, temperature: float) -> SamplingParams:

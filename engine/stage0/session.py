@@ -4,16 +4,76 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, overload
 
 import torch
 
 from engine.stage0.config import DecodeRules
 from engine.stage0.decode import TurnState, UnitDecoder
+from engine.stage0.penalty import MAX_REPETITION_WINDOW
 from engine.stage0.sampling import SamplingParams, UniformStream
 from engine.stage0.types import Fence, UnitMetrics
+
+
+class DrawHistory:
+    """A session's Step-B draws (the reference's `generated_history`), indexed from the session's first draw.
+
+    Its length counts every draw ever made; only the latest ones are stored (at least MAX_REPETITION_WINDOW, the
+    longest window a penalty may look back over), so an hour-long session does not grow it without bound
+    (bench/kv_growth.py: 13,144 draws in one hour before this). Reading a dropped draw is an error.
+    """
+
+    __slots__ = ("_base", "_ids")
+
+    def __init__(self, ids: list[int] | None = None) -> None:
+        self._ids: list[int] = list(ids or [])
+        self._base = 0  # draws dropped from the front
+
+    def __len__(self) -> int:
+        return self._base + len(self._ids)
+
+    def __iter__(self) -> Iterator[int]:
+        """The stored draws (all of them until the first trim)."""
+        return iter(self._ids)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, DrawHistory):
+            return (self._base, self._ids) == (other._base, other._ids)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  # mutable
+
+    @overload
+    def __getitem__(self, i: int) -> int: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[int]: ...
+
+    def __getitem__(self, i: int | slice) -> int | list[int]:
+        if isinstance(i, slice):
+            start, stop, step = i.indices(len(self))
+            if start < self._base and start < stop:
+                raise IndexError(f"draw {start} was dropped (the history keeps draws from {self._base})")
+            return self._ids[start - self._base:stop - self._base:step]
+        n = i + len(self) if i < 0 else i
+        if not self._base <= n < len(self):
+            raise IndexError(f"draw {i} is not kept (draws {self._base}..{len(self) - 1} are)")
+        return self._ids[n - self._base]
+
+    def append(self, token: int) -> None:
+        self._ids.append(token)
+        if len(self._ids) >= 2 * MAX_REPETITION_WINDOW:  # amortised: one trim per MAX_REPETITION_WINDOW draws
+            drop = len(self._ids) - MAX_REPETITION_WINDOW
+            del self._ids[:drop]
+            self._base += drop
+
+    def truncate(self, length: int) -> None:
+        """Back to the first `length` draws (a failed unit's rollback; never before the kept ones)."""
+        if length < self._base:
+            raise IndexError(f"cannot roll back to draw {length}: draws before {self._base} were dropped")
+        del self._ids[length - self._base:]
 
 
 @dataclass
@@ -94,7 +154,7 @@ class Session:
     cached_len: int = 0
     prefix_len: int = 0
     ledger: list[UnitRecord] = field(default_factory=list)
-    history: list[int] = field(default_factory=list)  # generated_history: Step-B draws, never trimmed
+    history: DrawHistory = field(default_factory=DrawHistory)  # generated_history: Step-B draws
     queue: deque[UnitJob] = field(default_factory=deque)
     phase: Phase = Phase.PREFIX
     unit: UnitRun | None = None
