@@ -5,8 +5,8 @@ one session streaming `--units` one-second units (3600 = one hour of audio) thro
 on the scripted plan of the h200-scripted profile (3 listen units, then a 3-unit turn of 4 text ids each: the KV
 fills with text as well as audio) and the h200 profile's window (`--kv-window` 8192; eviction drops old units to
 0.75 of it, model.md §7.4). Every `--every` units it records the session's KV length (with an owed close), its
-ledger of units, the units evicted so far, the audio encoder's KV length and resets, the Step-B history, and the
-process RSS. Prints a table; writes JSON.
+ledger of units, the units evicted so far, the audio encoder's KV length and resets, the Step-B draws (all, and
+those the session keeps for its repetition penalty), and the process RSS. Prints a table; writes JSON.
 
     python bench/kv_growth.py --units 3600 --json kv.json
 
@@ -72,17 +72,18 @@ def main(argv: list[str] | None = None) -> int:
             rows.append({"unit": unit + 1, "kv_len": s.owed_len, "kv_peak": peak, "ledger_units": len(s.ledger),
                          "evicted_units": s.ledger[0].index if s.ledger else None, "prefix_len": s.prefix_len,
                          "audio_kv_len": audio.kv.length, "audio_kv_resets": audio.kv.resets,
-                         "history_len": len(s.history), "rss_mib": round(rss_mib(), 1),
+                         "draws": len(s.history), "draws_kept": len(list(s.history)),
+                         "rss_mib": round(rss_mib(), 1),
                          "elapsed_s": round(time.perf_counter() - t0, 1)})
             print(json.dumps(rows[-1]), flush=True)
     out = {"what": "P11 Stage0 KV over a long session (tiny checkpoint, CPU)", "units": args.units,
            "kv_window": args.kv_window, "window_high": config.window_high, "window_low": config.window_low,
            "slot_positions": config.slot_len(engine.rules), "plan": PLAN, "rows": rows}
     print(f"\nwindow {config.window_low}..{config.window_high}, slot {out['slot_positions']} positions")
-    print("unit | KV len | KV peak | units kept | evicted | audio KV (resets) | history | RSS MiB")
+    print("unit | KV len | KV peak | units kept | evicted | audio KV (resets) | Step-B draws (kept) | RSS MiB")
     for r in rows:
         print(f"{r['unit']} | {r['kv_len']} | {r['kv_peak']} | {r['ledger_units']} | {r['evicted_units']} | "
-              f"{r['audio_kv_len']} ({r['audio_kv_resets']}) | {r['history_len']} | {r['rss_mib']}")
+              f"{r['audio_kv_len']} ({r['audio_kv_resets']}) | {r['draws']} ({r['draws_kept']}) | {r['rss_mib']}")
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))
     return 0
