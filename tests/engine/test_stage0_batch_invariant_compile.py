@@ -17,11 +17,10 @@ from tests.engine.test_stage0_helpers import FakeFrontEnd, tiny_llm, tiny_tokeni
 def test_batch_invariant_compiles_the_layer_without_split_reductions(monkeypatch: pytest.MonkeyPatch,
                                                                       batch_invariant: bool) -> None:
     calls: list[dict[str, Any]] = []
-    real = torch.compile
 
     def recording(fn: Any, **kwargs: Any) -> Any:
         calls.append(kwargs)
-        return real(fn, **kwargs)
+        return fn  # what torch.compile is asked matters here, not the compile (which costs 20 s on a CPU)
 
     monkeypatch.setattr(torch, "compile", recording)
     config = Stage0Config(max_sessions=2, compile_mode="default", eager_replay_graphs=True, decode_kv_buckets=(256,),
