@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -27,17 +28,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.soak import rss_mb  # noqa: E402
 from build.make_tiny_checkpoint import build_tiny_checkpoint  # noqa: E402
 from engine.stage0 import Fence, SamplingParams  # noqa: E402
 from model_repository.common import bridges  # noqa: E402
 from model_repository.common.settings import StageSettings  # noqa: E402
 
 PLAN = {"listen_units": 3, "speak_units": 3, "text_ids_per_unit": 4, "tail_listen_units": 0}  # h200-scripted
-
-
-def rss_mib() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096 / 2**20
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
                          "evicted_units": s.ledger[0].index if s.ledger else None, "prefix_len": s.prefix_len,
                          "audio_kv_len": audio.kv.length, "audio_kv_resets": audio.kv.resets,
                          "draws": len(s.history), "draws_kept": len(list(s.history)),
-                         "rss_mib": round(rss_mib(), 1),
+                         "rss_mib": rss_mb([os.getpid()]),
                          "elapsed_s": round(time.perf_counter() - t0, 1)})
             print(json.dumps(rows[-1]), flush=True)
     out = {"what": "P11 Stage0 KV over a long session (tiny checkpoint, CPU)", "units": args.units,
