@@ -119,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=12)
     ap.add_argument("--stagger", default="1", help="comma list: sessions spread over K units (padding mask)")
     ap.add_argument("--sdpa", default="default", help=f"comma list of SDPA kernel sets: {', '.join(SDPA)}")
+    ap.add_argument("--graphs", default="on", help="comma list: on (the encoder's captured steps, as served on a "
+                    "GPU; on the CPU their eager replay), off (eager layers)")
     ap.add_argument("--tiny", action="store_true", help="tiny encoder on the CPU (smoke test)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
@@ -127,12 +129,23 @@ def main(argv: list[str] | None = None) -> int:
     batches = [int(n) for n in args.batches.split(",")]
     fe = build_frontend(TINY_AUDIO if args.tiny else FULL_AUDIO, 128 if args.tiny else 4096, dev, dtype,
                         kv_slots=max(batches))  # one row's sessions are dropped before the next row's start
-    rows = [bench_frontend(fe, int(n), args.start_unit, args.iters, dev, int(k), sdpa)
-            for sdpa in args.sdpa.split(",") for k in args.stagger.split(",") for n in batches]
-    print(f"{'sessions':>8s} {'stagger':>7s} {'sdpa':>9s} {'median ms':>10s} {'p99 ms':>8s}  units timed (slides, KV resets)")
+    modes = args.graphs.split(",")
+    graphs = None
+    if "on" in modes:
+        t0 = time.perf_counter()
+        fe.capture_graphs(eager_replay=dev.type != "cuda")
+        graphs = fe.graphs
+        print(f"encoder graphs: {len(graphs.keys())} captured in {time.perf_counter() - t0:.1f} s", flush=True)
+    rows = []
+    for mode in modes:
+        fe.graphs = graphs if mode == "on" else None
+        rows += [bench_frontend(fe, int(n), args.start_unit, args.iters, dev, int(k), sdpa) | {"graphs": mode}
+                 for sdpa in args.sdpa.split(",") for k in args.stagger.split(",") for n in batches]
+    print(f"{'sessions':>8s} {'stagger':>7s} {'sdpa':>9s} {'graphs':>6s} {'median ms':>10s} {'p99 ms':>8s}  "
+          "units timed (slides, KV resets)")
     for r in rows:
-        print(f"{r['batch']:8d} {r['stagger']:7d} {r['sdpa']:>9s} {r['ms'][0]:10.2f} {r['ms'][1]:8.2f}  "
-              f"{r['units']} ({r['slides']}, {r['resets']})")
+        print(f"{r['batch']:8d} {r['stagger']:7d} {r['sdpa']:>9s} {r['graphs']:>6s} {r['ms'][0]:10.2f} "
+              f"{r['ms'][1]:8.2f}  {r['units']} ({r['slides']}, {r['resets']})")
     if args.json:
         device = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
         args.json.write_text(json.dumps({"device": device, "rows": rows}, indent=2))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +25,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from engine.audio.framing import UnitMel
 from engine.hostio import to_device
 from engine.model.audio import AudioKVCache, AudioKVPool, WhisperEncoder, WhisperEncoderLayer, cnn_length
+
+if TYPE_CHECKING:
+    from engine.audio.graphs import EncoderGraphs
 
 
 def _trim(unit: UnitMel) -> tuple[int, int]:
@@ -37,7 +41,7 @@ def _trim(unit: UnitMel) -> tuple[int, int]:
     return left, kept
 
 
-class _PoolKV:
+class PoolKV:
     """The batch's KV in an `AudioKVPool`: one scatter writes a layer's new K/V of every session, one gather
     reads its window; the op count does not grow with the batch. When the batch's slots are one run
     (`block`, e.g. every session of a full pool), the window is a view of the pool: no copy at all (at 64
@@ -80,7 +84,7 @@ class _PrivateKV:
                 torch.stack([c.v[layer, 0, :, :span] for c in self.caches]))
 
 
-def _layer(layer: WhisperEncoderLayer, x: torch.Tensor, kv: _PoolKV | _PrivateKV, i: int, span: int,
+def encoder_layer(layer: WhisperEncoderLayer, x: torch.Tensor, kv: PoolKV | _PrivateKV, i: int, span: int,
            mask: torch.Tensor | None) -> torch.Tensor:
     """Encoder layer `i` over x [B, S, d]: its K/V join the sessions' caches, then it attends to their first
     `span` positions under `mask`."""
@@ -95,10 +99,11 @@ def _layer(layer: WhisperEncoderLayer, x: torch.Tensor, kv: _PoolKV | _PrivateKV
 
 
 def forward_stream_batch(encoder: WhisperEncoder, units: Sequence[UnitMel], caches: Sequence[AudioKVCache],
-                         mels: torch.Tensor | None = None) -> torch.Tensor:
+                         mels: torch.Tensor | None = None, graphs: EncoderGraphs | None = None) -> torch.Tensor:
     """One unit per session -> post-LN hidden [B, S, d]; each cache advanced as `forward_stream` would.
     `mels`: the units' mel slices already stacked [B, n_mels, T_max], zero-padded on the right
-    (MelStreamer.next_units); else they are stacked here."""
+    (MelStreamer.next_units); else they are stacked here. `graphs`: the layers run captured when every
+    session is in their pool and a bucket covers the batch (engine/audio/graphs.py)."""
     dev = encoder.conv1.weight.device
     trims = [_trim(u) for u in units]
     s = trims[0][1]
@@ -121,13 +126,17 @@ def forward_stream_batch(encoder: WhisperEncoder, units: Sequence[UnitMel], cach
     mask = None
     if any(n + s != span for n in lengths):  # [B, 1, 1, span]: a session's own past + unit only
         mask = (torch.arange(span, device=dev)[None] < (starts + s)[:, None])[:, None, None, :]
-    kv = _PoolKV(pool, slots, at, _run(rows[2])) if pool is not None else _PrivateKV(caches)
-    with _attention_kernels(dev):
-        for i, layer in enumerate(encoder.layers):
-            x = _layer(layer, x, kv, i, span, mask)
+    if graphs is not None and pool is graphs.pool and s == graphs.frames and graphs.covers(len(caches), span):
+        out = graphs.run(x, slots, at, starts, span)
+    else:
+        kv = PoolKV(pool, slots, at, _run(rows[2])) if pool is not None else _PrivateKV(caches)
+        with attention_kernels(dev):
+            for i, layer in enumerate(encoder.layers):
+                x = encoder_layer(layer, x, kv, i, span, mask)
+        out = encoder.layer_norm(x)
     for c, n in zip(caches, lengths, strict=True):
         c.length = n + s
-    return encoder.layer_norm(x)
+    return out
 
 
 # Measured on the H200 (bench/RESULTS.md, stop 14; `bench/stage0_frontend.py --batches 1,16 --stagger 1,8 --sdpa
@@ -137,7 +146,7 @@ def forward_stream_batch(encoder: WhisperEncoder, units: Sequence[UnitMel], cach
 CUDA_ATTENTION = (SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
 
 
-def _attention_kernels(dev: torch.device) -> contextlib.AbstractContextManager:
+def attention_kernels(dev: torch.device) -> contextlib.AbstractContextManager:
     """The SDPA kernels the encoder's attention may use on this device (CUDA: CUDA_ATTENTION; else PyTorch's)."""
     return sdpa_kernel(list(CUDA_ATTENTION)) if dev.type == "cuda" else contextlib.nullcontext()
 

@@ -9,12 +9,14 @@ STFT over all windows, one encoder pass; engine/audio/batched.py).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from engine.audio.batched import forward_stream_batch
+from engine.audio.graphs import EncoderGraphs
 from engine.audio.framing import MelStreamer, MelStreamState, StreamConfig, UnitMel
 from engine.audio.mel import FloorMode
 from engine.config import AudioConfig
@@ -59,6 +61,7 @@ class AudioFrontEnd:
             raise ValueError(f"kv_slots must be >= 0, got {kv_slots}")
         self.kv_slots = kv_slots
         self.kv_pool: AudioKVPool | None = None
+        self.graphs: EncoderGraphs | None = None  # the pooled batch's encoder layers, captured (capture_graphs)
         self.stream_cfg = stream_cfg = stream_cfg or StreamConfig()
         self.streamer = MelStreamer(stream_cfg, mel_device, slots=kv_slots)
         self.block = int(cfg.audio_chunk_length * ENCODER_FRAMES_PER_SECOND)
@@ -69,11 +72,25 @@ class AudioFrontEnd:
     def device(self) -> torch.device:
         return self.encoder.conv1.weight.device
 
-    def new_session(self) -> AudioStreamState:
-        """A session's state; its audio KV a pool slot while one is free (freed when the state is dropped)."""
+    def _pool(self) -> AudioKVPool | None:
         if self.kv_pool is None and self.kv_slots:
             ref = self.encoder.conv1.weight
             self.kv_pool = AudioKVPool.allocate(self.cfg, self.kv_slots, ref.device, ref.dtype)
+        return self.kv_pool
+
+    def capture_graphs(self, emit: Callable[[str], None] | None = None, *, eager_replay: bool = False) -> None:
+        """Build the encoder graphs for every batch and span bucket of the KV pool (warm-up; needs `kv_slots`).
+        `eager_replay`: the same static-input steps without CUDA graphs (CPU)."""
+        pool = self._pool()
+        if pool is None:
+            raise ValueError("encoder graphs need the audio KV pool (kv_slots > 0)")
+        graphs = EncoderGraphs(self.encoder, pool, cnn_length(self.stream_cfg.chunk_frames), eager_replay=eager_replay)
+        graphs.capture(emit)
+        self.graphs = graphs
+
+    def new_session(self) -> AudioStreamState:
+        """A session's state; its audio KV a pool slot while one is free (freed when the state is dropped)."""
+        self._pool()
         kv = self.kv_pool.take() if self.kv_pool is not None else None
         return AudioStreamState(mel=self.streamer.new_state(), kv=kv or self.encoder.allocate_cache())
 
@@ -121,7 +138,7 @@ class AudioFrontEnd:
         for state, unit in zip(states, units, strict=True):
             state.last_unit = unit
         self._into_pool(states)
-        hidden = forward_stream_batch(self.encoder, units, [s.kv for s in states], mels)  # [B, 50, d]
+        hidden = forward_stream_batch(self.encoder, units, [s.kv for s in states], mels, self.graphs)  # [B, 50, d]
         emb = self.projector.embed(hidden, self.cfg.audio_pool_step)  # [B, 10, llm_hidden]
         if emb.shape[1] != self.embeddings_per_unit:
             raise AssertionError(f"{emb.shape[1]} audio embeddings per unit, expected {self.embeddings_per_unit}")

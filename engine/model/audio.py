@@ -74,20 +74,23 @@ class AudioKVPool:
     """
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k, self.v = k, v  # [layers, slots, heads, max_source_positions, head_dim]
+        self.k, self.v = k, v  # [layers, slots + 1, heads, max_source_positions, head_dim]
+        # the last slot is never handed out: a captured encoder step's padding rows write there (engine/audio/graphs.py)
+        self.scratch = k.shape[1] - 1
         # NOTE: list append / pop are atomic under the GIL: a finalizer may run on any thread (the one that drops
         # the last reference, or a collection inside `take` itself), so no lock that it could deadlock on.
-        self._free = list(range(k.shape[1] - 1, -1, -1))
+        self._free = list(range(self.scratch - 1, -1, -1))
 
     @classmethod
     def allocate(cls, cfg: AudioConfig, slots: int, device: torch.device | str,
                  dtype: torch.dtype) -> AudioKVPool:
-        shape = (cfg.encoder_layers, slots, cfg.encoder_attention_heads, cfg.max_source_positions, cfg.head_dim)
+        shape = (cfg.encoder_layers, slots + 1, cfg.encoder_attention_heads, cfg.max_source_positions, cfg.head_dim)
         return cls(torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype))
 
     @property
     def slots(self) -> int:
-        return self.k.shape[1]
+        """Slots handed out to sessions (the scratch slot not counted)."""
+        return self.scratch
 
     @property
     def free(self) -> int:

@@ -343,13 +343,13 @@ def test_host_pcm_goes_to_the_mel_device_in_order() -> None:
 def test_encoder_attention_on_cuda_avoids_the_kernels_with_the_measured_stalls() -> None:
     """CUDA: memory-efficient attention with math as the fallback (cuDNN attention stalled a masked batch for
     1.1 s on the H200); elsewhere PyTorch's own choice is left alone."""
-    from engine.audio.batched import _attention_kernels
+    from engine.audio.batched import attention_kernels
 
     flags = (torch.backends.cuda.cudnn_sdp_enabled, torch.backends.cuda.flash_sdp_enabled,
              torch.backends.cuda.mem_efficient_sdp_enabled, torch.backends.cuda.math_sdp_enabled)
     before = [f() for f in flags]
-    with _attention_kernels(torch.device("cuda")):
+    with attention_kernels(torch.device("cuda")):
         assert [f() for f in flags] == [False, False, True, True]
     assert [f() for f in flags] == before
-    with _attention_kernels(torch.device("cpu")):
+    with attention_kernels(torch.device("cpu")):
         assert [f() for f in flags] == before

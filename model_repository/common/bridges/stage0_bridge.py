@@ -115,9 +115,12 @@ class Stage0Bridge(EngineBridge):
         self.sessions: dict[str, _Session] = {}
 
     def warm_up(self, emit: Callable[[str], None]) -> None:
-        """The decode / prefill graphs were captured when the engine was built; here the batched audio front
-        end runs once at batch 1 and at max_sessions (cuFFT / cuBLAS plans, its allocator blocks)."""
+        """The decode / prefill graphs were captured when the engine was built; here the audio encoder's graphs
+        are captured (with the engine's CUDA graphs) and the batched audio front end runs once at batch 1 and
+        at max_sessions (cuFFT / cuBLAS plans, its allocator blocks)."""
         audio = self.engine.frontend.audio
+        if self.engine.config.use_cuda_graphs:
+            audio.capture_graphs(emit)
         for b in sorted({1, self.settings.max_sessions}):
             states = [audio.new_session() for _ in range(b)]
             pcm = torch.zeros(self.engine.config.first_unit_samples)
