@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.audio.batched import forward_stream_batch
-from engine.audio.graphs import EncoderGraphs
 from engine.audio.framing import MelStreamer, MelStreamState, StreamConfig, UnitMel
+from engine.audio.graphs import EncoderGraphs
 from engine.audio.mel import FloorMode
 from engine.config import AudioConfig
 from engine.hostio import to_device
