@@ -9,17 +9,23 @@ model (a residual shorter than a window waits for the next append), and reports,
     speech window.
 
 A window is speech iff its probability >= `threshold` (§8.2, no hysteresis).
+
+`feed` runs the windows one ORT call each (one stream: tests, offline); `feed_batched` hands them to the
+process's `VadBatcher` and awaits them (the served path). Both give the same probabilities, bit for bit.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from gateway.vad.model import SAMPLE_RATE_HZ, WINDOW_SAMPLES, SileroVad, VadState
+
+if TYPE_CHECKING:
+    from gateway.vad.batcher import VadBatcher
 
 WINDOW_MS = 1000.0 * WINDOW_SAMPLES / SAMPLE_RATE_HZ  # 32 ms
 
@@ -84,10 +90,25 @@ class VadStream:
         self.active, self._run_start, self._run_ms, self._silence_ms = False, None, 0.0, 0.0
 
     def feed(self, samples16k: np.ndarray, *, item_start_ms: float = 0.0) -> VadUpdate:
-        buf = np.concatenate([self._pending, samples16k.astype(np.float32, copy=False)])  # [n]
-        n_whole = (len(buf) // WINDOW_SAMPLES) * WINDOW_SAMPLES
-        probs = self._model.probabilities(self._state, buf[:n_whole])
-        self._pending = buf[n_whole:].copy()
+        buf, n = self._windows(samples16k)
+        probs = self._model.probabilities(self._state, buf[:n * WINDOW_SAMPLES])
+        return self._decide(buf, probs, item_start_ms)
+
+    async def feed_batched(self, batcher: VadBatcher, samples16k: np.ndarray, *,
+                           item_start_ms: float = 0.0) -> VadUpdate:
+        """`feed` with the windows run in the batcher's rounds, among other sessions' windows."""
+        buf, n = self._windows(samples16k)
+        probs = await batcher.probabilities(self._state, buf[:n * WINDOW_SAMPLES].reshape(n, WINDOW_SAMPLES))
+        return self._decide(buf, probs, item_start_ms)
+
+    def _windows(self, samples16k: np.ndarray) -> tuple[np.ndarray, int]:
+        """The residual and the new samples ([len] float32) and how many whole windows they hold."""
+        buf = np.concatenate([self._pending, samples16k.astype(np.float32, copy=False)])  # [len]
+        return buf, len(buf) // WINDOW_SAMPLES
+
+    def _decide(self, buf: np.ndarray, probs: np.ndarray, item_start_ms: float) -> VadUpdate:
+        """The windows' probabilities ([n]) -> speech events on the input clock; keeps the residual."""
+        self._pending = buf[len(probs) * WINDOW_SAMPLES:].copy()
         events: list[SpeechStarted | SpeechStopped] = []
         any_speech, onset = self.active, False
         for p in probs:
