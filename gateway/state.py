@@ -22,7 +22,7 @@ from gateway.ws.messages import Message
 if TYPE_CHECKING:
     from gateway.directory.replica import HostFactory, ReplicatedHost
     from gateway.directory.store import SessionDirectory
-    from gateway.vad.model import SileroVad
+    from gateway.vad.batcher import VadBatcher
 
 REALTIME_INPUT_RATE_HZ = 24000
 NATIVE_INPUT_RATE_HZ = 16000
@@ -49,7 +49,7 @@ class GatewayState:
         self.leases = LeaseManager(LeaseConfig(s.idle_ttl_s, s.disconnect_grace_s, s.reaper_interval_s))
         self.auth = Authenticator(AuthConfig.build(s.bind_host, s.api_keys, s.allowed_origins, s.auth,
                                                    s.allowed_hosts))
-        self.vad: SileroVad | None = None  # one shared model, loaded by the first server_vad session
+        self.vad: VadBatcher | None = None  # one shared model and its batcher, loaded by the first server_vad session
         self.sessions: dict[str, HostedSession] = {}  # open, detached or closing: the resume lookup
         self.tasks: set[asyncio.Task[None]] = set()  # session hosts; they outlive their sockets
         self.reaper: Reaper | None = None
@@ -70,12 +70,14 @@ class GatewayState:
                              default_input_rate_hz=NATIVE_INPUT_RATE_HZ if native else REALTIME_INPUT_RATE_HZ,
                              default_output_format="wav" if native else "pcm16")
 
-    def vad_model(self) -> SileroVad:
-        """The one Silero model of the process, loaded by the first server_vad session (≈ 2 MB)."""
+    def vad_batcher(self) -> VadBatcher:
+        """The one Silero model of the process (≈ 2 MB) and the batcher that runs every session's windows on it,
+        loaded by the first server_vad session."""
         if self.vad is None:
-            from gateway.vad.model import SileroVad  # noqa: PLC0415 - onnxruntime only when VAD is used
+            from gateway.vad.batcher import VadBatcher  # noqa: PLC0415 - onnxruntime only when VAD is used
+            from gateway.vad.model import SileroVad  # noqa: PLC0415
 
-            self.vad = SileroVad()
+            self.vad = VadBatcher(SileroVad())
         return self.vad
 
     def hosted(self, host: ReplicatedHost) -> None:

@@ -75,7 +75,9 @@ class InputTrack:
             self.sync_vad()
 
     # ---- validation (no mutation) ------------------------------------------------------------------------
-    def prepare_audio(self, ev: ce.InputAudioBufferAppend) -> PreparedAudio:
+    async def prepare_audio(self, ev: ce.InputAudioBufferAppend) -> PreparedAudio:
+        """Validate and decode; with server VAD on, await the chunk's windows in the batched VAD round (the
+        session actor waits here, so the session's events keep their order)."""
         config = self.core.config
         check_voice_source(config, self.core.ctx)
         fmt_raw = ev.format or ev.input_audio_format
@@ -101,7 +103,7 @@ class InputTrack:
             speech = bool(len(samples)) and float(np.sqrt(np.mean(samples**2))) > config.overlap_silence_rms
         resampled = self.feed.resample(samples, decoded.rate_hz, fmt)
         item_start = self._item_start_ms if self.item_id is not None else self.feed.clock_ms
-        vad = self.vad.classify(resampled, item_start)
+        vad = await self.vad.classify(resampled, item_start)
         if vad is not None:  # server VAD, when on, decides speech before the client's is_speech (§8.2 priority 1)
             return PreparedAudio(resampled, wire, frames, vad.is_speech, "server_vad", vad)
         return PreparedAudio(resampled, wire, frames, speech, "client_hint" if ev.is_speech is not None else "rms")
@@ -259,7 +261,7 @@ class InputTrack:
         evs.append(se.ItemDone(previous_item_id=prev, item=user.to_json()).model_dump())
         emit(*evs)
 
-    def item_create(self, ev: ce.ConversationItemCreate) -> None:
+    async def item_create(self, ev: ce.ConversationItemCreate) -> None:
         item = ev.item
         content = item.get("content") if isinstance(item, dict) else None
         parts = content if isinstance(content, list) else []
@@ -278,7 +280,7 @@ class InputTrack:
         part = parts[0]
         append = ce.InputAudioBufferAppend(type="input_audio_buffer.append", audio=part["audio"],
                                            format=part.get("format"), sample_rate_hz=part.get("sample_rate_hz"))
-        prep = self.prepare_audio(append)
+        prep = await self.prepare_audio(append)
         if not len(prep.samples16k):
             raise ProtocolError("input_audio_buffer_empty", "the item holds no audio", param="item.content[0]")
         if self.pending_turns >= self.core.limits.max_pending_turns:

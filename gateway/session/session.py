@@ -33,7 +33,7 @@ from gateway.session.lane import LaneResult, RuntimeLane
 from gateway.session.outbox import Kind, Outbox, OutItem
 from gateway.session.response_track import ResponseTrack
 from gateway.session.units import MODEL_RATE_HZ, UnitGeometry
-from gateway.vad.model import SileroVad
+from gateway.vad.batcher import VadBatcher
 from gateway.vad.overlap import OverlapChunk, client_action
 
 Json = dict[str, Any]
@@ -67,11 +67,12 @@ class DuplexSession(SessionCore):
     def session_json(self) -> Json:
         return view.session_object(self, self.responses, self.inputs, self.capabilities, self.limits_json)
 
-    def bind_host(self, seq_source: Callable[[], int], vad_model: Callable[[], SileroVad] | None,
+    def bind_host(self, seq_source: Callable[[], int], vad: Callable[[], VadBatcher] | None,
                   vad_onset_confirm_ms: int) -> None:
-        """H6: the writer's sequence and the process's VAD model, then the detector for `turn_detection`."""
+        """H6: the writer's sequence and the process's VAD (model and batcher), then the detector for
+        `turn_detection`."""
         self.bind_seq_source(seq_source)
-        self.inputs.vad.bind(vad_model, vad_onset_confirm_ms)
+        self.inputs.vad.bind(vad, vad_onset_confirm_ms)
         self.inputs.sync_vad()
 
     # ---- InputLink: what the response track asks of the input side ---------------------------------------
@@ -123,7 +124,7 @@ class DuplexSession(SessionCore):
         """Apply one admitted event; raises ProtocolError for a frame-level rejection."""
         match ev:
             case ce.InputAudioBufferAppend():
-                self.append(ev)
+                await self.append(ev)
             case ce.InputAudioBufferCommit():
                 self.inputs.commit(ev)
             case ce.InputAudioBufferClear():
@@ -141,7 +142,7 @@ class DuplexSession(SessionCore):
             case ce.PlaybackAck():
                 self.commands.playback_ack(ev)
             case ce.ConversationItemCreate():
-                self.inputs.item_create(ev)
+                await self.inputs.item_create(ev)
             case ce.ConversationItemRetrieve():
                 self.commands.item_retrieve(ev)
             case ce.ConversationItemDelete():
@@ -172,10 +173,10 @@ class DuplexSession(SessionCore):
         return view.turn_state(self.responses, self.inputs, self.clock())
 
     # ---- commands that need both tracks ------------------------------------------------------------------
-    def append(self, ev: ce.InputAudioBufferAppend) -> None:
+    async def append(self, ev: ce.InputAudioBufferAppend) -> None:
         """§8.3: while the assistant generates or plays, an append is an overlap chunk first."""
         inputs = self.inputs
-        prep = inputs.prepare_audio(ev)
+        prep = await inputs.prepare_audio(ev)
         state = self.turn_state()
         if state not in ("assistant_generating", "assistant_playing"):
             inputs.overlap.end()

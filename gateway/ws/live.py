@@ -88,7 +88,7 @@ class LiveSession:
         self.session = session
         self.writer.is_stale = session.is_stale
         session.lane.on_submit = self.meters.unit_submitted
-        session.bind_host(self.writer.last_seq, self.gw.vad_model, self.gw.settings.vad_onset_confirm_ms)
+        session.bind_host(self.writer.last_seq, self.gw.vad_batcher, self.gw.settings.vad_onset_confirm_ms)
         sid = session.session_id
         gw = self.gw
         gw.sessions[sid] = self
@@ -121,7 +121,7 @@ class LiveSession:
         self.session = session
         self.writer.is_stale = session.is_stale
         session.lane.on_submit = self.meters.unit_submitted
-        session.bind_host(self.writer.last_seq, self.gw.vad_model, self.gw.settings.vad_onset_confirm_ms)
+        session.bind_host(self.writer.last_seq, self.gw.vad_batcher, self.gw.settings.vad_onset_confirm_ms)
         self.gw.sessions[session.session_id] = self
         self.gw.spawn(self._host(self._adopted_actor), name=f"session-{session.session_id}")
         self.gw.hosted(self)

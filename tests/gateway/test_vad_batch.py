@@ -198,3 +198,14 @@ async def test_reset_after_batched_feed(model: SileroVad, speech: np.ndarray) ->
     s.reset(origin_ms=0.0)
     assert await s.feed_batched(batcher, speech) == first
 
+
+def test_gateway_state_loads_one_batcher() -> None:
+    """The app's loader: one model and one batcher per process, made on first use."""
+    from gateway.settings import GatewaySettings
+    from gateway.state import GatewayState
+    from tests.gateway.fake_runtime import FakeRuntime
+
+    state = GatewayState(GatewaySettings(), FakeRuntime())
+    assert state.vad is None
+    batcher = state.vad_batcher()
+    assert isinstance(batcher, VadBatcher) and state.vad_batcher() is batcher
