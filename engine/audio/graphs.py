@@ -62,6 +62,7 @@ class EncoderGraphs:
         """Every (batch, span) bucket, largest first (captures share one memory pool)."""
         return [(b, s) for b in sorted(self.batches, reverse=True) for s in sorted(self.spans, reverse=True)]
 
+    @torch.inference_mode()  # else each captured output would keep its step's autograd activations alive
     def capture(self, emit: Callable[[str], None] | None = None) -> None:
         """Build every bucket now (warm-up), with one progress line per batch bucket."""
         for b in sorted(self.batches, reverse=True):

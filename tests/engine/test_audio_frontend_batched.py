@@ -49,8 +49,8 @@ def test_logmel_on_the_gpu_equals_the_cpu_path() -> None:
     windows = [_pcm(n, n) for n in (16_480, 80_560, 480_560)]
     modes = [FloorMode.FIXED, FloorMode.DYNAMIC, FloorMode.DYNAMIC]
     gpu, cpu = LogMel(device="cuda"), LogMel()
-    for got, w, m in zip(gpu.batch(windows, modes), windows, modes, strict=True):
-        torch.testing.assert_close(got.cpu(), cpu(w, m), atol=ATOL, rtol=0)
+    for got, w, m in zip(gpu.batch(windows, modes), windows, modes, strict=True):  # cuFFT vs pocketfft: 1.1e-5 seen
+        torch.testing.assert_close(got.cpu(), cpu(w, m), atol=2 * ATOL, rtol=0)
 
 
 # Sessions brought to these next units, then stepped together: unit 0; unit 3 (last fixed floor) and
@@ -303,7 +303,9 @@ def test_batched_units_on_the_gpu_equal_the_cpu_path() -> None:
         g.kv.length, g.kv.resets = s.kv.length, s.kv.resets
     pcms = [_unit_pcm(i, k) for i, k in enumerate((0, 4, 29))]
     want = [cpu.encode_unit(s, p) for s, p in zip(states, pcms, strict=True)]
-    for g, w in zip(gpu.encode_units(on_gpu, pcms), want, strict=True):
+    with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):  # the CNN in fp32, not TF32 (8.5e-4 apart)
+        got = gpu.encode_units(on_gpu, pcms)
+    for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g.cpu(), w, atol=1e-4, rtol=1e-4)  # TF32-free fp32, GPU reductions
 
 
