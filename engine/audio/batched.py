@@ -127,7 +127,7 @@ def forward_stream_batch(encoder: WhisperEncoder, units: Sequence[UnitMel], cach
     if any(n + s != span for n in lengths):  # [B, 1, 1, span]: a session's own past + unit only
         mask = (torch.arange(span, device=dev)[None] < (starts + s)[:, None])[:, None, None, :]
     if graphs is not None and pool is graphs.pool and s == graphs.frames and graphs.covers(len(caches), span):
-        out = graphs.run(x, slots, at, starts, span)
+        out = graphs.run(x, slots, at, starts, span, whole=rows[2] == list(range(pool.slots)))
     else:
         kv = PoolKV(pool, slots, at, _run(rows[2])) if pool is not None else _PrivateKV(caches)
         with attention_kernels(dev):

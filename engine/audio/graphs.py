@@ -6,8 +6,10 @@ time, and it ran inside every stage0 prefill step. Captured, a call is a few inp
 
 A graph runs the same per-layer code as the eager path (`engine/audio/batched.py` `_layer`) over static
 inputs: the units' embedded frames x [b, S, d], their pool slots [b], new positions [b, S] and cache lengths
-[b]. It always reads the KV through the pool gather (the slots are data, not part of the graph) and always
-masks each row to its own past + unit, over `span` keys (the bucket, at least the batch's longest past + S).
+[b]. It reads the KV through the pool gather (the slots are data, not part of the graph), except for a batch
+of the whole pool in slot order, whose graph reads the pool in place (at 64 units the gather cost 3 ms: 18.7
+vs 15.6 ms eager on the H200). It always masks each row to its own past + unit, over `span` keys (the bucket,
+at least the batch's longest past + S).
 Padding rows (a batch below its bucket) write to the pool's scratch slot and read only their own S keys.
 """
 
@@ -49,8 +51,8 @@ class EncoderGraphs:
         self.eager_replay = eager_replay
         self.batches = batch_buckets(pool.slots)
         self.spans = span_buckets(pool.k.shape[3])
-        self._graphs: dict[tuple[int, int], StaticGraph] = {}
-        self._static: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
+        self._graphs: dict[tuple[int, int, bool], StaticGraph] = {}
+        self._static: dict[tuple[int, int, bool], tuple[torch.Tensor, ...]] = {}
         self._fill: dict[int, tuple[torch.Tensor, ...]] = {}  # padding rows' inputs per batch bucket
         self._mem = None
 
@@ -58,18 +60,19 @@ class EncoderGraphs:
     def device(self) -> torch.device:
         return self.pool.k.device
 
-    def keys(self) -> list[tuple[int, int]]:
-        """Every (batch, span) bucket, largest first (captures share one memory pool)."""
-        return [(b, s) for b in sorted(self.batches, reverse=True) for s in sorted(self.spans, reverse=True)]
+    def keys(self) -> list[tuple[int, int, bool]]:
+        """Every (batch, span, whole pool in place) bucket, largest first (captures share one memory pool)."""
+        full = [(self.pool.slots, s, True) for s in sorted(self.spans, reverse=True)]
+        return full + [(b, s, False) for b in sorted(self.batches, reverse=True) for s in sorted(self.spans, reverse=True)]
 
     @torch.inference_mode()  # else each captured output would keep its step's autograd activations alive
     def capture(self, emit: Callable[[str], None] | None = None) -> None:
         """Build every bucket now (warm-up), with one progress line per batch bucket."""
-        for b in sorted(self.batches, reverse=True):
-            for s in sorted(self.spans, reverse=True):
-                self._build((b, s))
-            if emit is not None:
-                emit(f"audio encoder graphs: batch {b}, {len(self.spans)} spans")
+        keys = self.keys()
+        for i, key in enumerate(keys):
+            self._build(key)
+            if emit is not None and (i + 1 == len(keys) or keys[i + 1][0] != key[0]):
+                emit(f"audio encoder graphs: batch {key[0]}{' (whole pool)' if key[2] else ''}, {len(self.spans)} spans")
 
     def covers(self, rows: int, span: int) -> bool:
         return bucket(rows, self.batches) is not None and bucket(span, self.spans) is not None
@@ -83,18 +86,18 @@ class EncoderGraphs:
         starts = torch.zeros(b, dtype=torch.long, device=dev)
         return x, slots, at, starts
 
-    def _step(self, span: int) -> Callable[..., tuple[torch.Tensor]]:
+    def _step(self, span: int, whole: bool) -> Callable[..., tuple[torch.Tensor]]:
         def step(x: torch.Tensor, slots: torch.Tensor, at: torch.Tensor, starts: torch.Tensor) -> tuple[torch.Tensor]:
             keys = torch.arange(span, device=x.device)
             mask = (keys[None] < (starts + x.shape[1])[:, None])[:, None, None, :]  # [b, 1, 1, span]
-            kv = PoolKV(self.pool, slots, at, None)
+            kv = PoolKV(self.pool, slots, at, slice(0, self.pool.slots) if whole else None)
             with attention_kernels(x.device):
                 for i, layer in enumerate(self.encoder.layers):
                     x = encoder_layer(layer, x, kv, i, span, mask)
             return (self.encoder.layer_norm(x),)
         return step
 
-    def _build(self, key: tuple[int, int]) -> None:
+    def _build(self, key: tuple[int, int, bool]) -> None:
         if key in self._static:
             return
         inputs = self._inputs(key[0])
@@ -104,17 +107,20 @@ class EncoderGraphs:
         if self._mem is None:
             self._mem = torch.cuda.graph_pool_handle()
         # in_place: none; the pool itself is read and written where it lies (a module attribute, not an input)
-        self._graphs[key] = StaticGraph(self._step(key[1]), inputs, self._mem)
+        self._graphs[key] = StaticGraph(self._step(key[1], key[2]), inputs, self._mem)
 
     @torch.inference_mode()
     def run(self, x: torch.Tensor, slots: torch.Tensor, at: torch.Tensor, starts: torch.Tensor,
-            span: int) -> torch.Tensor:
-        """x [B, S, d], slots [B], at [B, S], starts [B] (on the device) -> post-LN hidden [B, S, d] (owned)."""
+            span: int, whole: bool = False) -> torch.Tensor:
+        """x [B, S, d], slots [B], at [B, S], starts [B] (on the device) -> post-LN hidden [B, S, d] (owned).
+        `whole`: the batch is every slot of the pool in slot order (the caller knows it from its host list)."""
         n = x.shape[0]
         b, s = bucket(n, self.batches), bucket(span, self.spans)
         if b is None or s is None:
             raise ValueError(f"no encoder graph for {n} rows over {span} keys")
-        key = (b, s)
+        if whole and n != self.pool.slots:
+            raise ValueError(f"a whole-pool batch has {self.pool.slots} rows, not {n}")
+        key = (b, s, whole)
         self._build(key)
         static = self._static[key]
         padded = (x, slots, at, starts)
@@ -124,5 +130,5 @@ class EncoderGraphs:
         if self.eager_replay:
             for dst, src in zip(static, padded, strict=True):
                 dst.copy_(src)
-            return self._step(s)(*static)[0][:n].clone()
+            return self._step(s, whole)(*static)[0][:n].clone()
         return self._graphs[key].run(padded)[0][:n].clone()

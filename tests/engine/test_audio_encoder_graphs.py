@@ -31,22 +31,25 @@ def test_the_pool_keeps_a_scratch_slot_no_session_takes() -> None:
     assert sorted(s.kv.slot for s in states[:3]) == [0, 1, 2] and states[3].kv.pool is None
 
 
-def _runs(graphs: EncoderGraphs) -> list[tuple[int, int]]:
-    seen: list[tuple[int, int]] = []
+def _runs(graphs: EncoderGraphs) -> list[tuple[int, int, bool]]:
+    seen: list[tuple[int, int, bool]] = []
     run = graphs.run
 
-    def counted(x: torch.Tensor, slots: torch.Tensor, at: torch.Tensor, starts: torch.Tensor, span: int) -> torch.Tensor:
-        seen.append((x.shape[0], span))
-        return run(x, slots, at, starts, span)
+    def counted(x: torch.Tensor, slots: torch.Tensor, at: torch.Tensor, starts: torch.Tensor, span: int,
+                whole: bool = False) -> torch.Tensor:
+        seen.append((x.shape[0], span, whole))
+        return run(x, slots, at, starts, span, whole)
 
     graphs.run = counted  # type: ignore[method-assign]
     return seen
 
 
-@pytest.mark.parametrize("members", [(0, 1, 2, 3, 4, 5), (1, 3, 5), (4,)])
-def test_graphed_batches_equal_per_session_units(members: tuple[int, ...]) -> None:
-    """kv_slots 8: 6 sessions -> bucket 8, 3 -> 4, 1 -> 1; the others of the pool stay as they were."""
-    ref, fe = _front_end(kv_slots=8), _front_end(kv_slots=8)
+@pytest.mark.parametrize(("members", "slots"), [((0, 1, 2, 3, 4, 5), 8), ((1, 3, 5), 8), ((4,), 8),
+                                               ((0, 1, 2, 3, 4, 5), 6)])
+def test_graphed_batches_equal_per_session_units(members: tuple[int, ...], slots: int) -> None:
+    """kv_slots 8: 6 sessions -> bucket 8, 3 -> 4, 1 -> 1; kv_slots 6: the whole pool in slot order, read in
+    place; the others of the pool stay as they were."""
+    ref, fe = _front_end(kv_slots=slots), _front_end(kv_slots=slots)
     fe.capture_graphs(eager_replay=True)
     assert fe.graphs is not None
     single = [_advanced(ref, i, k) for i, k in enumerate(START_UNITS)]
@@ -63,7 +66,7 @@ def test_graphed_batches_equal_per_session_units(members: tuple[int, ...]) -> No
             assert batched[i].kv.length == single[i].kv.length and batched[i].kv.resets == single[i].kv.resets
             n = single[i].kv.length
             torch.testing.assert_close(batched[i].kv.k[:, :, :, :n], single[i].kv.k[:, :, :, :n], atol=ATOL, rtol=0)
-    assert [n for n, _ in runs] == [len(members)] * 2  # every call went through a captured step
+    assert [(n, whole) for n, _, whole in runs] == [(len(members), len(members) == slots)] * 2  # all captured
     for s, (k, v, n) in zip(others, before, strict=True):
         assert s.kv.length == n and torch.equal(s.kv.k, k) and torch.equal(s.kv.v, v)
 
@@ -77,7 +80,7 @@ def test_a_session_beyond_the_pool_runs_eagerly() -> None:
     fe.encode_units(states, [_unit_pcm(i, 0) for i in range(3)])
     assert states[2].kv.pool is None and runs == []
     fe.encode_units(states[:2], [_unit_pcm(i, 1) for i in range(2)])
-    assert runs == [(2, 100)]
+    assert runs == [(2, 100, True)]
 
 
 @CUDA
