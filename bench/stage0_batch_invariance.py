@@ -28,7 +28,7 @@ def tokens(sids: list[int], sessions: int, compile_mode: str | None, device: str
            batch_invariant: bool = False) -> dict[int, list[int]]:
     model = tiny_llm().to(device=device, dtype=torch.bfloat16)
     config = Stage0Config(max_sessions=sessions, compile_mode=compile_mode, decode_kv_buckets=(512,),
-                          prefill_batch_buckets=(1, 8, 32), eager_replay_graphs=device == "cpu",
+                          prefill_batch_buckets=(2, 8, 32), eager_replay_graphs=device == "cpu",
                           batch_invariant=batch_invariant)
     events: list = []
     engine = Stage0Engine(model, tiny_tokenizer(), FakeFrontEnd(), events.append, config,

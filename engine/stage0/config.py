@@ -101,7 +101,10 @@ class Stage0Config:
     max_frames_per_unit: int = 2
     default_prompt: str = "Streaming Omni Conversation."
     empty_ref_audio_markers: bool = True  # empty audio markers in the prefix without a reference clip (Q25)
-    decode_batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    # No batch-1 graph buckets (a lone row runs padded to 2): torch.compile specialises a size-1 batch even with
+    # dynamic shapes, and that graph's bf16 kernels made a session's tokens differ alone vs among 31 others on
+    # the H200 (ids from position 11); with 2 as the smallest bucket they are equal (bench/RESULTS.md, stop 25).
+    decode_batch_buckets: tuple[int, ...] = (2, 4, 8, 16, 32, 64)
     # graph attention spans (decode and prefill); the slot length is added. Steady-state sessions sit between
     # `window_low` and `window_high`, hence the upper buckets.
     decode_kv_buckets: tuple[int, ...] = (1024, 2048, 4096, 6144)
@@ -109,7 +112,7 @@ class Stage0Config:
     # tests/debug: build the graph sets (buckets, static buffers, copy-in/out) but replay eagerly, any device
     eager_replay_graphs: bool = False
     # Unit prefills in CUDA graphs: rows per graph; the lengths are `prefill_lengths()`. () = eager prefill.
-    prefill_batch_buckets: tuple[int, ...] = (1, 2, 4, 8)
+    prefill_batch_buckets: tuple[int, ...] = (2, 4, 8)  # no 1: see decode_batch_buckets
     # torch.compile mode applied to the forward before graph capture ("default" or
     # "max-autotune-no-cudagraphs"); None = eager kernels. Only used where graphs are captured.
     compile_mode: str | None = None

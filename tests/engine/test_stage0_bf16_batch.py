@@ -16,12 +16,12 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 SESSIONS, UNITS, WATCHED = 32, 4, 5
 
 
-def _tokens(sids: list[int], compile_mode: str | None, batch_invariant: bool, smallest: int) -> dict[int, list[int]]:
+def _tokens(sids: list[int], compile_mode: str | None) -> dict[int, list[int]]:
     model = tiny_llm().cuda().to(torch.bfloat16)
+    # the default decode buckets (none of 1 row: a compiled batch-1 graph is specialised, and its kernels made
+    # the watched session's ids differ from position 11 on the H200); prefill up to 32 rows in one graph
     config = Stage0Config(max_sessions=SESSIONS, compile_mode=compile_mode, decode_kv_buckets=(512,),
-                          decode_batch_buckets=tuple(b for b in (1, 2, 4, 8, 16, 32) if b >= smallest),
-                          prefill_batch_buckets=tuple(b for b in (1, 2, 8, 32) if b >= smallest),
-                          batch_invariant=batch_invariant)
+                          prefill_batch_buckets=(2, 8, 32))
     events: list = []
     engine = Stage0Engine(model, tiny_tokenizer(), FakeFrontEnd(), events.append, config,
                           DecodeRules(force_listen_count=0))
@@ -35,12 +35,8 @@ def _tokens(sids: list[int], compile_mode: str | None, batch_invariant: bool, sm
 
 
 @pytest.mark.filterwarnings("ignore:TensorFloat32 tensor cores")
-@pytest.mark.parametrize(("compile_mode", "batch_invariant", "smallest"),
-                         [(None, False, 1), ("default", False, 1), ("default", True, 1), ("default", False, 2)])
-def test_bf16_session_alone_equals_among_31_others(compile_mode: str | None, batch_invariant: bool,
-                                                   smallest: int) -> None:
-    """`smallest`: the smallest graph batch bucket (2: a lone session's graphs run padded to 2 rows, so no
-    graph is compiled for a batch of 1, which torch.compile specialises even with dynamic shapes)."""
-    crowd = _tokens(list(range(SESSIONS)), compile_mode, batch_invariant, smallest)
-    alone = _tokens([WATCHED], compile_mode, batch_invariant, smallest)
+@pytest.mark.parametrize("compile_mode", [None, "default"])
+def test_bf16_session_alone_equals_among_31_others(compile_mode: str | None) -> None:
+    crowd = _tokens(list(range(SESSIONS)), compile_mode)
+    alone = _tokens([WATCHED], compile_mode)
     assert len(alone[WATCHED]) > UNITS and alone[WATCHED] == crowd[WATCHED]
