@@ -206,7 +206,7 @@ def _fmt(x: Any) -> str:
 
 def table(runs: list[dict[str, Any]]) -> str:
     head = ("N", "held", "c->audio p50/p99", "cancel p50/p99", "text-audio p50", "text behind gen p50/p99",
-            "max gap", "underruns", "errors", "rows/step s0/tts/t2w")
+            "max gap (p99, >1.2 s)", "underruns", "errors", "rows/step s0/tts/t2w")
     lines = [" | ".join(head)]
     for r in runs:
         rows = r["stage_rows_per_step"]
@@ -216,7 +216,8 @@ def table(runs: list[dict[str, Any]]) -> str:
             f"{_fmt(r['cancel_to_last_audio_ms']['p50'])}/{_fmt(r['cancel_to_last_audio_ms']['p99'])}",
             _fmt(r["transcript_delay_ms"]["p50"]),
             f"{_fmt(r['transcript_behind_generation_ms']['p50'])}/{_fmt(r['transcript_behind_generation_ms']['p99'])}",
-            _fmt(r["max_chunk_gap_ms"]), str(r["underruns"]),
+            f"{_fmt(r['max_chunk_gap_ms'])} ({_fmt(r['chunk_gap_ms']['p99'])}, {r['chunk_gap_ms']['over_bound']})",
+            str(r["underruns"]),
             str(sum(r["errors"].values())),
             "/".join("-" if rows[s] is None else f"{rows[s]:.2f}" for s in stages.STAGES))))
     return "\n".join(lines)

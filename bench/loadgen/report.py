@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from bench.loadgen.user import APPEND_SAMPLES, ResponseLog, UserLog
@@ -59,6 +59,7 @@ class Player:
     underruns: int = 0
     underrun_ms: float = 0.0
     max_gap_ms: float = 0.0
+    gaps_ms: list[float] = field(default_factory=list)  # every receipt interval (how close to the bound)
     audio_ms: float = 0.0
     span_ms: float = 0.0  # first receipt -> end of the last chunk on the player
 
@@ -68,7 +69,8 @@ def play(resp: ResponseLog) -> Player:
     for i, (t, dur) in enumerate(zip(resp.audio_t, resp.audio_ms, strict=True)):
         t_ms = t * MS
         if i:
-            p.max_gap_ms = max(p.max_gap_ms, (t - resp.audio_t[i - 1]) * MS)
+            p.gaps_ms.append((t - resp.audio_t[i - 1]) * MS)
+            p.max_gap_ms = max(p.max_gap_ms, p.gaps_ms[-1])
         if end is not None and t_ms - end > UNDERRUN_EPS_MS:
             p.underruns += 1
             p.underrun_ms += t_ms - end
@@ -146,6 +148,7 @@ def session_figures(log: UserLog) -> dict[str, Any]:
 def run_figures(sessions: int, logs: list[UserLog], scripted: bool | None) -> dict[str, Any]:
     per = [session_figures(log) for log in logs]
     responses = [r for log in logs for r in log.responses.values()]
+    gaps = [g for r in responses for g in play(r).gaps_ms]
     commit_ms = [x for log in logs for x in commit_latencies(log)]
     created_ms = [(r.audio_t[0] - r.created_t) * MS for r in responses if r.audio_t]
     by_unit = [unit_latencies(log) for log in logs]
@@ -166,6 +169,7 @@ def run_figures(sessions: int, logs: list[UserLog], scripted: bool | None) -> di
         "cancel_to_done_ms": pcts([x for r in responses if (x := cancel_to_done(r)) is not None], 50, 99),
         "transcript_delay_ms": pcts(text_ms, 50, 99),
         "max_chunk_gap_ms": round(max((p["max_chunk_gap_ms"] for p in per), default=0.0), 1),
+        "chunk_gap_ms": pcts(gaps, 50, 90, 99) | {"over_bound": sum(g > MAX_CHUNK_GAP_MS for g in gaps)},
         "underruns": sum(p["underruns"] for p in per),
         "underrun_ms": round(sum(p["underrun_ms"] for p in per), 1),
         "realtime_factor": {"min": min(rtfs, default=None),

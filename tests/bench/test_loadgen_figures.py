@@ -29,7 +29,7 @@ def test_player_counts_underruns_and_the_largest_gap() -> None:
     # 1 s chunks at 0, 1.0, 2.5 (a 500 ms underrun), 3.5: 4 s of audio over 4.5 s on the player
     p = play(_response("r", 0.0, [0.0, 1.0, 2.5, 3.5]))
     assert p.underruns == 1 and p.underrun_ms == pytest.approx(500.0)
-    assert p.max_gap_ms == pytest.approx(1500.0)
+    assert p.max_gap_ms == pytest.approx(1500.0) and p.gaps_ms == pytest.approx([1000.0, 1500.0, 1000.0])
     assert p.audio_ms == 4000.0 and p.span_ms == pytest.approx(4500.0)
 
 
@@ -54,6 +54,9 @@ def test_run_holds_only_when_every_session_keeps_pace() -> None:
     assert run["cancel_to_last_audio_ms"]["p50"] == pytest.approx(700.0)
     assert run["transcript_delay_ms"]["count"] == 2 and run["transcript_delay_ms"]["p50"] == pytest.approx(30.0)
     assert run["underruns"] == 1 and run["max_chunk_gap_ms"] == pytest.approx(1500.0)
+    # gaps 1000, 1000 (good), 1500 (late): every interval counted, one over the 1.2 s bound
+    assert run["chunk_gap_ms"]["count"] == 3 and run["chunk_gap_ms"]["over_bound"] == 1
+    assert run["chunk_gap_ms"]["p50"] == pytest.approx(1000.0)
 
 
 def test_a_session_without_audio_or_with_a_failure_does_not_hold() -> None:
