@@ -136,7 +136,6 @@ def engine_config(b: int, args: argparse.Namespace, dev: torch.device) -> tuple[
         prefill_batch_buckets=(b,), use_cuda_graphs=not args.no_graphs,
         eager_replay_graphs=dev.type != "cuda" and not args.no_graphs, compile_mode=args.compile,
         compile_dynamic=False if args.compile_static else None,
-        batch_invariant=args.batch_invariant,
         fuse_projections=not args.no_fuse, merge_unit_close=True, scripted_decisions=True, benchmark_mode=True,
         # all speak units, so every session decodes in lock step (turn-end every `speak_units`)
         script_plan=ScriptPlan(listen_units=0, tail_listen_units=0))
@@ -174,8 +173,7 @@ def bench_decode(model: Qwen3LLM, cfg: LLMConfig, b: int, args: argparse.Namespa
                 fresh_compile(mode)
                 graphs = DecodeGraphs.create(model, kv, config.decode_batch_buckets, config.decode_kv_buckets,
                                              compile_mode=mode, eager_replay=dev.type != "cuda",
-                                             compile_dynamic=config.compile_dynamic,
-                                             batch_invariant=config.batch_invariant)
+                                             compile_dynamic=config.compile_dynamic)
                 assert graphs is not None
                 ms = timed(lambda g=graphs: model.logits(g.run(x[:, 0], pos_host, slots, args.context + 1)),
                            args.iters, args.warmup, dev)
@@ -209,8 +207,7 @@ def bench_prefill(model: Qwen3LLM, cfg: LLMConfig, args: argparse.Namespace, dev
             fresh_compile(mode)
             graphs = PrefillGraphs.create(model, kv, (1,), (UNIT_PREFILL, MERGED_PREFILL), config.decode_kv_buckets,
                                           compile_mode=mode, eager_replay=dev.type != "cuda",
-                                          compile_dynamic=config.compile_dynamic,
-                                          batch_invariant=config.batch_invariant)
+                                          compile_dynamic=config.compile_dynamic)
             assert graphs is not None
             for n in (UNIT_PREFILL, MERGED_PREFILL):
                 x = torch.randn(n, cfg.hidden_size, dtype=dtype, device=dev)
@@ -486,8 +483,6 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--engine-units", type=int, default=5, help="timed units per engine run")
     ap.add_argument("--compile-static", action="store_true",
                     help="engine: compile every graph shape separately (Stage0Config.compile_dynamic=False)")
-    ap.add_argument("--batch-invariant", action="store_true",
-                    help="graph and engine rows compiled without split reductions (Stage0Config.batch_invariant)")
     ap.add_argument("--no-fuse", action="store_true", help="separate q/k/v and gate/up matmuls")
     ap.add_argument("--no-fold", action="store_true", help="SDPA enable_gqa instead of kv-head-major query rows")
     ap.add_argument("--decode-attention", default="matmul,sdpa",

@@ -24,12 +24,10 @@ from tests.engine.test_stage0_helpers import FakeFrontEnd, tiny_llm, tiny_tokeni
 UNITS, WATCHED = 4, 1
 
 
-def tokens(sids: list[int], sessions: int, compile_mode: str | None, device: str,
-           batch_invariant: bool = False) -> dict[int, list[int]]:
+def tokens(sids: list[int], sessions: int, compile_mode: str | None, device: str) -> dict[int, list[int]]:
     model = tiny_llm().to(device=device, dtype=torch.bfloat16)
     config = Stage0Config(max_sessions=sessions, compile_mode=compile_mode, decode_kv_buckets=(512,),
-                          prefill_batch_buckets=(2, 8, 32), eager_replay_graphs=device == "cpu",
-                          batch_invariant=batch_invariant)
+                          prefill_batch_buckets=(2, 8, 32), eager_replay_graphs=device == "cpu")
     events: list = []
     engine = Stage0Engine(model, tiny_tokenizer(), FakeFrontEnd(), events.append, config,
                           DecodeRules(force_listen_count=0))
@@ -47,16 +45,14 @@ def main() -> None:
     ap.add_argument("--sessions", type=int, default=32)
     ap.add_argument("--compile", default="default", help="torch.compile mode, or 'none' for eager")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--batch-invariant", action="store_true", help="Stage0Config.batch_invariant (unsplit reductions)")
     args = ap.parse_args()
     mode = None if args.compile == "none" else args.compile
     t0 = time.perf_counter()
-    crowd = tokens(list(range(args.sessions)), args.sessions, mode, args.device, args.batch_invariant)[WATCHED]
-    alone = tokens([WATCHED], args.sessions, mode, args.device, args.batch_invariant)[WATCHED]
+    crowd = tokens(list(range(args.sessions)), args.sessions, mode, args.device)[WATCHED]
+    alone = tokens([WATCHED], args.sessions, mode, args.device)[WATCHED]
     first = next((i for i, (a, c) in enumerate(zip(alone, crowd, strict=False)) if a != c), None)
     verdict = "equal" if alone == crowd else f"DIFFER from token {first if first is not None else min(len(alone), len(crowd))}"
-    print(f"device {args.device}, compile {args.compile}, batch_invariant {args.batch_invariant}, {args.sessions} "
-          f"sessions: {len(alone)} tokens of the watched "
+    print(f"device {args.device}, compile {args.compile}, {args.sessions} sessions: {len(alone)} tokens of the watched "
           f"session alone vs in the crowd: {verdict} ({time.perf_counter() - t0:.0f} s)")
 
 

@@ -298,29 +298,15 @@ def mark_static_kv(kv: SlotKVCache) -> None:
         torch._dynamo.mark_static(t)
 
 
-# Inductor options of a batch-invariant compile: a reduction (RMSNorm, softmax) over few rows is split into
-# partial sums by default ("split reductions"), so a row's sum order, hence its bf16 result, depends on how
-# many rows share the batch (issue 16: one bf16 session alone vs among 31 others differed on the H200, compiled
-# only). Unsplit, every row is reduced by one program whatever the batch.
-BATCH_INVARIANT_OPTIONS = {"split_reductions": False}
-
-
 def compile_symbolic(fn: Callable[..., torch.Tensor], mode: str | None = None,
-                     dynamic: bool | None = True, batch_invariant: bool = False) -> Callable[..., torch.Tensor]:
+                     dynamic: bool | None = True) -> Callable[..., torch.Tensor]:
     """torch.compile(fn) for a few compiles over many shape buckets. dynamic=True: every size (batch,
     query length, the attended-key span kv_limit) is symbolic from the first compile (sizes 0 and 1 still
     specialise: a batch-1 shape compiles once more). Traced without duck shaping, which gives equal sizes
-    one symbol: a batch equal to the head dim or to heads x length would pin the batch to that value.
-    batch_invariant: `mode`'s inductor options plus BATCH_INVARIANT_OPTIONS."""
+    one symbol: a batch equal to the head dim or to heads x length would pin the batch to that value."""
     import torch.fx.experimental._config as fx_config
 
-    if batch_invariant:
-        from torch._inductor import list_mode_options
-
-        options = {**list_mode_options(mode or "default", dynamic), **BATCH_INVARIANT_OPTIONS}
-        compiled = torch.compile(fn, options=options, dynamic=dynamic)
-    else:
-        compiled = torch.compile(fn, mode=mode, dynamic=dynamic)
+    compiled = torch.compile(fn, mode=mode, dynamic=dynamic)
 
     def call(*args: object) -> torch.Tensor:
         with fx_config.patch(use_duck_shape=False):
@@ -328,6 +314,6 @@ def compile_symbolic(fn: Callable[..., torch.Tensor], mode: str | None = None,
     return call
 
 
-def compile_layers(mode: str | None = None, dynamic: bool | None = True, batch_invariant: bool = False) -> LayerFn:
+def compile_layers(mode: str | None = None, dynamic: bool | None = True) -> LayerFn:
     """Regional compilation: `run_layer` compiled once for all layers (`compile_symbolic`)."""
-    return compile_symbolic(run_layer, mode, dynamic, batch_invariant)
+    return compile_symbolic(run_layer, mode, dynamic)

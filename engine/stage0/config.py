@@ -123,10 +123,6 @@ class Stage0Config:
     # None compiles the first shape static and recompiles with symbolic sizes; False compiles every graph
     # shape separately (slow capture, fastest kernels).
     compile_dynamic: bool | None = True
-    # Compile the layer without split reductions (`BATCH_INVARIANT_OPTIONS`, engine/model/layers.py), so a
-    # session's bf16 tokens do not depend on who shares its batch. Off until measured on a GPU: the
-    # compiled bf16 batched == solo test failed on the H200 without it (bench/RESULTS.md stop 24).
-    batch_invariant: bool = False
     # §3.6: defer `[terminator, </unit>]` and feed it in front of the next unit's prefill (one forward per
     # unit). UnitDone is emitted as soon as the terminator is known; the close is owed until then. Same ids
     # and hidden states as the separate close (tests/engine/test_stage0_merge.py), one forward fewer per unit.

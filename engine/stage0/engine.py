@@ -59,8 +59,7 @@ class Stage0Engine:
         kv = SlotKVCache.allocate(model.cfg, config.max_sessions, config.slot_len(rules), dtype=p.dtype,
                                   device=p.device)
         how = dict(enabled=config.use_cuda_graphs or config.eager_replay_graphs, compile_mode=config.compile_mode,
-                   eager_replay=config.eager_replay_graphs, compile_dynamic=config.compile_dynamic,
-                   batch_invariant=config.batch_invariant)
+                   eager_replay=config.eager_replay_graphs, compile_dynamic=config.compile_dynamic)
         graphs = DecodeGraphs.create(model, kv, config.decode_batch_buckets, config.decode_kv_buckets, **how)
         prefill = PrefillGraphs.create(model, kv, config.prefill_batch_buckets, config.prefill_lengths(),
                                        config.decode_kv_buckets, **how)

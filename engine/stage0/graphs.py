@@ -68,7 +68,7 @@ def top_span_buckets(kv: SlotKVCache, spans: tuple[int, ...]) -> tuple[int, ...]
     return tuple(sorted({b for b in spans if b < kv.reserved_pos} | {kv.reserved_pos}))
 
 
-def compile_step(mode: str | None, dynamic: bool | None = True, batch_invariant: bool = False) -> LayerFn | None:
+def compile_step(mode: str | None, dynamic: bool | None = True) -> LayerFn | None:
     """The layer function the graph sets pass to the forward: None (eager) or the decoder layer compiled
     once for all layers (regional compilation, `compile_layers`); with dynamic=True the batch, length
     and span are symbolic from the first compile, so the buckets share a few compiles."""
@@ -76,17 +76,16 @@ def compile_step(mode: str | None, dynamic: bool | None = True, batch_invariant:
         return None
     if mode not in COMPILE_MODES:
         raise ValueError(f"compile mode {mode!r}: use one of {COMPILE_MODES} (the engine captures its own graphs)")
-    return compile_layers(mode, dynamic, batch_invariant)
+    return compile_layers(mode, dynamic)
 
 
 class StepGraphs:
     """Static steps keyed by shape, captured once into one pool."""
 
     def __init__(self, model: Qwen3LLM, kv: SlotKVCache, compile_mode: str | None = None,
-                 eager_replay: bool = False, compile_dynamic: bool | None = True, *,
-                 batch_invariant: bool = False) -> None:
+                 eager_replay: bool = False, compile_dynamic: bool | None = True) -> None:
         self.model, self.kv = model, kv
-        self.layer_fn = compile_step(compile_mode, compile_dynamic, batch_invariant)
+        self.layer_fn = compile_step(compile_mode, compile_dynamic)
         if self.layer_fn is not None:
             mark_static_kv(kv)
         self.device = kv.k[0].device
@@ -129,21 +128,19 @@ class StepGraphs:
 class DecodeGraphs(StepGraphs):
     def __init__(self, model: Qwen3LLM, kv: SlotKVCache, batch_buckets: tuple[int, ...],
                  kv_buckets: tuple[int, ...], compile_mode: str | None = None, eager_replay: bool = False,
-                 compile_dynamic: bool | None = True, *, batch_invariant: bool = False) -> None:
-        super().__init__(model, kv, compile_mode, eager_replay, compile_dynamic, batch_invariant=batch_invariant)
+                 compile_dynamic: bool | None = True) -> None:
+        super().__init__(model, kv, compile_mode, eager_replay, compile_dynamic)
         self.batch_buckets = tuple(sorted({min(b, kv.slots) for b in batch_buckets} | {kv.slots}))
         self.kv_buckets = top_span_buckets(kv, kv_buckets)
 
     @classmethod
     def create(cls, model: Qwen3LLM, kv: SlotKVCache, batch_buckets: tuple[int, ...],
                kv_buckets: tuple[int, ...] = (), enabled: bool = True, compile_mode: str | None = None,
-               eager_replay: bool = False, compile_dynamic: bool | None = True,
-               batch_invariant: bool = False) -> DecodeGraphs | None:
+               eager_replay: bool = False, compile_dynamic: bool | None = True) -> DecodeGraphs | None:
         """None when disabled, or off CUDA unless `eager_replay` (tests)."""
         if not enabled or (kv.k[0].device.type != "cuda" and not eager_replay):
             return None
-        graphs = cls(model, kv, batch_buckets, kv_buckets, compile_mode, eager_replay, compile_dynamic,
-                     batch_invariant=batch_invariant)
+        graphs = cls(model, kv, batch_buckets, kv_buckets, compile_mode, eager_replay, compile_dynamic)
         graphs.capture()
         return graphs
 
@@ -181,9 +178,8 @@ class DecodeGraphs(StepGraphs):
 class PrefillGraphs(StepGraphs):
     def __init__(self, model: Qwen3LLM, kv: SlotKVCache, batch_buckets: tuple[int, ...],
                  len_buckets: tuple[int, ...], kv_buckets: tuple[int, ...], compile_mode: str | None = None,
-                 eager_replay: bool = False, compile_dynamic: bool | None = True, *,
-                 batch_invariant: bool = False) -> None:
-        super().__init__(model, kv, compile_mode, eager_replay, compile_dynamic, batch_invariant=batch_invariant)
+                 eager_replay: bool = False, compile_dynamic: bool | None = True) -> None:
+        super().__init__(model, kv, compile_mode, eager_replay, compile_dynamic)
         self.batch_buckets = tuple(sorted({min(b, kv.slots) for b in batch_buckets}))
         self.len_buckets = tuple(sorted(set(len_buckets)))
         self.kv_buckets = top_span_buckets(kv, kv_buckets)
@@ -192,12 +188,12 @@ class PrefillGraphs(StepGraphs):
     def create(cls, model: Qwen3LLM, kv: SlotKVCache, batch_buckets: tuple[int, ...],
                len_buckets: tuple[int, ...], kv_buckets: tuple[int, ...] = (), enabled: bool = True,
                compile_mode: str | None = None, eager_replay: bool = False,
-               compile_dynamic: bool | None = True, batch_invariant: bool = False) -> PrefillGraphs | None:
+               compile_dynamic: bool | None = True) -> PrefillGraphs | None:
         if not enabled or not batch_buckets or not len_buckets or (
                 kv.k[0].device.type != "cuda" and not eager_replay):
             return None
         graphs = cls(model, kv, batch_buckets, len_buckets, kv_buckets, compile_mode, eager_replay,
-                     compile_dynamic, batch_invariant=batch_invariant)
+                     compile_dynamic)
         graphs.capture()
         return graphs
 

@@ -219,14 +219,3 @@ def test_stage0_audio_worker_option(tiny_checkpoint: Path) -> None:
         finally:
             bridge.stop()
         assert bridge.engine.audio_worker is None
-
-
-def test_stage0_batch_invariant_option(tiny_checkpoint: Path) -> None:
-    """Off by default; `true` reaches Stage0Config.batch_invariant; anything but a bool fails the load."""
-    from model_repository.common.settings import ConfigError
-
-    with pytest.raises(ConfigError, match="batch_invariant"):
-        bridges.stage0(settings("stage0", tiny_checkpoint, engine_options='{"batch_invariant": 1}'))
-    for options, on in (("{}", False), ('{"batch_invariant": true}', True)):
-        bridge = bridges.stage0(settings("stage0", tiny_checkpoint, engine_options=options))
-        assert bridge.engine.config.batch_invariant is on
