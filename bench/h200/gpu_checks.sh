@@ -26,7 +26,7 @@ if step "${TESTS_S:=400}"; then
 timeout "$TESTS_S" $HOST_PY -c 'import sys; sys.path.append("/tmp/duplex-venv/lib/python3.12/site-packages"); import pytest; sys.exit(pytest.main(sys.argv[1:]))' \
   -q -p no:cacheprovider -o filterwarnings=default -rs --durations=15 \
   tests/engine/test_stage0_syncs.py tests/engine/test_stage0_bf16_batch.py tests/engine/test_stage0_graphs.py \
-  tests/engine/test_stage0_prefill_graphs.py tests/engine/test_audio_frontend_batched.py \
+  tests/engine/test_stage0_prefill_graphs.py tests/engine/test_audio_frontend_batched.py tests/engine/test_audio_encoder_graphs.py \
   tests/engine/test_stage0_audio_worker.py tests/engine/test_tts_graph.py tests/engine/test_llm.py \
   tests/engine/test_cuda_graph.py tests/engine/test_token2wav_engine.py::test_cuda_graph_equals_eager \
   > "$OUT/gpu-tests.txt" 2>&1

@@ -13,6 +13,7 @@ from engine.audio.graphs import EncoderGraphs, batch_buckets, span_buckets
 from tests.engine.test_audio_frontend_batched import ATOL, START_UNITS, _advanced, _front_end, _unit_pcm
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+WATCHED = 5
 
 
 def test_buckets_cover_the_pool() -> None:
@@ -104,3 +105,30 @@ def test_cuda_graphed_front_end_equals_the_eager_one() -> None:
         for g, w in zip(graphed.encode_units(b, pcms), eager.encode_units(a, pcms), strict=True):
             torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
     assert len(runs) == 3
+
+
+@CUDA
+@pytest.mark.parametrize("graphs", [False, True])
+def test_bf16_front_end_alone_equals_among_31_others(graphs: bool) -> None:
+    """A session's audio embeddings in bf16 do not depend on which sessions share its front-end batch (the
+    stage0 invariant for the LLM, tests/engine/test_stage0_bf16_batch.py, for the audio path): the watched
+    session alone and among 31 others, bitwise, over four units."""
+    from engine.audio import AudioFrontEnd
+    from tests.engine.test_audio_encoder import build, tiny_audio
+
+    def run(members: list[int]) -> list[torch.Tensor]:
+        enc, proj = build(1500, seed=3)
+        fe = AudioFrontEnd(enc.cuda().to(torch.bfloat16), proj.cuda().to(torch.bfloat16), tiny_audio(1500),
+                           mel_device="cuda", kv_slots=32)
+        if graphs:
+            fe.capture_graphs()
+        states = {i: fe.new_session() for i in members}
+        out = []
+        for unit in range(4):
+            got = fe.encode_units([states[i] for i in members], [_unit_pcm(i, unit) for i in members])
+            out.append(got[members.index(WATCHED)].clone())
+        return out
+
+    crowd, alone = run(list(range(32))), run([WATCHED])
+    for unit, (a, c) in enumerate(zip(alone, crowd, strict=True)):
+        assert torch.equal(a, c), f"unit {unit}: max diff {(a.float() - c.float()).abs().max().item()}"
