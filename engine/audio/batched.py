@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -26,8 +26,18 @@ from engine.audio.framing import UnitMel
 from engine.hostio import to_device
 from engine.model.audio import AudioKVCache, AudioKVPool, WhisperEncoder, WhisperEncoderLayer, cnn_length
 
-if TYPE_CHECKING:
-    from engine.audio.graphs import EncoderGraphs
+
+class EncoderGraphs(Protocol):
+    """The captured layers `forward_stream_batch` may hand a batch to (engine/audio/graphs.py; a protocol
+    here, since that module builds on this one)."""
+
+    pool: AudioKVPool
+    frames: int
+
+    def covers(self, rows: int, span: int) -> bool: ...
+
+    def run(self, x: torch.Tensor, slots: torch.Tensor, at: torch.Tensor, starts: torch.Tensor, span: int,
+            whole: bool = False) -> torch.Tensor: ...
 
 
 def _trim(unit: UnitMel) -> tuple[int, int]:
