@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from bench.loadgen import stages
-from tests.e2e.stack import Stack
+from tests.e2e.stack import Stack, session_cache, wait_stopped
 
 REPO = Path(__file__).resolve().parents[2]
 PROFILE = REPO / "tests" / "e2e" / "profiles" / "scripted-load.yaml"
@@ -27,14 +27,22 @@ CLIENT_FAULTS = {"bad_event", "unknown_event", "invalid_json", "bad_audio", "uns
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 
+@pytest.fixture(scope="session")
+def stops_joined() -> Iterator[None]:
+    """The session ends after the stack's background stop did."""
+    yield
+    wait_stopped()
+
+
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    s = Stack(tmp_path_factory.mktemp("loadgen-stack"), profile=PROFILE, max_sessions=2)
+def stack(tmp_path_factory: pytest.TempPathFactory, stops_joined: None) -> Iterator[Stack]:
+    # the e2e suite's cache: the tiny checkpoint generated once per session
+    s = Stack(session_cache(tmp_path_factory), profile=PROFILE, max_sessions=2)
     s.start()
     try:
         yield s
     finally:
-        s.stop()
+        s.stop_soon()
 
 
 def test_two_sessions_fill_every_field_and_the_stage_metrics(stack: Stack, tmp_path: Path) -> None:

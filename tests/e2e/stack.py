@@ -4,6 +4,10 @@ Every process runs in its own process group and is killed with it (SIGTERM, then
 fail. Ports are chosen free on loopback (Triton's three too: the launcher's 8001-8003 defaults would collide
 with other servers on a shared machine). The deploy profile comes from DUPLEX_E2E_PROFILE (default:
 deploy/profiles/default.yaml) so the same suite runs on the loopback stand-in and on the real engines.
+
+A stack that no test uses any more is stopped on a thread of its own (`stop_soon`): its graceful stop (Triton
+unloads its models for several seconds) overlaps the next test instead of delaying it; `wait_stopped` joins
+those threads at the end of the session and raises what a stop raised.
 """
 
 from __future__ import annotations
@@ -13,11 +17,17 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PROFILE_ENV = "DUPLEX_E2E_PROFILE"
@@ -27,6 +37,62 @@ READY_TIMEOUT_S = float(os.environ.get("DUPLEX_E2E_READY_TIMEOUT_S", "240"))  # 
 POLL_S = 0.2
 STOP_GRACE_S = 10.0
 LOG_TAIL_CHARS = 4000
+CACHE_NAME = "e2e-cache"
+# Gateway settings that several modules share one stack with (tests/e2e/conftest.py starts one stack per
+# profile, env and mode). Each setting is one a module needs; none changes what another module checks.
+# test_conformance, test_response_temperature (test_clients keeps the default force_listen_count: its openai SDK
+# test wants audio in the first delta, which a unit-0 answer of the tiny random model need not have):
+SHARED_ENV = {
+    "DUPLEX_FORCE_LISTEN_COUNT": "0",  # loud units may speak at once (short audio on a 2-core machine)
+    # a socket closed without session.close holds its slot this long, not 30 s into the next module;
+    # test_ops' grace-expiry scenario waits it out
+    "DUPLEX_DISCONNECT_GRACE_S": "1.5",
+    "DUPLEX_REAPER_INTERVAL_S": "0.2",
+}
+# test_ops, test_close_backlog:
+OPS_ENV = {
+    **SHARED_ENV,
+    # ~62 s of 16 kHz pcm16: test_ops' oversized append never fits; test_close_backlog's 40 s backlog and the
+    # ~6 s bursts of test_ops' VAD scenario do (appends with camera frames count their JPEGs: not on this stack)
+    "DUPLEX_MAX_PENDING_INPUT_BYTES_PER_SESSION": "2000000",
+    "DUPLEX_READY_CACHE_S": "0",
+    "DUPLEX_CLOSE_ACK_TIMEOUT_S": "5",  # test_close_backlog: its backlog takes stage0 several times this
+}
+
+
+def session_cache(factory: pytest.TempPathFactory) -> Path:
+    """One cache dir per test session (`factory`: pytest's tmp_path_factory) for every stack, in any test
+    directory: the tiny checkpoint is generated once, each stack builds its own model repository."""
+    path = factory.getbasetemp() / CACHE_NAME
+    path.mkdir(exist_ok=True)
+    return path
+
+
+_stopping: list[threading.Thread] = []
+_stop_errors: list[BaseException] = []
+
+
+def stop_soon(stop: Callable[[], object], name: str = "stack") -> None:
+    """Run `stop` on a (non-daemon) thread: the interpreter waits for it at exit even if nobody joins it."""
+    def run() -> None:
+        try:
+            stop()
+        except BaseException as exc:  # raised again by wait_stopped
+            _stop_errors.append(exc)
+
+    thread = threading.Thread(target=run, name=f"stop-{name}")
+    thread.start()
+    _stopping.append(thread)
+
+
+def wait_stopped(timeout_s: float = 120.0) -> None:
+    """Join every `stop_soon` thread; raise the first error a stop raised."""
+    while _stopping:
+        _stopping.pop().join(timeout_s)
+    if _stop_errors:
+        errors = list(_stop_errors)
+        _stop_errors.clear()
+        raise RuntimeError(f"{len(errors)} background stop(s) failed") from errors[0]
 
 
 def profile_path() -> Path:
@@ -165,7 +231,7 @@ class Stack:
     def _proc(self, name: str, only: str | None) -> Proc:
         env = {**os.environ, **self.env, "PYTHONUNBUFFERED": "1"}
         env.pop("DUPLEX_TEST_GATEWAY_URL", None)
-        return Proc(self._argv(only), self.cache_dir / "logs" / f"{name}.log", env)
+        return Proc(self._argv(only), self.cache_dir / "logs" / f"{name}-{self.port}.log", env)
 
     def start(self) -> None:
         names = {"both": [("serve", None)], "split": [("triton", "triton"), ("gateway", "gateway")]}[self.mode]
@@ -239,3 +305,21 @@ class Stack:
         for pid in kids:
             _kill_group(pid)
         self.procs.clear()
+
+    def stop_soon(self) -> None:
+        """`stop` on a thread of its own (see `stop_soon`)."""
+        stop_soon(self.stop, f"stack-{self.port}")
+
+    def sessions(self) -> float | None:
+        """Sessions the gateway holds (every state counts toward max_sessions), from its /metrics; None if it
+        does not answer."""
+        try:
+            with urllib.request.urlopen(f"{self.url}/metrics", timeout=2.0) as resp:
+                text = resp.read().decode()
+        except OSError:
+            return None
+        total = 0.0
+        for line in text.splitlines():
+            if line.startswith("duplex_sessions{"):
+                total += float(line.rpartition(" ")[2])
+        return total

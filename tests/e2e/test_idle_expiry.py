@@ -53,7 +53,7 @@ def one_slot(request: pytest.FixtureRequest, e2e_cache: Path,
     try:
         yield s
     finally:
-        s.stop()
+        s.stop_soon()
 
 
 async def test_idle_expired_session_frees_its_slot(one_slot: Stack) -> None:

@@ -51,7 +51,7 @@ def one_slot(e2e_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
     try:
         yield s
     finally:
-        s.stop()
+        s.stop_soon()
 
 
 def _noise_append(rng: np.random.Generator) -> dict[str, object]:

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from serve.tritonserver import SHM_DIR, mapped_shm_regions, process_listens_on
-from tests.e2e.stack import REPO_ROOT, Proc, Stack, children_of, cmdline, free_port, http_status
+from tests.e2e.stack import REPO_ROOT, Proc, Stack, children_of, cmdline, free_port, http_status, stop_soon
 from tests.e2e.wire import WAIT_S, collect_until, fit_units, send_audio, silence
 from tests.gateway_ops.wire import eventually, http_get, opened
 
@@ -110,7 +110,7 @@ def supervised(e2e_cache: Path) -> Iterator[Stack]:
     try:
         yield s
     finally:
-        s.stop()
+        s.stop_soon()
 
 
 @pytest.mark.timeout(360)
@@ -165,10 +165,14 @@ async def test_triton_crash_while_the_gateway_starts_is_restarted(e2e_cache: Pat
         await _one_unit_decided(addr)
     finally:
         kids = children_of(proc.popen.pid) if proc.popen is not None else []
-        proc.stop()
-        for pid in kids:  # tritonserver and the gateway run in process groups of their own
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pid, signal.SIGKILL)
+
+        def stop() -> None:
+            proc.stop()
+            for pid in kids:  # tritonserver and the gateway run in process groups of their own
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, signal.SIGKILL)
+
+        stop_soon(stop, "crash-during-start")
 
 
 @pytest.mark.timeout(120)
@@ -214,7 +218,7 @@ def test_two_servers_on_one_host_with_different_ports(e2e_cache: Path) -> None:
             assert process_listens_on(triton, http) and process_listens_on(triton, grpc), argv
     finally:
         for p in procs:
-            p.stop()
+            stop_soon(p.stop, "two-servers")
 
 
 def test_bad_config_json_fails_before_triton(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ listen units, unit 3 listens and units 4-5 speak, so 6 units of input give one r
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -25,13 +26,13 @@ LIMIT_S = 60.0  # a wait beyond this would be a clock mix-up, not a slow CPU
 
 
 @pytest.fixture(scope="module")
-def scripted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    s = Stack(tmp_path_factory.mktemp("p13-stack"), profile=PROFILE, max_sessions=2)
+def scripted(e2e_cache: Path) -> Iterator[Stack]:
+    s = Stack(e2e_cache, profile=PROFILE, max_sessions=2)
     s.start()
     try:
         yield s
     finally:
-        s.stop()
+        s.stop_soon()
 
 
 async def _counts(addr: str, response: str) -> dict[str, float]:

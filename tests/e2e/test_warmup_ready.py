@@ -51,4 +51,4 @@ def test_slow_warm_up_keeps_ready_at_503(e2e_cache: Path, tmp_path: Path) -> Non
         log = _log(stack)
         assert "stage0: warm-up 1/1: gate open" in log and "stage0: warm-up finished" in log
     finally:
-        stack.stop()
+        stack.stop_soon()
