@@ -12,16 +12,17 @@ import time
 import numpy as np
 import pytest
 
+from tests.e2e.stack import OPS_ENV
 from tests.e2e.wire import WAIT_S, collect_until, fit_units, send_audio
 from tests.gateway_ops.test_wired_admission import admits
 from tests.gateway_ops.wire import eventually, opened
 
 pytestmark = pytest.mark.e2e
 
-CLOSE_ACK_TIMEOUT_S = 5.0  # the backlog below takes stage0 several times this
+STACK_ENV = OPS_ENV  # the stack test_ops shares: close_ack_timeout_s 5, a pending-input limit above the backlog
+CLOSE_ACK_TIMEOUT_S = float(STACK_ENV["DUPLEX_CLOSE_ACK_TIMEOUT_S"])  # the backlog takes stage0 several times this
 BACKLOG_UNITS = 40  # 40 s of audio sent at once
-STACK_ENV = {"DUPLEX_READY_CACHE_S": "0", "DUPLEX_FORCE_LISTEN_COUNT": "0",
-             "DUPLEX_CLOSE_ACK_TIMEOUT_S": str(CLOSE_ACK_TIMEOUT_S)}
+assert BACKLOG_UNITS * 16000 * 2 < int(STACK_ENV["DUPLEX_MAX_PENDING_INPUT_BYTES_PER_SESSION"])
 
 
 async def test_a_close_behind_a_backlog_of_input_is_clean_and_frees_the_slot(addr: str) -> None:

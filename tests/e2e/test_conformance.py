@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import websockets
 
-from tests.e2e.stack import Stack, profile_engine
+from tests.e2e.stack import SHARED_ENV, Stack, profile_engine
 from tests.e2e.wire import (
     RATE,
     UNIT_MS,
@@ -31,8 +31,9 @@ from tests.e2e.wire import (
 from tests.gateway_ops.wire import Raw, opened
 
 pytestmark = pytest.mark.e2e
-# force_listen_count=0: the first units may speak (saves ~3 s of audio per scenario on a 2-core machine)
-STACK_ENV = {"DUPLEX_FORCE_LISTEN_COUNT": "0"}
+# force_listen_count=0: the first units may speak (saves ~3 s of audio per scenario on a 2-core machine); the
+# stack is the one test_response_temperature shares
+STACK_ENV = SHARED_ENV
 LOOPBACK = profile_engine().endswith("loopback")
 FAST = 0.25  # pace for scenarios that do not test timing: 4x real time
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.e2e.stack import MAX_SESSIONS, Stack, profile_engine
+from tests.e2e.stack import MAX_SESSIONS, OPS_ENV, Stack, profile_engine
 from tests.e2e.wire import (
     RATE,
     WAIT_S,
@@ -33,15 +33,13 @@ from tests.gateway_ops.wire import http_get, metric, opened
 
 pytestmark = pytest.mark.e2e
 
-GRACE_S = 1.5
-PENDING_LIMIT_BYTES = 600_000  # ~19 s of 16 kHz pcm16: a 20 s append never fits; the ~6 s bursts of the VAD scenario do
-OVERSIZED_MS = 20_000
-STACK_ENV = {
-    "DUPLEX_FORCE_LISTEN_COUNT": "0",  # loud units may speak at once (short audio on a 2-core machine)
-    "DUPLEX_DISCONNECT_GRACE_S": str(GRACE_S),  # the grace-expiry scenario waits it out
-    "DUPLEX_REAPER_INTERVAL_S": "0.2",
-    "DUPLEX_MAX_PENDING_INPUT_BYTES_PER_SESSION": str(PENDING_LIMIT_BYTES),
-}
+# the stack test_close_backlog shares: a short disconnect grace (the grace-expiry scenario waits it out), a fast
+# reaper, a pending-input limit of ~62 s of 16 kHz pcm16 (a 70 s append never fits; the ~6 s bursts of the VAD
+# scenario do). Counters are read before and after each scenario: other modules' sessions ran on this gateway.
+STACK_ENV = OPS_ENV
+PENDING_LIMIT_BYTES = int(STACK_ENV["DUPLEX_MAX_PENDING_INPUT_BYTES_PER_SESSION"])
+OVERSIZED_MS = 70_000
+assert OVERSIZED_MS * RATE // 1000 * 2 > PENDING_LIMIT_BYTES
 LOOPBACK = profile_engine().endswith("loopback")
 
 
@@ -51,10 +49,14 @@ async def test_capacity_refuses_n_plus_one_then_admits(addr: str) -> None:
     await scenario_capacity(addr, MAX_SESSIONS)
 
 
+async def _counter(addr: str, name: str, **labels: str) -> float:
+    return metric((await http_get(addr, "/metrics")).text, name, **labels)
+
+
 async def test_resume_replays_byte_exact_and_rotates_token(addr: str) -> None:
+    before = await _counter(addr, "duplex_resume_total", result="ok")
     await scenario_resume_replays_and_rotates(addr)
-    text = (await http_get(addr, "/metrics")).text
-    assert metric(text, "duplex_resume_total", result="ok") >= 1
+    assert await _counter(addr, "duplex_resume_total", result="ok") >= before + 1
 
 
 async def test_takeover(addr: str) -> None:
@@ -63,12 +65,13 @@ async def test_takeover(addr: str) -> None:
 
 @pytest.mark.timeout(60)
 async def test_grace_expiry_gives_session_resume_expired(addr: str) -> None:
+    before = await _counter(addr, "duplex_sessions_ended_total", reason="disconnect_grace_expired")
     await scenario_grace_expiry(addr)
-    text = (await http_get(addr, "/metrics")).text
-    assert metric(text, "duplex_sessions_ended_total", reason="disconnect_grace_expired") >= 1
+    assert await _counter(addr, "duplex_sessions_ended_total", reason="disconnect_grace_expired") >= before + 1
 
 
 async def test_backpressure_rejects_before_any_state_change(addr: str) -> None:
+    before = await _counter(addr, "duplex_input_backpressure_total", kind="bytes")
     c, _ = await opened(addr)
     async with cleanup(c):
         await c.send({"type": "session.update", "session": {"turn_detection": None}})
@@ -87,8 +90,7 @@ async def test_backpressure_rejects_before_any_state_change(addr: str) -> None:
         committed = await c.until("input_audio_buffer.committed", WAIT_S)
         md = committed["metadata"]
         assert md["audio_end_ms"] - md["audio_start_ms"] == 200  # the rejected append left no trace
-    text = (await http_get(addr, "/metrics")).text
-    assert metric(text, "duplex_input_backpressure_total", kind="bytes") >= 1
+    assert await _counter(addr, "duplex_input_backpressure_total", kind="bytes") >= before + 1
 
 
 @pytest.mark.timeout(60)
@@ -106,6 +108,7 @@ async def test_vad_on_speech_vs_silence(addr: str, speech: np.ndarray) -> None:
 
 @pytest.mark.timeout(60)
 async def test_vad_barge_in_stops_the_audio(addr: str, speech: np.ndarray) -> None:
+    before = await _counter(addr, "duplex_barge_in_total", source="vad")
     c, _ = await opened(addr)
     async with cleanup(c):
         await c.send({"type": "session.update", "session": {"turn_detection": VAD_ON}})
@@ -131,8 +134,7 @@ async def test_vad_barge_in_stops_the_audio(addr: str, speech: np.ndarray) -> No
         late = [e for e in c.events[cut:] if e["type"] == "response.output_audio.delta"
                 and e["response_id"] == first["response_id"]]
         assert late == []  # barge-in stopped the audio of the cancelled response
-    text = (await http_get(addr, "/metrics")).text
-    assert metric(text, "duplex_barge_in_total", source="vad") >= 1
+    assert await _counter(addr, "duplex_barge_in_total", source="vad") >= before + 1
 
 
 def test_stack_processes(stack: Stack) -> None:

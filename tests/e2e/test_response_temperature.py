@@ -15,12 +15,14 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.e2e.stack import profile_engine
+from tests.e2e.stack import SHARED_ENV, profile_engine
 from tests.e2e.wire import WAIT_S, cleanup, close_session, collect_until, fit_units, send_audio, unit_decided
 from tests.gateway_ops.wire import opened
 
 pytestmark = pytest.mark.e2e
-STACK_ENV = {"DUPLEX_FORCE_LISTEN_COUNT": "0"}  # the response's units sample from the first one
+# force_listen_count=0: the response's units sample from the first one (the stack
+# test_conformance shares)
+STACK_ENV = SHARED_ENV
 SESSION_T = 0.7  # the session default (protocol.md §2.2)
 SEED = 11
 OWNED = (1, 2)  # the units sent after response.create
