@@ -30,6 +30,7 @@ from serve.launcher import (  # noqa: E402
     TritonServer,
     locate_tritonserver,
 )
+from tests.e2e.stack import stop_soon, wait_stopped  # noqa: E402
 
 READY_TIMEOUT_S = 120.0
 ALL_MODELS = ("stage0", "tts", "token2wav", "duplex")
@@ -89,14 +90,22 @@ def start_server(install: TritonInstall, repo: Path, log: Path, models=ALL_MODEL
     return server
 
 
+@pytest.fixture(scope="session")
+def background_stops() -> Iterator[None]:
+    """Servers no test needs any more stop on threads of their own; the session ends after they did."""
+    yield
+    wait_stopped()
+
+
 @pytest.fixture(scope="module")
-def loopback_server(triton_install: TritonInstall, loopback_repo: Path,
-                    tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonServer]:
+def loopback_server(triton_install: TritonInstall, loopback_repo: Path, tmp_path_factory: pytest.TempPathFactory,
+                    background_stops: None) -> Iterator[TritonServer]:
     server = start_server(triton_install, loopback_repo, tmp_path_factory.mktemp("log") / "triton.log")
     try:
         yield server
     finally:
-        server.stop()  # graceful: a killed server leaks its stubs' /dev/shm regions (64 MiB each)
+        # graceful (a killed server leaks its stubs' /dev/shm regions, 64 MiB each), while the next tests run
+        stop_soon(server.stop, "loopback-server")
 
 
 @pytest.fixture(scope="session")

@@ -22,6 +22,7 @@ from bench.loadgen.stages import means, scrape
 from gateway.runtime.base import AudioPiece, Decision, Fence, SessionKey, UnitDone, UnitSubmission
 from gateway.runtime.stages import STAGES, StagedTritonRuntime
 from serve.launcher import TritonInstall, TritonServer
+from tests.e2e.stack import stop_soon
 
 from .conftest import REPO_ROOT, DeployProfile, build_repository, start_server
 
@@ -35,8 +36,8 @@ ACK_TIMEOUT_S = 60.0
 
 
 @pytest.fixture(scope="module")
-def server(triton_install: TritonInstall, tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
-           ) -> Iterator[TritonServer]:
+def server(triton_install: TritonInstall, tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory,
+           background_stops: None) -> Iterator[TritonServer]:
     profile = DeployProfile.load(REPO_ROOT / "tests" / "e2e" / "profiles" / "scripted.yaml", max_sessions=SESSIONS)
     repo = build_repository(str(tiny_checkpoint), profile, tmp_path_factory.mktemp("staged") / "models",
                             models=STAGES)
@@ -44,7 +45,7 @@ def server(triton_install: TritonInstall, tiny_checkpoint: Path, tmp_path_factor
     try:
         yield srv
     finally:
-        srv.stop()
+        stop_soon(srv.stop, "staged-server")  # graceful, while the next tests run
 
 
 class Spy:
