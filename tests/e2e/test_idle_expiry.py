@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.stack import Stack, profile_path
+from tests.e2e.stack import Stack, free_port, profile_path
 from tests.e2e.wire import WAIT_S, collect_until, fit_units, send_audio, silence
 from tests.gateway_ops.test_wired_admission import refusal
 from tests.gateway_ops.wire import eventually, http_get, metric, opened
@@ -40,20 +40,36 @@ def _short_ttl_profile(folder: Path) -> Path:
     return out
 
 
-@pytest.fixture(scope="module", params=["stages", "pipeline"])
-def one_slot(request: pytest.FixtureRequest, e2e_cache: Path,
-             tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    """Both runtimes: the session frees the slot whichever of them reports the sequence already gone."""
+ENV = {"DUPLEX_REAPER_INTERVAL_S": "0.5", "DUPLEX_CLEANUP_RETRY_BASE_S": "0.1", "DUPLEX_READY_CACHE_S": "0",
+       "DUPLEX_FORCE_LISTEN_COUNT": "0"}
+
+
+@pytest.fixture(scope="module")
+def triton_half(e2e_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """One `duplex serve --only triton` (one sequence slot) for both runtimes, each with a gateway of its own."""
     profile = _short_ttl_profile(tmp_path_factory.mktemp("profile"))
-    s = Stack(e2e_cache, profile=profile, max_sessions=1,
-              env={"DUPLEX_REAPER_INTERVAL_S": "0.5", "DUPLEX_CLEANUP_RETRY_BASE_S": "0.1",
-                   "DUPLEX_READY_CACHE_S": "0", "DUPLEX_FORCE_LISTEN_COUNT": "0",
-                   "DUPLEX_TRITON_MODE": request.param})
-    s.start()
+    s = Stack(e2e_cache, profile=profile, max_sessions=1, env=ENV, mode="split")
+    s.procs["triton"] = s._proc("triton", "triton")
+    s.procs["triton"].start()
     try:
+        s.wait_triton_ready()
         yield s
     finally:
         s.stop_soon()
+
+
+@pytest.fixture(params=["stages", "pipeline"])
+def one_slot(request: pytest.FixtureRequest, triton_half: Stack) -> Iterator[Stack]:
+    """Both runtimes: the session frees the slot whichever of them reports the sequence already gone."""
+    s = triton_half
+    s.env, s.port = {**ENV, "DUPLEX_TRITON_MODE": request.param}, free_port()
+    gateway = s.procs["gateway"] = s._proc("gateway", "gateway")
+    gateway.start()
+    try:
+        s.wait_ready()
+        yield s
+    finally:
+        s.procs.pop("gateway", gateway).stop()
 
 
 async def test_idle_expired_session_frees_its_slot(one_slot: Stack) -> None:
