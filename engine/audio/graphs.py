@@ -123,12 +123,14 @@ class EncoderGraphs:
         key = (b, s, whole)
         self._build(key)
         static = self._static[key]
-        padded = (x, slots, at, starts)
-        if n < b:  # padding rows: scratch slot, positions 0..S-1, no past
-            fill = self._fill.setdefault(b, self._inputs(b))
-            padded = tuple(torch.cat([new, pad[n:]]) for new, pad in zip(padded, fill, strict=True))
+        if b not in self._fill:
+            self._fill[b] = self._inputs(b)
+        # straight into the static inputs: padding rows (scratch slot, positions 0..S-1, no past) after the batch
+        for dst, src, pad in zip(static, (x, slots, at, starts), self._fill[b], strict=True):
+            dst[:n].copy_(src)
+            dst[n:].copy_(pad[n:])
         if self.eager_replay:
-            for dst, src in zip(static, padded, strict=True):
-                dst.copy_(src)
             return self._step(s, whole)(*static)[0][:n].clone()
-        return self._graphs[key].run(padded)[0][:n].clone()
+        graph = self._graphs[key]
+        graph.graph.replay()
+        return graph.outputs[0][:n].clone()
