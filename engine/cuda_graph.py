@@ -8,6 +8,7 @@ and returns the graph's fixed outputs (scratch: the caller copies them out befor
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -32,8 +33,16 @@ def capture(fn: Callable[[], T], *, pool: object = None, warmup: int = 2,
     if reset is not None:
         reset()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        out = fn()
+    # no garbage collection while capturing: a collected cycle that holds an older CUDAGraph destroys it
+    # mid-capture, which CUDA forbids and which invalidates this capture (torch stopped collecting on entry)
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            out = fn()
+    finally:
+        if collecting:
+            gc.enable()
     return graph, out
 
 
