@@ -61,7 +61,8 @@ TINY = LLMConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, nu
 SERVING_CONTEXT = 8192  # deploy/profiles/h200.yaml kv_window: the benchmark runs where the server runs
 CONTEXTS = f"2048,{SERVING_CONTEXT}"  # issue 16: every figure at 2 k and at the serving context
 # `--results` rows (issue 16's format): `what` -> the row of the default serving configuration
-RESULT_ROWS = {"forward_decode": "graph decode [{attention}]{mode}", "forward_prefill": "graph prefill 13{mode}",
+RESULT_ROWS = {"forward_decode": "graph decode [{attention}]{mode}",
+               "forward_prefill": "graph prefill 13 [{prefill}]{mode}",
                "engine_decode": "engine step decode{mode}", "engine_prefill": "engine step prefill{mode}"}
 UNIT_PREFILL = 11  # `<unit>` + 10 audio embeddings
 MERGED_PREFILL = 13  # the previous unit's `[terminator, </unit>]` + the above (model.md §3.6)
@@ -137,6 +138,7 @@ def engine_config(b: int, args: argparse.Namespace, dev: torch.device) -> tuple[
         eager_replay_graphs=dev.type != "cuda" and not args.no_graphs, compile_mode=args.compile,
         compile_dynamic=False if args.compile_static else None,
         fuse_projections=not args.no_fuse, merge_unit_close=True, scripted_decisions=True, benchmark_mode=True,
+        prefill_attention=args.prefill_attention[0],
         # all speak units, so every session decodes in lock step (turn-end every `speak_units`)
         script_plan=ScriptPlan(listen_units=0, tail_listen_units=0))
     return config, rules
@@ -204,17 +206,48 @@ def bench_prefill(model: Qwen3LLM, cfg: LLMConfig, args: argparse.Namespace, dev
                        args.iters, args.warmup, dev)
             out.append(dict(name=f"model eager prefill {n}", batch=1, ctx=ctx, ms=ms, span=span))
         for mode in graph_modes(args):
-            fresh_compile(mode)
-            graphs = PrefillGraphs.create(model, kv, (1,), (UNIT_PREFILL, MERGED_PREFILL), config.decode_kv_buckets,
-                                          compile_mode=mode, eager_replay=dev.type != "cuda",
-                                          compile_dynamic=config.compile_dynamic)
-            assert graphs is not None
-            for n in (UNIT_PREFILL, MERGED_PREFILL):
-                x = torch.randn(n, cfg.hidden_size, dtype=dtype, device=dev)
-                ms = timed(lambda g=graphs, x=x: model.logits(g.run([0], [ctx], [x])[0][-1:]),
-                           args.iters, args.warmup, dev)
-                out.append(dict(name=f"graph prefill {n}" + (f" +{mode}" if mode else ""), batch=1, ctx=ctx, ms=ms,
-                                span=bucket(ctx + n, graphs.kv_buckets)))
+            for attention in args.prefill_attention:
+                fresh_compile(mode)
+                graphs = PrefillGraphs.create(model, kv, (1,), (UNIT_PREFILL, MERGED_PREFILL),
+                                              config.decode_kv_buckets, compile_mode=mode,
+                                              eager_replay=dev.type != "cuda", compile_dynamic=config.compile_dynamic,
+                                              flex=attention == "flex")
+                assert graphs is not None
+                for n in (UNIT_PREFILL, MERGED_PREFILL):
+                    x = torch.randn(n, cfg.hidden_size, dtype=dtype, device=dev)
+                    ms = timed(lambda g=graphs, x=x: model.logits(g.run([0], [ctx], [x])[0][-1:]),
+                               args.iters, args.warmup, dev)
+                    out.append(dict(name=prefill_row_name(n, attention, mode), batch=1, ctx=ctx, ms=ms,
+                                    span=bucket(ctx + n, graphs.kv_buckets)))
+    out += bench_prefill_batched(model, cfg, args, dev, dtype)
+    return out
+
+
+def prefill_row_name(n: int, attention: str, mode: str | None) -> str:
+    return f"graph prefill {n} [{attention}]" + (f" +{mode}" if mode else "")
+
+
+def bench_prefill_batched(model: Qwen3LLM, cfg: LLMConfig, args: argparse.Namespace, dev: torch.device,
+                          dtype: torch.dtype) -> list[dict]:
+    """Merged unit prefills of b sessions in one graph, each onto `--prefill-context` retained positions of its
+    own slot (the served step's prefill rows; the gather layout copies each row's span, flex reads it)."""
+    ctx, out = args.prefill_context, []
+    for b in args.prefill_batches:
+        config, rules = engine_config(b, args, dev)
+        kv = random_kv(cfg, b, max(config.slot_len(rules), ctx + args.extra), dev, dtype)
+        xs = [torch.randn(MERGED_PREFILL, cfg.hidden_size, dtype=dtype, device=dev) for _ in range(b)]
+        with torch.no_grad():
+            for mode in graph_modes(args)[-1:]:  # the served mode only
+                for attention in args.prefill_attention:
+                    fresh_compile(mode)
+                    graphs = PrefillGraphs.create(model, kv, (b,), (MERGED_PREFILL,), config.decode_kv_buckets,
+                                                  compile_mode=mode, eager_replay=dev.type != "cuda",
+                                                  compile_dynamic=config.compile_dynamic, flex=attention == "flex")
+                    assert graphs is not None
+                    ms = timed(lambda g=graphs: g.run(list(range(b)), [ctx] * b, xs), args.iters, args.warmup, dev)
+                    out.append(dict(name=prefill_row_name(MERGED_PREFILL, attention, mode), batch=b, ctx=ctx, ms=ms,
+                                    span=bucket(ctx + MERGED_PREFILL, graphs.kv_buckets)))
+        del kv
     return out
 
 
@@ -358,7 +391,8 @@ def bench_once(cfg: LLMConfig, args: argparse.Namespace, dev: torch.device, dtyp
 def result_rows(rows: list[dict], args: argparse.Namespace) -> list[dict]:
     """Issue 16's `rows`: {what, batch, context, median_ms, p99_ms} of the configuration that was run."""
     mode = f" +{args.compile}" if args.compile else ""
-    names = {what: name.format(attention=args.decode_attention[0], mode=mode) for what, name in RESULT_ROWS.items()}
+    names = {what: name.format(attention=args.decode_attention[0], prefill=args.prefill_attention[0], mode=mode)
+             for what, name in RESULT_ROWS.items()}
     return [dict(what=what, batch=r["batch"], context=r["ctx"], median_ms=r["median_ms"], p99_ms=r["p99_ms"])
             for what, name in names.items() for r in rows if r["name"] == name]
 
@@ -487,6 +521,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-fold", action="store_true", help="SDPA enable_gqa instead of kv-head-major query rows")
     ap.add_argument("--decode-attention", default="matmul,sdpa",
                     help="decode attention variants for the decode rows; the first one is used elsewhere")
+    ap.add_argument("--prefill-attention", default="flex,gather",
+                    help="unit prefill attention variants (Stage0Config.prefill_attention); the first one is "
+                         "used by the engine rows")
+    ap.add_argument("--prefill-batches", default="32",
+                    help="sessions' merged unit prefills per graph for the batched prefill rows ('' = none)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--results", default=None,
                     help="write issue 16's JSON (commit, device, rows of what/batch/context/median_ms/p99_ms)")
@@ -517,7 +556,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def parse(ap: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
     if "--tiny" in argv:  # smaller defaults; options given on the command line still win
-        ap.set_defaults(contexts="64,128", iters=5, hf_iters=3, batches="1,8", hf_batches="1", engine_batches="1,4",
+        ap.set_defaults(prefill_batches="4", contexts="64,128", iters=5, hf_iters=3, batches="1,8", hf_batches="1", engine_batches="1,4",
                         engine_units=2, frontend_batches="1,4", frontend_start_unit=2, frontend_iters=2,
                         sampler_batches="1,4")
     args = ap.parse_args(argv)
@@ -528,6 +567,8 @@ def parse(ap: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
     args.frontend_batches, args.hf_batches = ints(args.frontend_batches), ints(args.hf_batches)
     args.sampler_batches = ints(args.sampler_batches)
     args.decode_attention = args.decode_attention.split(",")
+    args.prefill_attention = args.prefill_attention.split(",")
+    args.prefill_batches = ints(args.prefill_batches)
     return args
 
 

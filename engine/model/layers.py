@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.model.flex import flex_slot_attend
+
 
 class KVDims(Protocol):
     """The config fields a KV cache is sized from (LLMConfig and TTSConfig both have them)."""
@@ -134,15 +136,21 @@ def slot_layout(input_pos: torch.Tensor, slot_ids: torch.Tensor | None, kv: Slot
     return SlotLayout(write_slot, write_pos, visible, kv_limit)
 
 
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             write_slot: torch.Tensor, write_pos: torch.Tensor) -> None:
+    """Store k [B, kvh, T, D] and v [B, T, kvh, D] into one layer's caches [S + 1, kvh, max_len, D]."""
+    # advanced indices around a slice: the indexed view is [B, T, kvh, D]
+    k_cache[write_slot, :, write_pos] = k.transpose(1, 2).to(k_cache.dtype)
+    v_cache[write_slot, :, write_pos] = v.to(v_cache.dtype)
+
+
 def write_and_read_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       write_slot: torch.Tensor, write_pos: torch.Tensor, slot_ids: torch.Tensor | None,
                       kv_limit: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Store k [B, kvh, T, D] and v [B, T, kvh, D] into one layer's caches [S + 1, kvh, max_len, D],
     then return the rows' keys and values [B, kvh, L, D] (the new entries included)."""
     b = k.shape[0]
-    # advanced indices around a slice: the indexed view is [B, T, kvh, D]
-    k_cache[write_slot, :, write_pos] = k.transpose(1, 2).to(k_cache.dtype)
-    v_cache[write_slot, :, write_pos] = v.to(v_cache.dtype)
+    write_kv(k_cache, v_cache, k, v, write_slot, write_pos)
     if slot_ids is None:  # dense: row i is slot i, a view with no copy
         return k_cache[:b, :, :kv_limit], v_cache[:b, :, :kv_limit]
     return k_cache[slot_ids, :, :kv_limit], v_cache[slot_ids, :, :kv_limit]  # gathered
@@ -205,8 +213,12 @@ class SlotAttention(nn.Module):
         q, k, v = self.project(x)
         q = apply_rope(q.transpose(1, 2), cos, sin)  # [B, heads, T, D]
         k = apply_rope(k.transpose(1, 2), cos, sin)  # [B, kvh, T, D]
-        keys, values = write_and_read_kv(k_cache, v_cache, k, v, write_slot, write_pos, slot_ids, kv_limit)
-        out = self.attend(q, keys.to(q.dtype), values.to(q.dtype), mask, mode)  # [B, heads, T, D]
+        if mode == "flex":  # over the caches themselves, no gathered copy (mask: the forward's SlotBlocks)
+            write_kv(k_cache, v_cache, k, v, write_slot, write_pos)
+            out = flex_slot_attend(q, k_cache, v_cache, mask)  # type: ignore[arg-type]
+        else:
+            keys, values = write_and_read_kv(k_cache, v_cache, k, v, write_slot, write_pos, slot_ids, kv_limit)
+            out = self.attend(q, keys.to(q.dtype), values.to(q.dtype), mask, mode)  # [B, heads, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
 
 

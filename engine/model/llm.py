@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import LLMConfig
+from engine.model.flex import slot_blocks
 from engine.model.layers import (
     DecoderLayer,
     GatedMLP,
@@ -121,7 +122,7 @@ class Qwen3LLM(nn.Module):
 
     def forward(self, x: torch.Tensor, input_pos: torch.Tensor, slot_ids: torch.Tensor | None,
                 kv: SlotKVCache, valid: torch.Tensor | None = None,
-                kv_limit: int | None = None, layer_fn: LayerFn | None = None) -> torch.Tensor:
+                kv_limit: int | None = None, layer_fn: LayerFn | None = None, flex: bool = False) -> torch.Tensor:
         """One forward over ragged rows.
 
         x [B, T, H] input embeddings; input_pos [B, T] absolute positions = cache indices (padding: any
@@ -130,10 +131,20 @@ class Qwen3LLM(nn.Module):
         (None: all valid). Padded queries write to the scratch slot's position 0 and read only their own
         row. kv_limit: a static bound on the positions any query reaches (defaults to the cache length).
         layer_fn: runs each layer (`compile_layers()` for regional compilation; None: eager).
+        flex: rows of the gathered layout attend with FlexAttention over the cache itself, instead of a copy of
+        each row's first kv_limit positions (engine/model/flex.py); the dense layout ignores it.
         Returns final-norm hidden [B, T, H].
         """
         b, t, _ = x.shape
         lay = slot_layout(input_pos, slot_ids, kv, valid, kv_limit)
+        cos, sin = self.rope(lay.write_pos, x.dtype)
+        h, run = x, layer_fn or run_layer
+        if flex and slot_ids is not None:
+            blocks = slot_blocks(lay.write_pos, lay.write_slot != kv.scratch, slot_ids, kv.slots + 1, kv.max_len)
+            for i, layer in enumerate(self.model.layers):
+                h = run(layer, h, cos, sin, kv.k[i], kv.v[i], lay.write_slot, lay.write_pos, slot_ids, blocks,
+                        lay.kv_limit, "flex")
+            return self.model.norm(h)
         visible = lay.visible  # [B, 1, T, L]
         mode = "matmul" if t == 1 and self.decode_attention == "matmul" else "fold" if self.fold_gqa else "gqa"
         if mode != "gqa":  # rows of a kv head are (group, query): the same causal row repeats per group
@@ -142,8 +153,6 @@ class Qwen3LLM(nn.Module):
         # additive bias built once, not converted from bool by every layer's attention call
         mask = torch.zeros(visible.shape, dtype=torch.float32 if mode == "matmul" else x.dtype,
                            device=x.device).masked_fill_(~visible, float("-inf"))
-        cos, sin = self.rope(lay.write_pos, x.dtype)
-        h, run = x, layer_fn or run_layer
         for i, layer in enumerate(self.model.layers):
             h = run(layer, h, cos, sin, kv.k[i], kv.v[i], lay.write_slot, lay.write_pos, slot_ids, mask,
                     lay.kv_limit, mode)

@@ -113,6 +113,10 @@ class Stage0Config:
     eager_replay_graphs: bool = False
     # Unit prefills in CUDA graphs: rows per graph; the lengths are `prefill_lengths()`. () = eager prefill.
     prefill_batch_buckets: tuple[int, ...] = (2, 4, 8)  # no 1: see decode_batch_buckets
+    # Attention of the unit prefill graphs: "gather" copies each row's KV span in every layer, then SDPA;
+    # "flex" attends over the slot KV itself with FlexAttention (per-row key blocks, no copy; compiled on
+    # CUDA); "auto" is flex on CUDA, gather elsewhere (eager FlexAttention materialises the scores).
+    prefill_attention: Literal["auto", "gather", "flex"] = "auto"
     # torch.compile mode applied to the forward before graph capture ("default" or
     # "max-autotune-no-cudagraphs"); None = eager kernels. Only used where graphs are captured.
     compile_mode: str | None = None
@@ -142,6 +146,8 @@ class Stage0Config:
             raise ValueError(f"bad Stage0Config: {self}")
         if self.compile_mode is not None and self.compile_mode not in COMPILE_MODES:
             raise ValueError(f"compile_mode {self.compile_mode!r}: use one of {COMPILE_MODES} or None")
+        if self.prefill_attention not in ("auto", "gather", "flex"):
+            raise ValueError(f"prefill_attention {self.prefill_attention!r}: use auto, gather or flex")
         if self.scripted_decisions and not self.benchmark_mode:
             raise ValueError("scripted_decisions is benchmark-only (set benchmark_mode in a benchmark)")
 

@@ -10,6 +10,8 @@ the static output). All graphs of one set share a memory pool.
 - `PrefillGraphs`: multi-token rows (a unit `<unit>` + frames + audio, optionally after the previous unit's
   `[terminator, </unit>]`, or a separate 2-position close) in the gathered layout, one graph per
   (batch bucket, length bucket, span bucket). Dummy rows and padded positions write to the scratch slot.
+  With `flex` the rows attend over the cache itself (FlexAttention, engine/model/flex.py): no KV copy, no
+  span buckets.
 
 Off CUDA (or with `eager_replay=True`) `replay` calls the step function on the same static buffers, so CPU
 tests exercise the bucketing and copy-in/copy-out logic. `compile_mode` runs the forward's decoder layers
@@ -93,6 +95,7 @@ class StepGraphs:
         self.eager_replay = eager_replay or self.device.type != "cuda"
         self.steps: dict[tuple[int, ...], StaticStep] = {}
         self._pool = None
+        self.flex = False  # gathered rows attend over the cache with FlexAttention (Qwen3LLM.forward's flex)
 
     def _step(self, key: tuple[int, ...]) -> StaticStep:
         st = self.steps.get(key)
@@ -107,7 +110,8 @@ class StepGraphs:
         return cfg.patch(recompile_limit=max(cfg.recompile_limit, cfg.accumulated_recompile_limit))
 
     def _call(self, st: StaticStep) -> torch.Tensor:
-        return self.model(st.x, st.pos, st.slots, self.kv, valid=st.valid, kv_limit=st.span, layer_fn=self.layer_fn)
+        return self.model(st.x, st.pos, st.slots, self.kv, valid=st.valid, kv_limit=st.span, layer_fn=self.layer_fn,
+                          flex=self.flex)
 
     @torch.no_grad()
     def _capture(self, key: tuple[int, ...], st: StaticStep) -> None:
@@ -178,22 +182,24 @@ class DecodeGraphs(StepGraphs):
 class PrefillGraphs(StepGraphs):
     def __init__(self, model: Qwen3LLM, kv: SlotKVCache, batch_buckets: tuple[int, ...],
                  len_buckets: tuple[int, ...], kv_buckets: tuple[int, ...], compile_mode: str | None = None,
-                 eager_replay: bool = False, compile_dynamic: bool | None = True) -> None:
+                 eager_replay: bool = False, compile_dynamic: bool | None = True, flex: bool = False) -> None:
         super().__init__(model, kv, compile_mode, eager_replay, compile_dynamic)
+        self.flex = flex
         self.batch_buckets = tuple(sorted({min(b, kv.slots) for b in batch_buckets}))
         self.len_buckets = tuple(sorted(set(len_buckets)))
-        self.kv_buckets = top_span_buckets(kv, kv_buckets)
+        # with flex each row reads its own blocks whatever the span: one span, a third as many graphs
+        self.kv_buckets = top_span_buckets(kv, () if flex else kv_buckets)
 
     @classmethod
     def create(cls, model: Qwen3LLM, kv: SlotKVCache, batch_buckets: tuple[int, ...],
                len_buckets: tuple[int, ...], kv_buckets: tuple[int, ...] = (), enabled: bool = True,
                compile_mode: str | None = None, eager_replay: bool = False,
-               compile_dynamic: bool | None = True) -> PrefillGraphs | None:
+               compile_dynamic: bool | None = True, flex: bool = False) -> PrefillGraphs | None:
         if not enabled or not batch_buckets or not len_buckets or (
                 kv.k[0].device.type != "cuda" and not eager_replay):
             return None
         graphs = cls(model, kv, batch_buckets, len_buckets, kv_buckets, compile_mode, eager_replay,
-                     compile_dynamic)
+                     compile_dynamic, flex)
         graphs.capture()
         return graphs
 

@@ -39,14 +39,18 @@ def _copy(kv: SlotKVCache) -> SlotKVCache:
     return SlotKVCache(k=[t.clone() for t in kv.k], v=[t.clone() for t in kv.v])
 
 
-def _check_prefill(device: str, compile_mode: str | None = None, eager_replay: bool = False) -> None:
+def _check_prefill(device: str, compile_mode: str | None = None, eager_replay: bool = False,
+                   flex: bool = False) -> None:
+    """The graph set against the eager forward (gathered KV, SDPA), one row at a time; with `flex` the graphs
+    attend over the cache with FlexAttention instead."""
     model = tiny_llm().to(device)
     starts = {0: 5, 1: 40, 2: 17, 3: 9}
     kv = _filled_kv(model, device, starts)
     eager_kv = _copy(kv)
     graphs = PrefillGraphs.create(model, kv, (1, 2, 4), (2, 13, 20), (32,), compile_mode=compile_mode,
-                                  eager_replay=eager_replay)
-    assert graphs is not None and set(graphs.kv_buckets) == {32, kv.reserved_pos}  # every token's span
+                                  eager_replay=eager_replay, flex=flex)
+    spans = {kv.reserved_pos} if flex else {32, kv.reserved_pos}  # every token's span; flex reads per row
+    assert graphs is not None and set(graphs.kv_buckets) == spans
     gen = torch.Generator().manual_seed(1)
     for slots, lengths in (([1], [11]), ([2, 0, 3], [13, 11, 2])):  # unit; merged close + unit, unit, close
         embeds = [torch.randn(n, TINY.hidden_size, generator=gen).to(device) for n in lengths]
@@ -61,8 +65,13 @@ def _check_prefill(device: str, compile_mode: str | None = None, eager_replay: b
         torch.testing.assert_close(a[:-1], b[:-1], atol=ATOL, rtol=ATOL)  # every slot but scratch
 
 
-def test_prefill_eager_replay_equals_eager_forward() -> None:
-    _check_prefill("cpu", eager_replay=True)
+flex_unfused = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+
+
+@flex_unfused
+@pytest.mark.parametrize("flex", [False, True])
+def test_prefill_eager_replay_equals_eager_forward(flex: bool) -> None:
+    _check_prefill("cpu", eager_replay=True, flex=flex)
 
 
 def test_decode_eager_replay_equals_eager_forward() -> None:
@@ -146,9 +155,10 @@ def _assert_same_events(got: list, want: list, atol: float = ATOL) -> None:
     assert any(isinstance(e, UnitDone) for e in got)
 
 
-@pytest.mark.parametrize("merge", [False, True])
-def test_engine_with_eager_replay_graphs_equals_eager_engine(merge: bool) -> None:
-    graphed, eager = _engine_runs(tiny_llm(), merge_unit_close=merge)
+@flex_unfused
+@pytest.mark.parametrize(("merge", "prefill"), [(False, "gather"), (True, "gather"), (True, "flex")])
+def test_engine_with_eager_replay_graphs_equals_eager_engine(merge: bool, prefill: str) -> None:
+    graphed, eager = _engine_runs(tiny_llm(), merge_unit_close=merge, prefill_attention=prefill)
     for got, want in zip(graphed, eager, strict=True):
         _assert_same_events(got, want)
 
@@ -204,9 +214,10 @@ def test_compiled_prefill_eager_replay_equals_eager_forward() -> None:
 # ---- CUDA (I10): real graphs, eager kernels and torch.compile ---------------------------------------------
 @cuda
 @tf32_advice
+@pytest.mark.parametrize("flex", [False, True])
 @pytest.mark.parametrize("compile_mode", [None, "default"])
-def test_cuda_prefill_graph_equals_eager(compile_mode: str | None) -> None:
-    _check_prefill("cuda", compile_mode)
+def test_cuda_prefill_graph_equals_eager(compile_mode: str | None, flex: bool) -> None:
+    _check_prefill("cuda", compile_mode, flex=flex)
 
 
 @cuda

@@ -1,0 +1,83 @@
+"""Multi-token rows attending straight over the slot KV: FlexAttention with a per-slot block mask (issue 16).
+
+The gathered layout (`write_and_read_kv` with slot ids) copies every row's whole KV span in every layer before
+attending; here the queries are scattered into a dense [slots + 1, heads, T, D] tensor instead (small: T is
+a unit's dozen positions), and FlexAttention reads the cache tensors themselves. The block mask gives each
+slot only the key blocks its queries reach: blocks wholly below the row's first position are "full" (no
+mask evaluated), the blocks up to its last position are partial (`kv_idx <= position`), and a slot with no
+row has no block at all, so an idle slot costs nothing and a row reads its own length, not the batch's
+longest. Every tensor has a fixed size, so a CUDA graph can capture the step.
+
+On CUDA the attention runs as the compiled (Triton) kernel: inside a compiled region as is, otherwise
+through `torch.compile(flex_attention)`; elsewhere eager FlexAttention (a reference implementation that
+materialises the scores: fine for tiny CPU models, not for a full-size one).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+KV_BLOCK = 128  # keys per block: FlexAttention's default sparse block size
+Q_BLOCK = 128
+
+
+class SlotBlocks(NamedTuple):
+    """What every layer's flex attention shares in one forward."""
+
+    block_mask: BlockMask
+    slot_ids: torch.Tensor  # [B] the rows' slots (dummy rows: the scratch slot)
+
+
+def slot_blocks(write_pos: torch.Tensor, valid: torch.Tensor, slot_ids: torch.Tensor, slots: int,
+                max_len: int) -> SlotBlocks:
+    """write_pos, valid [B, T]; slot_ids [B]; `slots` cache rows (the scratch slot included), `max_len`
+    positions each. A padded query attends as its row's first query does (it is discarded)."""
+    b, t = write_pos.shape
+    device = write_pos.device
+    qpos = torch.where(valid, write_pos, write_pos[:, :1])  # [B, T]
+    q_blocks = -(-t // Q_BLOCK)
+    kv_blocks = -(-max_len // KV_BLOCK)
+    pad = q_blocks * Q_BLOCK - t
+    dense = torch.full((slots, t), -1, dtype=torch.long, device=device)
+    dense[slot_ids] = qpos  # a dummy row's slot (scratch) gets its position 0
+    by_block = torch.nn.functional.pad(dense, (0, pad), value=-1).view(slots, q_blocks, Q_BLOCK)
+    hi = by_block.amax(-1)  # [slots, QB] the block's last query position, -1 for none
+    lo = torch.where(by_block < 0, max_len, by_block).amin(-1).clamp(max=max_len - 1)
+    full = torch.where(hi < 0, 0, (lo + 1) // KV_BLOCK)  # key blocks wholly at or below every query
+    partial = (hi // KV_BLOCK + 1 - full).clamp(min=0)
+    j = torch.arange(kv_blocks, device=device, dtype=torch.int32)
+    kv_indices = (full[..., None].to(torch.int32) + j).clamp(max=kv_blocks - 1)  # [slots, QB, KVB]
+    full_indices = j.expand(slots, q_blocks, kv_blocks)
+    mask_pos = dense  # the mask reads each query's position; -1 (no row) masks everything
+
+    def mask_mod(bi: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+        del h
+        return kv_idx <= mask_pos[bi, q_idx]
+
+    mask = BlockMask.from_kv_blocks(
+        partial[:, None].to(torch.int32), kv_indices[:, None].contiguous(),
+        full[:, None].to(torch.int32), full_indices[:, None].contiguous(),
+        BLOCK_SIZE=(Q_BLOCK, KV_BLOCK), mask_mod=mask_mod, seq_lengths=(t, max_len), compute_q_blocks=False)
+    return SlotBlocks(mask, slot_ids)
+
+
+@functools.cache
+def _compiled_flex():  # noqa: ANN202 - torch.compile's wrapper type
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def flex_slot_attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     blocks: SlotBlocks) -> torch.Tensor:
+    """q [B, heads, T, D] → [B, heads, T, D], attending over one layer's caches [slots, kvh, max_len, D]."""
+    b, heads, t, d = q.shape
+    dense = q.new_zeros(k_cache.shape[0], heads, t, d)
+    dense[blocks.slot_ids] = q
+    fn = flex_attention
+    if q.device.type == "cuda" and not torch.compiler.is_compiling():
+        fn = _compiled_flex()
+    out = fn(dense, k_cache, v_cache, block_mask=blocks.block_mask, enable_gqa=heads != k_cache.shape[1])
+    return out[blocks.slot_ids]  # type: ignore[index] - a tensor without return_lse

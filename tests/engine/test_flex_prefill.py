@@ -1,0 +1,83 @@
+"""Multi-token rows attending over the slot KV with FlexAttention (engine/model/flex.py, issue 16).
+
+On CPU FlexAttention runs its eager reference, which applies the mask function everywhere and ignores the
+block lists; so the block lists are checked here against the positions themselves, and the compiled kernel,
+which reads only the listed blocks, against the gathered path on the GPU (tests/engine/test_stage0_prefill_graphs.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.model.flex import KV_BLOCK, Q_BLOCK, slot_blocks
+from engine.model.llm import SlotKVCache
+from tests.engine.test_stage0_helpers import TINY, tiny_llm
+
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+
+
+def _listed(blocks: torch.Tensor, counts: torch.Tensor, slot: int, qb: int) -> set[int]:
+    return set(blocks[slot, 0, qb, :int(counts[slot, 0, qb])].tolist())
+
+
+def test_each_slot_lists_exactly_the_key_blocks_its_queries_reach() -> None:
+    """Rows at block edges, a row over two query blocks, padded queries, a dummy row and idle slots: every key
+    at or before a query's position lies in a listed block, a full block lies wholly at or before every query
+    of its query block, and no block past the last query's is listed."""
+    slots, max_len, scratch = 6, 400, 5
+    rows = [(0, 127, 13, 13), (1, 128, 11, 13), (2, 255, 2, 13), (3, 10, 150, 150)]  # slot, start, valid, T
+    t = max(r[3] for r in rows)
+    pos = torch.zeros(len(rows) + 1, t, dtype=torch.long)
+    valid = torch.zeros(len(rows) + 1, t, dtype=torch.bool)
+    for i, (_, start, k, _) in enumerate(rows):
+        pos[i, :k], valid[i, :k] = torch.arange(start, start + k), True
+    slot_ids = torch.tensor([r[0] for r in rows] + [scratch])  # the last row is a dummy row
+    write_pos = torch.where(valid, pos, 0)
+    mask = slot_blocks(write_pos, valid, slot_ids, slots, max_len).block_mask
+    for slot in range(slots):
+        row = next((i for i, r in enumerate(rows) if r[0] == slot), None)
+        for qb in range(-(-t // Q_BLOCK)):
+            partial = _listed(mask.kv_indices, mask.kv_num_blocks, slot, qb)
+            full = _listed(mask.full_kv_indices, mask.full_kv_num_blocks, slot, qb)
+            if row is None:
+                want = set() if slot != scratch else {0}  # idle: nothing; the dummy row: block 0 (discarded)
+                assert partial | full == want and not full, slot
+                continue
+            _, start, k, _ = rows[row]
+            qpos = [p for p in range(start, start + k) if qb * Q_BLOCK <= p - start < (qb + 1) * Q_BLOCK]
+            first = min(qpos) if qpos else start  # a padded query attends as the row's first one
+            last = max(qpos) if qpos else start
+            assert not (partial & full)
+            assert partial | full == set(range(last // KV_BLOCK + 1)), (slot, qb)
+            assert all((b + 1) * KV_BLOCK - 1 <= first for b in full), (slot, qb)
+            assert len(full) == (first + 1) // KV_BLOCK  # every block that could be full is
+
+
+def test_flex_rows_equal_the_gathered_rows() -> None:
+    """The same ragged forwards (prefixes over several query blocks, then a padded batch of unit rows at block
+    edges with a dummy row) through flex and through the gathered copy: same hidden states and caches."""
+    model = tiny_llm()
+    runs = []
+    for flex in (False, True):
+        kv = SlotKVCache.allocate(TINY, 6, 400, dtype=torch.float32)
+        gen = torch.Generator().manual_seed(1)
+        out = []
+        with torch.no_grad():
+            for slot, n in ((0, 127), (2, 260), (5, 128)):
+                x = torch.randn(1, n, TINY.hidden_size, generator=gen)
+                out.append(model(x, torch.arange(n)[None], torch.tensor([slot]), kv, flex=flex)[0])
+            starts, lengths, t = [127, 260, 128], [13, 11, 2], 13
+            x = torch.randn(4, t, TINY.hidden_size, generator=gen)
+            pos = torch.zeros(4, t, dtype=torch.long)
+            valid = torch.zeros(4, t, dtype=torch.bool)
+            for i, (s, k) in enumerate(zip(starts, lengths, strict=True)):
+                pos[i, :k], valid[i, :k] = torch.arange(s, s + k), True
+            h = model(x, pos, torch.tensor([0, 2, 5, kv.scratch]), kv, valid=valid, kv_limit=288, flex=flex)
+            out += [h[i, :k] for i, k in enumerate(lengths)]
+        runs.append((out, kv))
+    (gathered, kv_g), (flexed, kv_f) = runs
+    for a, b in zip(gathered, flexed, strict=True):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+    for a, b in zip(kv_g.k + kv_g.v, kv_f.k + kv_f.v, strict=True):
+        torch.testing.assert_close(b[:-1], a[:-1], atol=1e-5, rtol=1e-5)  # every slot but scratch
