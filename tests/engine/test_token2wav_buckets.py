@@ -183,3 +183,25 @@ def test_warm_up_builds_the_buckets_and_every_batch_size_finds_one(
         for i in range(n):
             eng.close(f"t{i}", fence)
     assert eng.misses.counts() == {}
+
+
+def test_warm_up_covers_a_turn_whose_units_arrive_one_at_a_time(
+        models: Any, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811 - the fixture
+    """Served, a turn's codes arrive a unit at a time with the engine idle between them, not queued for the whole
+    turn as in the warm-up turns: the calls that pattern makes find graphs built at warm-up."""
+    eng = _engine(models, 2, monkeypatch, _KeyGraph)
+    eng.warm_up("a")
+    rng = np.random.default_rng(3)
+    for n in (1, 2):
+        fence = Fence(3, n)
+        for i in range(n):
+            eng.open(f"p{i}", fence, "a", seed=i)
+        for unit in range(WARMUP_UNITS + 2):
+            for i in range(n):
+                eng.submit(f"p{i}", fence, unit, rng.integers(0, TINY_FLOW.vocab_size, 25).tolist(),
+                           end_of_turn=unit == WARMUP_UNITS + 1)
+            while eng.pending():
+                eng.step()
+        for i in range(n):
+            eng.close(f"p{i}", fence)
+    assert eng.misses.counts() == {}
