@@ -10,8 +10,8 @@ the static output). All graphs of one set share a memory pool.
 - `PrefillGraphs`: multi-token rows (a unit `<unit>` + frames + audio, optionally after the previous unit's
   `[terminator, </unit>]`, or a separate 2-position close) in the gathered layout, one graph per
   (batch bucket, length bucket, span bucket). Dummy rows and padded positions write to the scratch slot.
-  With `flex` the rows attend over the cache itself (FlexAttention, engine/model/flex.py): no KV copy, no
-  span buckets.
+  With `flex` the rows up to `FLEX_MAX_POSITIONS` long attend over the cache itself (FlexAttention,
+  engine/model/flex.py): no KV copy, one span bucket.
 
 Off CUDA (or with `eager_replay=True`) `replay` calls the step function on the same static buffers, so CPU
 tests exercise the bucketing and copy-in/copy-out logic. `compile_mode` runs the forward's decoder layers
@@ -35,6 +35,12 @@ from engine.model.llm import Qwen3LLM, SlotKVCache
 from engine.stage0.config import COMPILE_MODES
 
 
+# Longest rows the prefill graphs run with FlexAttention (the close and the audio unit; a unit with camera frames
+# uses the gathered copy): on the H200 the compiled kernel found no valid configuration for 79-position rows
+# (fp32 and bf16, torch 2.11, stop 26), while 13-position rows took a unit prefill at 8 k from 13.3 to 7.7 ms.
+FLEX_MAX_POSITIONS = 16
+
+
 class GraphShapeError(RuntimeError):
     """Inputs do not fit the captured static buffers (shape, dtype or bucket drift)."""
 
@@ -46,6 +52,7 @@ class StaticStep:
     slots: torch.Tensor | None  # [b] (gathered layout) or None (dense: row i = slot i)
     valid: torch.Tensor | None  # [b, T] bool, gathered layout only
     span: int  # attention span (kv_limit)
+    flex: bool = False  # gathered rows attend over the cache with FlexAttention (Qwen3LLM.forward's flex)
     out: torch.Tensor | None = None  # [b, T, H] final-norm hidden, written by replay
     replay: Callable[[], object] | None = None
 
@@ -95,7 +102,6 @@ class StepGraphs:
         self.eager_replay = eager_replay or self.device.type != "cuda"
         self.steps: dict[tuple[int, ...], StaticStep] = {}
         self._pool = None
-        self.flex = False  # gathered rows attend over the cache with FlexAttention (Qwen3LLM.forward's flex)
 
     def _step(self, key: tuple[int, ...]) -> StaticStep:
         st = self.steps.get(key)
@@ -111,7 +117,7 @@ class StepGraphs:
 
     def _call(self, st: StaticStep) -> torch.Tensor:
         return self.model(st.x, st.pos, st.slots, self.kv, valid=st.valid, kv_limit=st.span, layer_fn=self.layer_fn,
-                          flex=self.flex)
+                          flex=st.flex)
 
     @torch.no_grad()
     def _capture(self, key: tuple[int, ...], st: StaticStep) -> None:
@@ -184,11 +190,14 @@ class PrefillGraphs(StepGraphs):
                  len_buckets: tuple[int, ...], kv_buckets: tuple[int, ...], compile_mode: str | None = None,
                  eager_replay: bool = False, compile_dynamic: bool | None = True, flex: bool = False) -> None:
         super().__init__(model, kv, compile_mode, eager_replay, compile_dynamic)
-        self.flex = flex
         self.batch_buckets = tuple(sorted({min(b, kv.slots) for b in batch_buckets}))
         self.len_buckets = tuple(sorted(set(len_buckets)))
-        # with flex each row reads its own blocks whatever the span: one span, a third as many graphs
-        self.kv_buckets = top_span_buckets(kv, () if flex else kv_buckets)
+        self.kv_buckets = top_span_buckets(kv, kv_buckets)
+        # lengths that attend with flex: each row reads its own blocks whatever the span, so one (top) span each
+        self.flex_lengths = {t for t in self.len_buckets if t <= FLEX_MAX_POSITIONS} if flex else set()
+
+    def spans(self, length: int) -> tuple[int, ...]:
+        return self.kv_buckets[-1:] if length in self.flex_lengths else self.kv_buckets
 
     @classmethod
     def create(cls, model: Qwen3LLM, kv: SlotKVCache, batch_buckets: tuple[int, ...],
@@ -207,11 +216,12 @@ class PrefillGraphs(StepGraphs):
         h, dev = self.model.cfg.hidden_size, self.device
         for b in sorted(self.batch_buckets, reverse=True):
             for t in sorted(self.len_buckets, reverse=True):
-                for span in sorted(self.kv_buckets, reverse=True):
+                for span in sorted(self.spans(t), reverse=True):
                     st = StaticStep(x=torch.zeros(b, t, h, dtype=self.dtype, device=dev),
                                     pos=torch.zeros(b, t, dtype=torch.long, device=dev),
                                     slots=torch.full((b,), self.kv.scratch, dtype=torch.long, device=dev),
-                                    valid=torch.zeros(b, t, dtype=torch.bool, device=dev), span=span)
+                                    valid=torch.zeros(b, t, dtype=torch.bool, device=dev), span=span,
+                                    flex=t in self.flex_lengths)
                     self._capture((b, t, span), st)
 
     def covers(self, rows: int, length: int) -> bool:
@@ -222,7 +232,7 @@ class PrefillGraphs(StepGraphs):
         """Row i: `embeds[i]` [T_i, H] at positions starts[i]… of slot slots[i] → hidden [T_i, H] (owned)."""
         n, lengths = len(slots), [e.shape[0] for e in embeds]
         b, t = bucket(n, self.batch_buckets), bucket(max(lengths), self.len_buckets)
-        span = bucket(max(s + k for s, k in zip(starts, lengths, strict=True)), self.kv_buckets)
+        span = bucket(max(s + k for s, k in zip(starts, lengths, strict=True)), self.spans(t))
         st = self._step((b, t, span))
         st.check(n, max(lengths), embeds[0].dtype)
         # dummy rows and padding: scratch slot, invalid (write to scratch position 0, read only themselves)

@@ -49,8 +49,9 @@ def _check_prefill(device: str, compile_mode: str | None = None, eager_replay: b
     eager_kv = _copy(kv)
     graphs = PrefillGraphs.create(model, kv, (1, 2, 4), (2, 13, 20), (32,), compile_mode=compile_mode,
                                   eager_replay=eager_replay, flex=flex)
-    spans = {kv.reserved_pos} if flex else {32, kv.reserved_pos}  # every token's span; flex reads per row
-    assert graphs is not None and set(graphs.kv_buckets) == spans
+    assert graphs is not None and set(graphs.kv_buckets) == {32, kv.reserved_pos}  # every token's span
+    assert graphs.flex_lengths == ({2, 13} if flex else set())  # 20 > FLEX_MAX_POSITIONS: gathered
+    assert {key[2] for key in graphs.steps if key[1] == 13} == ({kv.reserved_pos} if flex else {32, kv.reserved_pos})
     gen = torch.Generator().manual_seed(1)
     for slots, lengths in (([1], [11]), ([2, 0, 3], [13, 11, 2])):  # unit; merged close + unit, unit, close
         embeds = [torch.randn(n, TINY.hidden_size, generator=gen).to(device) for n in lengths]
