@@ -38,6 +38,7 @@ from engine.token2wav.errors import (  # noqa: F401 - re-exported: the engine's 
     UnknownVoiceError,
 )
 from engine.token2wav.graphs import GraphCache
+from engine.token2wav.hift import draw_nsf
 from engine.token2wav.pool import FlowPool, PoolConfig, PoolError
 from engine.token2wav.pooled import run_flow_pooled
 from engine.token2wav.ragged_graphs import MEL_INPUT, TOK_INPUT, RaggedSolver
@@ -127,7 +128,7 @@ class Token2WavEngine:
         if self.graphs.enabled or self.solver.enabled:
             top = bucket_rows(min(warm_batch or self.cfg.max_batch, self.cfg.max_batch), self.buckets)
             sizes = self.warm_sizes(top)
-            progress = Progress("token2wav", len(sizes), emit)
+            progress = Progress("token2wav", len(sizes) + int(self.graphs.enabled), emit)
             if self.pool is not None and self.solver.enabled:
                 self._reserve(sizes[0])
             rng = np.random.default_rng(seed)
@@ -138,8 +139,31 @@ class Token2WavEngine:
                     self._warm_turn(voice_id, b, rng)
                     turns, grew = turns + 1, self.graph_count() > before
                 progress.step(f"batch {b}: {turns} turns, {self.graph_count()} graphs")
+            if self.graphs.enabled:
+                progress.step(f"vocoder: {self._warm_vocoder_lengths()} more call lengths")
             progress.done()
         self.misses.warm = True
+
+    def _warm_vocoder_lengths(self, rows: tuple[int, ...] = (1, 2)) -> int:
+        """HiFT graphs for every length a turn's first or last call can have (1..chunk_call codes, without and
+        with the kept mel), at 1 and 2 rows, on top of `max_graphs`. A served TTS unit may end a turn, or
+        start one, with any number of codes; uniform warm-up turns never make those lengths, and on the H200
+        each one was captured on live traffic, stalling every session's audio (stop 26)."""
+        s, up = self.cfg.stream, self.models.flow_cfg.up_stride
+        hcfg, dev = self.models.hift_cfg, next(self.models.hift.parameters()).device
+        n_over = s.mel_cache_frames * hcfg.samples_per_frame
+        gen = torch.Generator(device=dev).manual_seed(0)
+        shapes = [(r, kept, kept + up * k) for r in rows if r in self.buckets
+                  for kept in (0, s.mel_cache_frames) for k in range(1, s.chunk_call + 1)]
+        before = len(self.graphs.hift_graphs)
+        self.graphs.max_graphs += len(shapes)
+        with torch.inference_mode():
+            for r, kept, frames in shapes:
+                ini, noise = draw_nsf(gen, frames, hcfg, dev)
+                self.graphs.vocoder(torch.zeros(r, self.models.flow_cfg.mel_dim, frames, device=dev),
+                                    torch.zeros(r, 1, n_over if kept else 0, device=dev),
+                                    ini.repeat(r, 1), noise.repeat(r, 1, 1))
+        return len(self.graphs.hift_graphs) - before
 
     def warm_sizes(self, top: int | None = None) -> tuple[int, ...]:
         """The batch sizes warm-up runs, largest first: the row buckets up to `top` (default max_batch);
