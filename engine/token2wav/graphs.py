@@ -40,10 +40,11 @@ class GraphCache:
         key = (*extra, *(tuple(t.shape) for t in inputs))
         graph = table.get(key)
         if graph is None:
-            full = len(table) >= self.max_graphs
+            # after warm-up a missing shape runs eager, never captured on live traffic (ragged_graphs.py says why)
+            eager = len(table) >= self.max_graphs or self.misses.warm
             kind = "dit" if table is self.dit_graphs else "hift" if table is self.hift_graphs else "encoder"
-            self.misses.record(kind, key, "eager" if full else "captured now")
-            if not full:
+            self.misses.record(kind, key, "eager" if eager else "captured now")
+            if not eager:
                 graph = table[key] = StaticGraph(self.io.outputs(kind, fn), self.io.inputs(kind, inputs), self.pool)
         return graph
 

@@ -127,9 +127,11 @@ class RaggedSolver:
                 inputs: tuple[torch.Tensor, ...], shared: int | None) -> tuple[torch.Tensor, ...]:
         graph = graphs.get(key)
         if graph is None:
-            full = len(graphs) >= self.max_graphs
-            self.misses.record(kind, key, "eager" if full else "captured now")
-            if full:
+            # after warm-up a missing shape runs eager: capturing on live traffic stalled every session's audio
+            # (a flow encode + solve capture took 1.4 s on the H200, stop 26); eager costs tens of ms, once per call
+            eager = len(graphs) >= self.max_graphs or self.misses.warm
+            self.misses.record(kind, key, "eager" if eager else "captured now")
+            if eager:
                 return fn(*inputs)
             graph = graphs[key] = StaticGraph(self.io.outputs(kind, fn), self.io.inputs(kind, inputs, shared), self.pool,
                                          shared)
