@@ -145,8 +145,34 @@ def session_figures(log: UserLog) -> dict[str, Any]:
             "max_send_lag_ms": round(log.max_send_lag_ms, 1), "errors": dict(log.errors)}
 
 
+PHASE_WINDOW_S = 0.1  # "in phase": two sessions' responses start their audio within this of each other
+
+
+def timeline(log: UserLog, t0: float) -> dict[str, Any]:
+    """When (s after the level's first session opened) the session opened, committed, and got each response's
+    first audio: what the cold-vs-warm question of bench/h200/README.md needs (are the sessions in phase?)."""
+    rel = lambda t: round(t - t0, 3)  # noqa: E731 - a local formatter
+    firsts = sorted(r.audio_t[0] for r in log.responses.values() if r.audio_t)
+    return {"opened_s": None if log.opened_t is None else rel(log.opened_t),
+            "commits_s": [rel(t) for t in log.commits], "first_audio_s": [rel(t) for t in firsts]}
+
+
+def in_phase(logs: list[UserLog]) -> float | None:
+    """Mean number of OTHER sessions whose response's first audio came within `PHASE_WINDOW_S` of a response's
+    first audio: about (N - 1) × the window's share of the response period when phases are independent."""
+    firsts = [(i, r.audio_t[0]) for i, log in enumerate(logs) for r in log.responses.values() if r.audio_t]
+    if not firsts:
+        return None
+    near = [len({j for j, u in firsts if j != i and abs(u - t) <= PHASE_WINDOW_S}) for i, t in firsts]
+    return round(sum(near) / len(near), 3)
+
+
 def run_figures(sessions: int, logs: list[UserLog], scripted: bool | None) -> dict[str, Any]:
     per = [session_figures(log) for log in logs]
+    starts = [t for log in logs for t in ([log.opened_t] if log.opened_t is not None else log.commits[:1])]
+    t0 = min(starts, default=0.0)
+    for p, log in zip(per, logs, strict=True):
+        p["timeline"] = timeline(log, t0)
     responses = [r for log in logs for r in log.responses.values()]
     gaps = [g for r in responses for g in play(r).gaps_ms]
     commit_ms = [x for log in logs for x in commit_latencies(log)]
@@ -175,6 +201,7 @@ def run_figures(sessions: int, logs: list[UserLog], scripted: bool | None) -> di
         "realtime_factor": {"min": min(rtfs, default=None),
                             "p50": round(percentile(rtfs, 50), 4) if rtfs else None},
         "responses": len(responses), "audio_s": round(sum(p["audio_s"] for p in per), 3),
+        "first_audio_in_phase": in_phase(logs),
         "cancels_sent": sum(log.cancels_sent for log in logs),
         "max_send_lag_ms": round(max((log.max_send_lag_ms for log in logs), default=0.0), 1),
         "errors": dict(errors),

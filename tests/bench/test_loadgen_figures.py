@@ -59,6 +59,20 @@ def test_run_holds_only_when_every_session_keeps_pace() -> None:
     assert run["chunk_gap_ms"]["p50"] == pytest.approx(1000.0)
 
 
+def test_timeline_and_in_phase_count_show_sessions_that_answer_together() -> None:
+    """Three sessions: two get their first audio 50 ms apart (each has one other session in phase), the third
+    400 ms later (none); the timeline is relative to the first session's open."""
+    logs = []
+    for i, (opened, first) in enumerate(((10.0, 12.0), (10.2, 12.05), (10.5, 12.45))):
+        log = UserLog(i, opened_t=opened, commits=[first - 0.2])
+        log.responses = {"r": _response("r", first - 0.1, [first, first + 1.0])}
+        logs.append(log)
+    run = run_figures(3, logs, scripted=True)
+    assert run["first_audio_in_phase"] == pytest.approx(2 / 3, abs=1e-3)
+    assert run["per_session"][1]["timeline"] == {"opened_s": 0.2, "commits_s": [1.85], "first_audio_s": [2.05]}
+    assert run_figures(1, [UserLog(0)], scripted=False)["first_audio_in_phase"] is None
+
+
 def test_a_session_without_audio_or_with_a_failure_does_not_hold() -> None:
     failed = UserLog(0, failure="open refused: resource_exhausted")
     failed.errors["resource_exhausted"] += 1
