@@ -244,7 +244,8 @@ def bench_prefill_batched(model: Qwen3LLM, cfg: LLMConfig, args: argparse.Namesp
                                                   compile_mode=mode, eager_replay=dev.type != "cuda",
                                                   compile_dynamic=config.compile_dynamic, flex=attention == "flex")
                     assert graphs is not None
-                    ms = timed(lambda g=graphs: g.run(list(range(b)), [ctx] * b, xs), args.iters, args.warmup, dev)
+                    ms = timed(lambda g=graphs, b=b, xs=xs: g.run(list(range(b)), [ctx] * b, xs), args.iters, args.warmup,
+                               dev)
                     out.append(dict(name=prefill_row_name(MERGED_PREFILL, attention, mode), batch=b, ctx=ctx, ms=ms,
                                     span=bucket(ctx + MERGED_PREFILL, graphs.kv_buckets)))
         del kv

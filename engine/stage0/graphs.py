@@ -34,7 +34,6 @@ from engine.model.layers import LayerFn, compile_layers, mark_static_kv
 from engine.model.llm import Qwen3LLM, SlotKVCache
 from engine.stage0.config import COMPILE_MODES
 
-
 # Longest rows the prefill graphs run with FlexAttention (the close and the audio unit; a unit with camera frames
 # uses the gathered copy): on the H200 the compiled kernel found no valid configuration for 79-position rows
 # (fp32 and bf16, torch 2.11, stop 26), while 13-position rows took a unit prefill at 8 k from 13.3 to 7.7 ms.
