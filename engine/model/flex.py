@@ -29,7 +29,17 @@ class SlotBlocks(NamedTuple):
     """What every layer's flex attention shares in one forward."""
 
     block_mask: BlockMask
-    slot_ids: torch.Tensor  # [B] the rows' slots (dummy rows: the scratch slot)
+    slot_ids: torch.Tensor | None  # [B] the rows' slots (dummy rows: the scratch slot); None: row i is slot i
+
+
+def dense_blocks(write_pos: torch.Tensor, idle_pos: int, max_len: int) -> SlotBlocks:
+    """Single-token rows of the dense layout (row i = slot i, write_pos [B, 1]): each row reads its own key blocks
+    up to its position; an idle row (at `idle_pos`, output discarded) reads none."""
+    b = write_pos.shape[0]
+    pos = torch.where(write_pos == idle_pos, -1, write_pos)
+    rows = torch.arange(b, device=write_pos.device)
+    blocks = slot_blocks(pos, torch.ones_like(pos, dtype=torch.bool), rows, b, max_len)
+    return SlotBlocks(blocks.block_mask, None)
 
 
 def slot_blocks(write_pos: torch.Tensor, valid: torch.Tensor, slot_ids: torch.Tensor, slots: int,
@@ -74,10 +84,13 @@ def flex_slot_attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      blocks: SlotBlocks) -> torch.Tensor:
     """q [B, heads, T, D] → [B, heads, T, D], attending over one layer's caches [slots, kvh, max_len, D]."""
     b, heads, t, d = q.shape
-    dense = q.new_zeros(k_cache.shape[0], heads, t, d)
-    dense[blocks.slot_ids] = q
+    if blocks.slot_ids is None:  # dense: the first b slots, views of the caches
+        dense, k_cache, v_cache = q, k_cache[:b], v_cache[:b]
+    else:
+        dense = q.new_zeros(k_cache.shape[0], heads, t, d)
+        dense[blocks.slot_ids] = q
     fn = flex_attention
     if q.device.type == "cuda" and not torch.compiler.is_compiling():
         fn = _compiled_flex()
     out = fn(dense, k_cache, v_cache, block_mask=blocks.block_mask, enable_gqa=heads != k_cache.shape[1])
-    return out[blocks.slot_ids]  # type: ignore[index] - a tensor without return_lse
+    return out if blocks.slot_ids is None else out[blocks.slot_ids]  # type: ignore[index] - no return_lse

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import LLMConfig
-from engine.model.flex import slot_blocks
+from engine.model.flex import dense_blocks, slot_blocks
 from engine.model.layers import (
     DecoderLayer,
     GatedMLP,
@@ -88,7 +88,8 @@ class Qwen3LLM(nn.Module):
 
     # grouped-query attention as kv-head-major rows (no K/V expansion); False = SDPA's enable_gqa
     fold_gqa: bool = True
-    # single-token (decode) attention: "matmul" (two GEMMs over the folded rows) or "sdpa"
+    # single-token (decode) attention: "matmul" (two GEMMs over the folded rows), "sdpa", or "flex" (dense
+    # layout only: FlexAttention over each row's own key blocks, engine/model/flex.py; bench_stage0 measures it)
     decode_attention: str = "matmul"
 
     def __init__(self, cfg: LLMConfig) -> None:
@@ -139,8 +140,10 @@ class Qwen3LLM(nn.Module):
         lay = slot_layout(input_pos, slot_ids, kv, valid, kv_limit)
         cos, sin = self.rope(lay.write_pos, x.dtype)
         h, run = x, layer_fn or run_layer
-        if flex and slot_ids is not None:
-            blocks = slot_blocks(lay.write_pos, lay.write_slot != kv.scratch, slot_ids, kv.slots + 1, kv.max_len)
+        dense_flex = t == 1 and slot_ids is None and self.decode_attention == "flex"
+        if (flex and slot_ids is not None) or dense_flex:
+            blocks = (dense_blocks(lay.write_pos, kv.reserved_pos, kv.max_len) if dense_flex else
+                      slot_blocks(lay.write_pos, lay.write_slot != kv.scratch, slot_ids, kv.slots + 1, kv.max_len))
             for i, layer in enumerate(self.model.layers):
                 h = run(layer, h, cos, sin, kv.k[i], kv.v[i], lay.write_slot, lay.write_pos, slot_ids, blocks,
                         lay.kv_limit, "flex")

@@ -81,3 +81,22 @@ def test_flex_rows_equal_the_gathered_rows() -> None:
         torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
     for a, b in zip(kv_g.k + kv_g.v, kv_f.k + kv_f.v, strict=True):
         torch.testing.assert_close(b[:-1], a[:-1], atol=1e-5, rtol=1e-5)  # every slot but scratch
+
+
+def test_flex_decode_rows_equal_matmul_decode_rows() -> None:
+    """Single-token rows in the dense layout (row i = slot i), one of them idle at the reserved position: flex
+    (each row its own key blocks) == the matmul attention over the batch's span, for the live rows."""
+    model = tiny_llm()
+    outs = []
+    for attention in ("matmul", "flex"):
+        model.decode_attention = attention
+        kv = SlotKVCache.allocate(TINY, 4, 400, dtype=torch.float32)
+        gen = torch.Generator().manual_seed(2)
+        with torch.no_grad():
+            for slot, n in ((0, 127), (1, 300), (3, 5)):
+                x = torch.randn(1, n, TINY.hidden_size, generator=gen)
+                model(x, torch.arange(n)[None], torch.tensor([slot]), kv)
+            pos = torch.tensor([[127], [300], [kv.reserved_pos], [5]])  # slot 2 idle
+            x = torch.randn(4, 1, TINY.hidden_size, generator=gen)
+            outs.append(model(x, pos, None, kv, kv_limit=kv.reserved_pos + 1)[[0, 1, 3], 0])
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
