@@ -219,3 +219,27 @@ def test_stage0_audio_worker_option(tiny_checkpoint: Path) -> None:
         finally:
             bridge.stop()
         assert bridge.engine.audio_worker is None
+
+
+def test_stage0_session_warm_up_leaves_no_trace(tiny_checkpoint: Path) -> None:
+    """The warm-up's sessions (k at once, two units each, for k up to max_sessions) close again: every slot is
+    free, and a session served afterwards decides and says exactly what an engine that never warmed up does."""
+    bridge = bridges.stage0(settings("stage0", tiny_checkpoint))
+    lines: list[str] = []
+    bridge.warm_sessions(lines.append)
+    assert lines == ["sessions: 1 at once, 2 units each", "sessions: 2 at once, 2 units each"]
+    assert not bridge.engine.table.sessions and bridge.engine.table.slots.free == bridge.settings.max_sessions
+    seed, units = 5, [pcm(0, 1), pcm(1, 1)]
+    bridge.start()
+    try:
+        send(bridge, corrid=21, op="open", fence=(1, 1, 0), config={"seed": seed, "force_listen_count": 0})
+        sinks = [send(bridge, corrid=21, op="append", fence=(1, 1, i + 1), pcm=u) for i, u in enumerate(units)]
+    finally:
+        bridge.stop()
+    ref = reference_stage0(tiny_checkpoint, seed, units)
+    for index, sink in enumerate(sinks):
+        mine = [e for e in ref if e.unit_index == index and isinstance(e, TokenEvent)]
+        decision = next(e for e in mine if e.decision)
+        assert sink.outs[0].event["action"] == ("listen" if decision.listen else "speak")
+        assert [o.event["token_id"] for o in sink.of("text")] == [e.token_id for e in mine if not e.decision and e.text]
+    assert any(s.of("text") for s in sinks)  # this seed speaks: the comparison saw tokens

@@ -48,6 +48,7 @@ from .options import (
 MS_PER_S = 1000.0
 WINDOW_LOW_FRACTION = 0.75  # eviction drops old units down to this share of the KV window (§7.4)
 
+WARM_SESSION_BATCHES = (1, 2, 4, 8, 16)  # sessions opened at once by the warm-up (capped at max_sessions)
 OPTIONS = ("audio_worker", "compile_mode", "cuda_graphs", "merge_unit_close", "prefill_attention",
            "scripted_decisions")  # deploy profile `engine_options.stage0` keys
 PLAN_KEYS = ("listen_units", "speak_units", "text_ids_per_unit", "tail_listen_units")  # ScriptPlan's fields
@@ -126,6 +127,32 @@ class Stage0Bridge(EngineBridge):
             pcm = torch.zeros(self.engine.config.first_unit_samples)
             audio.encode_units(states, [pcm] * b)
             emit(f"audio front end: batch {b}")
+        if self.settings.device.startswith("cuda"):
+            self.warm_sessions(emit)
+
+    def warm_sessions(self, emit: Callable[[str], None], units: int = 2) -> None:
+        """Sessions as the first served ones run, at the batch sizes of a first wave of users: k sessions open at
+        once (their system prefixes' eager prefill, with the default voice's clip) and send `units` units each
+        (front end, unit prefill, decode at k rows), then close. What runs only on live traffic otherwise (cuDNN
+        attention plans per prefix batch and length, cuFFT plans per mel batch) is built here: on the H200 the
+        first 16-session level after ready ran 330 / 563 ms to first audio against 222 / 281 after two smaller
+        levels (bench/RESULTS.md, stop 26). The engine is driven directly: no sink, no stage metric."""
+        eng, n = self.engine, self.settings.max_sessions
+        clip = self.voice_clips.get(self.default_voice) if self.voice_clips else None
+        for k in sorted({min(b, n) for b in WARM_SESSION_BATCHES}):
+            sids = [f"__warmup_{k}_{i}" for i in range(k)]
+            fence = Fence(0, 0)
+            for i, sid in enumerate(sids):
+                eng.open(sid, fence, ref_audio=clip, params=sampling_params({}, i))
+            eng.run_until_idle()
+            for unit in range(units):
+                samples = eng.config.first_unit_samples if unit == 0 else eng.config.unit_samples
+                for sid in sids:
+                    eng.append(sid, Fence(0, 0, unit), torch.zeros(samples))
+                eng.run_until_idle()
+            for sid in sids:
+                eng.close(sid, fence)
+            emit(f"sessions: {k} at once, {units} units each")
 
     # ---- requests ---------------------------------------------------------------------------------
     def submit(self, req: StageRequest, sink: Any) -> None:
