@@ -123,12 +123,16 @@ class Stage0Bridge(EngineBridge):
         if self.engine.config.use_cuda_graphs:
             audio.capture_graphs(emit)
         for b in sorted({1, self.settings.max_sessions}):
-            states = [audio.new_session() for _ in range(b)]
-            pcm = torch.zeros(self.engine.config.first_unit_samples)
-            audio.encode_units(states, [pcm] * b)
+            self._warm_front_end(b)
             emit(f"audio front end: batch {b}")
         if self.settings.device.startswith("cuda"):
             self.warm_sessions(emit)
+
+    def _warm_front_end(self, batch: int) -> None:
+        """One front-end call at `batch` units. Its states hold pool slots until they are dropped, on return."""
+        audio = self.engine.frontend.audio
+        states = [audio.new_session() for _ in range(batch)]
+        audio.encode_units(states, [torch.zeros(self.engine.config.first_unit_samples)] * batch)
 
     def warm_sessions(self, emit: Callable[[str], None], units: int = 2) -> None:
         """Sessions as the first served ones run, at the batch sizes of a first wave of users: k sessions open at
