@@ -206,7 +206,7 @@ def _fmt(x: Any) -> str:
 
 def table(runs: list[dict[str, Any]]) -> str:
     head = ("N", "held", "c->audio p50/p99", "cancel p50/p99", "text-audio p50", "text behind gen p50/p99",
-            "max gap (p99, >1.2 s)", "underruns", "errors", "rows/step s0/tts/t2w")
+            "max gap (p99, >1.2 s)", "underruns", "errors", "rows/step s0/tts/t2w", "in phase")
     lines = [" | ".join(head)]
     for r in runs:
         rows = r["stage_rows_per_step"]
@@ -219,7 +219,8 @@ def table(runs: list[dict[str, Any]]) -> str:
             f"{_fmt(r['max_chunk_gap_ms'])} ({_fmt(r['chunk_gap_ms']['p99'])}, {r['chunk_gap_ms']['over_bound']})",
             str(r["underruns"]),
             str(sum(r["errors"].values())),
-            "/".join("-" if rows[s] is None else f"{rows[s]:.2f}" for s in stages.STAGES))))
+            "/".join("-" if rows[s] is None else f"{rows[s]:.2f}" for s in stages.STAGES),
+            "-" if r.get("first_audio_in_phase") is None else f"{r['first_audio_in_phase']:.2f}")))
     return "\n".join(lines)
 
 
