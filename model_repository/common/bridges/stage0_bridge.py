@@ -137,10 +137,11 @@ class Stage0Bridge(EngineBridge):
     def warm_sessions(self, emit: Callable[[str], None], units: int = 2) -> None:
         """Sessions as the first served ones run, at the batch sizes of a first wave of users: k sessions open at
         once (their system prefixes' eager prefill, with the default voice's clip) and send `units` units each
-        (front end, unit prefill, decode at k rows), then close. What runs only on live traffic otherwise (cuDNN
-        attention plans per prefix batch and length, cuFFT plans per mel batch) is built here: on the H200 the
-        first 16-session level after ready ran 330 / 563 ms to first audio against 222 / 281 after two smaller
-        levels (bench/RESULTS.md, stop 26). The engine is driven directly: no sink, no stage metric."""
+        (front end, unit prefill, decode at k rows), then close, so that the kernel plans of those shapes (cuDNN
+        attention per prefix batch and length, cuFFT per mel batch) exist before ready. The suspected cause of a
+        slow first level on the H200 (16 sessions: 330 / 563 ms to first audio, 222 / 281 after two smaller
+        levels; bench/RESULTS.md, stop 26), not yet measured with this warm-up. The engine is driven directly: no
+        sink, no stage metric."""
         eng, n = self.engine, self.settings.max_sessions
         clip = self.voice_clips.get(self.default_voice) if self.voice_clips else None
         for k in sorted({min(b, n) for b in WARM_SESSION_BATCHES}):
