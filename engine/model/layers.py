@@ -116,13 +116,14 @@ class SlotLayout(NamedTuple):
 
     write_slot: torch.Tensor  # [B, T] int64 (scratch for padded queries)
     write_pos: torch.Tensor   # [B, T] int64 (0 for padded queries)
-    visible: torch.Tensor     # [B, 1, T, L] bool, causal within the slot
+    visible: torch.Tensor | None  # [B, 1, T, L] bool, causal within the slot (None: not asked for)
     kv_limit: int             # L: static bound on the keys attended
 
 
 def slot_layout(input_pos: torch.Tensor, slot_ids: torch.Tensor | None, kv: SlotKVCache,
-                valid: torch.Tensor | None, kv_limit: int | None) -> SlotLayout:
-    """input_pos [B, T]; slot_ids [B] or None (dense: row i is slot i); valid [B, T] bool or None."""
+                valid: torch.Tensor | None, kv_limit: int | None, with_visible: bool = True) -> SlotLayout:
+    """input_pos [B, T]; slot_ids [B] or None (dense: row i is slot i); valid [B, T] bool or None.
+    with_visible=False skips the [B, 1, T, L] mask (FlexAttention builds its own from the positions)."""
     b, t = input_pos.shape
     device = input_pos.device
     kv_limit = kv.max_len if kv_limit is None else min(kv_limit, kv.max_len)
@@ -131,8 +132,10 @@ def slot_layout(input_pos: torch.Tensor, slot_ids: torch.Tensor | None, kv: Slot
     rows = torch.arange(b, device=device) if slot_ids is None else slot_ids
     write_slot = torch.where(valid, rows[:, None], kv.scratch)  # [B, T]
     write_pos = torch.where(valid, input_pos, 0)
-    key_idx = torch.arange(kv_limit, device=device)
-    visible = (key_idx <= write_pos[..., None])[:, None]  # [B, 1, T, L]
+    visible = None
+    if with_visible:
+        key_idx = torch.arange(kv_limit, device=device)
+        visible = (key_idx <= write_pos[..., None])[:, None]  # [B, 1, T, L]
     return SlotLayout(write_slot, write_pos, visible, kv_limit)
 
 

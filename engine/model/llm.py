@@ -137,11 +137,12 @@ class Qwen3LLM(nn.Module):
         Returns final-norm hidden [B, T, H].
         """
         b, t, _ = x.shape
-        lay = slot_layout(input_pos, slot_ids, kv, valid, kv_limit)
+        dense_flex = t == 1 and slot_ids is None and self.decode_attention == "flex"
+        use_flex = (flex and slot_ids is not None) or dense_flex
+        lay = slot_layout(input_pos, slot_ids, kv, valid, kv_limit, with_visible=not use_flex)
         cos, sin = self.rope(lay.write_pos, x.dtype)
         h, run = x, layer_fn or run_layer
-        dense_flex = t == 1 and slot_ids is None and self.decode_attention == "flex"
-        if (flex and slot_ids is not None) or dense_flex:
+        if use_flex:
             blocks = (dense_blocks(lay.write_pos, kv.reserved_pos, kv.max_len) if dense_flex else
                       slot_blocks(lay.write_pos, lay.write_slot != kv.scratch, slot_ids, kv.slots + 1, kv.max_len))
             for i, layer in enumerate(self.model.layers):
@@ -149,6 +150,7 @@ class Qwen3LLM(nn.Module):
                         lay.kv_limit, "flex")
             return self.model.norm(h)
         visible = lay.visible  # [B, 1, T, L]
+        assert visible is not None
         mode = "matmul" if t == 1 and self.decode_attention == "matmul" else "fold" if self.fold_gqa else "gqa"
         if mode != "gqa":  # rows of a kv head are (group, query): the same causal row repeats per group
             g = self.cfg.num_attention_heads // self.cfg.num_key_value_heads

@@ -191,19 +191,8 @@ def test_warm_up_covers_a_turn_whose_units_arrive_one_at_a_time(
     turn as in the warm-up turns: the calls that pattern makes find graphs built at warm-up."""
     eng = _engine(models, 2, monkeypatch, _KeyGraph)
     eng.warm_up("a")
-    rng = np.random.default_rng(3)
     for n in (1, 2):
-        fence = Fence(3, n)
-        for i in range(n):
-            eng.open(f"p{i}", fence, "a", seed=i)
-        for unit in range(WARMUP_UNITS + 2):
-            for i in range(n):
-                eng.submit(f"p{i}", fence, unit, rng.integers(0, TINY_FLOW.vocab_size, 25).tolist(),
-                           end_of_turn=unit == WARMUP_UNITS + 1)
-            while eng.pending():
-                eng.step()
-        for i in range(n):
-            eng.close(f"p{i}", fence)
+        _paced_turn(eng, Fence(3, n), n, [25] * (WARMUP_UNITS + 2))
     assert eng.misses.counts() == {}
 
 
@@ -216,11 +205,20 @@ def test_warm_up_covers_turns_that_start_or_end_with_any_number_of_codes(
     both for them; the H200 runs logged none): not covered here."""
     eng = _engine(models, 2, monkeypatch, _KeyGraph)
     eng.warm_up("a")
-    fence, rng = Fence(4, first), np.random.default_rng(first)
-    eng.open("p0", fence, "a", seed=0)
-    for unit, n in enumerate((first, 25, last)):
-        eng.submit("p0", fence, unit, rng.integers(0, TINY_FLOW.vocab_size, n).tolist(), end_of_turn=unit == 2)
+    _paced_turn(eng, Fence(4, first), 1, [first, 25, last])
+    assert "hift" not in eng.misses.counts()
+
+
+def _paced_turn(eng: Token2WavEngine, fence: Fence, sessions: int, codes_per_unit: list[int]) -> None:
+    """One turn of `sessions` sessions as served: each unit's codes submitted, then the engine run until idle."""
+    rng = np.random.default_rng(len(codes_per_unit) * 100 + codes_per_unit[0])
+    for i in range(sessions):
+        eng.open(f"p{i}", fence, "a", seed=i)
+    for unit, n in enumerate(codes_per_unit):
+        for i in range(sessions):
+            eng.submit(f"p{i}", fence, unit, rng.integers(0, TINY_FLOW.vocab_size, n).tolist(),
+                       end_of_turn=unit == len(codes_per_unit) - 1)
         while eng.pending():
             eng.step()
-    eng.close("p0", fence)
-    assert "hift" not in eng.misses.counts()
+    for i in range(sessions):
+        eng.close(f"p{i}", fence)
