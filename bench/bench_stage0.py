@@ -66,6 +66,7 @@ RESULT_ROWS = {"forward_decode": "graph decode [{attention}]{mode}",
                "engine_decode": "engine step decode{mode}", "engine_prefill": "engine step prefill{mode}"}
 UNIT_PREFILL = 11  # `<unit>` + 10 audio embeddings
 MERGED_PREFILL = 13  # the previous unit's `[terminator, </unit>]` + the above (model.md §3.6)
+FRAME_PREFILL = MERGED_PREFILL + 66  # the same with one camera frame (`<image>` + 64 embeddings + `</image>`)
 WEIGHT_STD = 0.02  # model.md §9.4 / §9.5
 BYTE_IDS = 256  # the bench tokenizer: one id per byte, the special tokens at the top of the vocabulary
 SPECIALS = ("<|im_start|> <|im_end|> <unit> </unit> <|audio_start|> <|audio_end|> <image> </image> <|listen|> "
@@ -197,9 +198,9 @@ def bench_prefill(model: Qwen3LLM, cfg: LLMConfig, args: argparse.Namespace, dev
     kv = random_kv(cfg, 1, max(config.slot_len(rules), ctx + args.extra), dev, dtype)
     span = min(kv.max_len, quantized(ctx + MERGED_PREFILL))
     slot = torch.zeros(1, dtype=torch.long, device=dev)
-    out = []
+    out, lengths = [], (UNIT_PREFILL, MERGED_PREFILL) + ((FRAME_PREFILL,) if args.frame_prefill else ())
     with torch.no_grad():
-        for n in (UNIT_PREFILL, MERGED_PREFILL):
+        for n in lengths:
             x = torch.randn(n, cfg.hidden_size, dtype=dtype, device=dev)
             pos = torch.arange(ctx, ctx + n, device=dev)[None]
             ms = timed(lambda x=x, pos=pos: model.logits(model(x[None], pos, slot, kv, kv_limit=span)[:, -1]),
@@ -208,12 +209,12 @@ def bench_prefill(model: Qwen3LLM, cfg: LLMConfig, args: argparse.Namespace, dev
         for mode in graph_modes(args):
             for attention in args.prefill_attention:
                 fresh_compile(mode)
-                graphs = PrefillGraphs.create(model, kv, (1,), (UNIT_PREFILL, MERGED_PREFILL),
+                graphs = PrefillGraphs.create(model, kv, (1,), lengths,
                                               config.decode_kv_buckets, compile_mode=mode,
                                               eager_replay=dev.type != "cuda", compile_dynamic=config.compile_dynamic,
                                               flex=attention == "flex")
                 assert graphs is not None
-                for n in (UNIT_PREFILL, MERGED_PREFILL):
+                for n in lengths:
                     x = torch.randn(n, cfg.hidden_size, dtype=dtype, device=dev)
                     ms = timed(lambda g=graphs, x=x: model.logits(g.run([0], [ctx], [x])[0][-1:]),
                                args.iters, args.warmup, dev)
@@ -525,6 +526,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prefill-attention", default="flex,gather",
                     help="unit prefill attention variants (Stage0Config.prefill_attention); the first one is "
                          "used by the engine rows")
+    ap.add_argument("--frame-prefill", action="store_true",
+                    help=f"also a unit prefill with one camera frame ({FRAME_PREFILL} positions), batch 1")
     ap.add_argument("--prefill-batches", default="32",
                     help="sessions' merged unit prefills per graph for the batched prefill rows ('' = none)")
     ap.add_argument("--json", default=None)

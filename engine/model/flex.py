@@ -23,6 +23,11 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 KV_BLOCK = 128  # keys per block: FlexAttention's default sparse block size
 Q_BLOCK = 128
+# Longest rows left to the compiled flex *decoding* kernel (torch picks it below 128 queries; it packs the GQA
+# group's heads x queries into one tile). Longer rows (a unit with camera frames, 79 / 145 positions) force the
+# flex attention kernel: the decoding kernel found no valid configuration for 79-position rows on the H200
+# (NoValidChoicesError, torch 2.11, stop 26).
+FLEX_DECODING_MAX_POSITIONS = 16
 
 
 class SlotBlocks(NamedTuple):
@@ -92,5 +97,7 @@ def flex_slot_attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     fn = flex_attention
     if q.device.type == "cuda" and not torch.compiler.is_compiling():
         fn = _compiled_flex()
-    out = fn(dense, k_cache, v_cache, block_mask=blocks.block_mask, enable_gqa=heads != k_cache.shape[1])
+    options = {"FORCE_USE_FLEX_ATTENTION": True} if t > FLEX_DECODING_MAX_POSITIONS else None
+    out = fn(dense, k_cache, v_cache, block_mask=blocks.block_mask, enable_gqa=heads != k_cache.shape[1],
+             kernel_options=options)
     return out if blocks.slot_ids is None else out[blocks.slot_ids]  # type: ignore[index] - no return_lse
