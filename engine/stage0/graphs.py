@@ -10,8 +10,8 @@ the static output). All graphs of one set share a memory pool.
 - `PrefillGraphs`: multi-token rows (a unit `<unit>` + frames + audio, optionally after the previous unit's
   `[terminator, </unit>]`, or a separate 2-position close) in the gathered layout, one graph per
   (batch bucket, length bucket, span bucket). Dummy rows and padded positions write to the scratch slot.
-  With `flex` the rows up to `FLEX_MAX_POSITIONS` long attend over the cache itself (FlexAttention,
-  engine/model/flex.py): no KV copy, one span bucket.
+  With `flex` the rows up to `FLEX_MAX_POSITIONS` long (every unit, frames included) attend over the cache
+  itself (FlexAttention, engine/model/flex.py): no KV copy, one span bucket.
 
 Off CUDA (or with `eager_replay=True`) `replay` calls the step function on the same static buffers, so CPU
 tests exercise the bucketing and copy-in/copy-out logic. `compile_mode` runs the forward's decoder layers
@@ -34,10 +34,10 @@ from engine.model.layers import LayerFn, compile_layers, mark_static_kv
 from engine.model.llm import Qwen3LLM, SlotKVCache
 from engine.stage0.config import COMPILE_MODES
 
-# Longest rows the prefill graphs run with FlexAttention (the close and the audio unit; a unit with camera frames
-# uses the gathered copy): on the H200 the compiled kernel found no valid configuration for 79-position rows
-# (fp32 and bf16, torch 2.11, stop 26), while 13-position rows took a unit prefill at 8 k from 13.3 to 7.7 ms.
-FLEX_MAX_POSITIONS = 16
+# Longest rows the prefill graphs run with FlexAttention: a unit with two camera frames (13 + 2 x 66 positions).
+# Rows past 16 positions use flex's attention kernel (engine/model/flex.py); its decoding kernel found no valid
+# configuration for 79-position rows on the H200 (stop 26). A 13-position unit prefill at 8 k: 13.3 -> 7.7 ms.
+FLEX_MAX_POSITIONS = 160
 
 
 class GraphShapeError(RuntimeError):

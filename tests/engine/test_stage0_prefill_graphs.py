@@ -50,10 +50,11 @@ def _check_prefill(device: str, compile_mode: str | None = None, eager_replay: b
     graphs = PrefillGraphs.create(model, kv, (1, 2, 4), (2, 13, 20), (32,), compile_mode=compile_mode,
                                   eager_replay=eager_replay, flex=flex)
     assert graphs is not None and set(graphs.kv_buckets) == {32, kv.reserved_pos}  # every token's span
-    assert graphs.flex_lengths == ({2, 13} if flex else set())  # 20 > FLEX_MAX_POSITIONS: gathered
+    assert graphs.flex_lengths == ({2, 13, 20} if flex else set())  # 20 > 16: flex's attention kernel, not decoding
     assert {key[2] for key in graphs.steps if key[1] == 13} == ({kv.reserved_pos} if flex else {32, kv.reserved_pos})
     gen = torch.Generator().manual_seed(1)
-    for slots, lengths in (([1], [11]), ([2, 0, 3], [13, 11, 2])):  # unit; merged close + unit, unit, close
+    # unit; merged close + unit, unit, close; a unit with a (tiny) frame beside a unit, in the 20 bucket
+    for slots, lengths in (([1], [11]), ([2, 0, 3], [13, 11, 2]), ([3, 1], [20, 13])):
         embeds = [torch.randn(n, TINY.hidden_size, generator=gen).to(device) for n in lengths]
         got = graphs.run(slots, [starts[s] for s in slots], embeds)
         for slot, e, h in zip(slots, embeds, got, strict=True):  # eager reference, one row at a time
