@@ -138,10 +138,9 @@ class Stage0Bridge(EngineBridge):
         """Sessions as the first served ones run, at the batch sizes of a first wave of users: k sessions open at
         once (their system prefixes' eager prefill, with the default voice's clip) and send `units` units each
         (front end, unit prefill, decode at k rows), then close, so that the kernel plans of those shapes (cuDNN
-        attention per prefix batch and length, cuFFT per mel batch) exist before ready. The suspected cause of a
-        slow first level on the H200 (16 sessions: 330 / 563 ms to first audio, 222 / 281 after two smaller
-        levels; bench/RESULTS.md, stop 26), not yet measured with this warm-up. The engine is driven directly: no
-        sink, no stage metric."""
+        attention per prefix batch and length, cuFFT per mel batch) exist before ready. On the H200 this took a
+        cold server's first 16-session level from 330 / 563 ms to first audio to 234 / 341 ms (warm: 228 / 286;
+        bench/RESULTS.md, stop 27). The engine is driven directly: no sink, no stage metric."""
         eng, n = self.engine, self.settings.max_sessions
         clip = self.voice_clips.get(self.default_voice) if self.voice_clips else None
         for k in sorted({min(b, n) for b in WARM_SESSION_BATCHES}):
