@@ -206,7 +206,8 @@ def _fmt(x: Any) -> str:
 
 def table(runs: list[dict[str, Any]]) -> str:
     head = ("N", "held", "c->audio p50/p99", "cancel p50/p99", "text-audio p50", "text behind gen p50/p99",
-            "max gap (p99, >1.2 s)", "underruns", "errors", "rows/step s0/tts/t2w", "in phase")
+            "max gap (p99, >1.2 s)", "underruns", "errors", "rows/step s0/tts/t2w", "in phase",
+            "unit->audio p50 by position 1/2/3/4+")
     lines = [" | ".join(head)]
     for r in runs:
         rows = r["stage_rows_per_step"]
@@ -220,7 +221,8 @@ def table(runs: list[dict[str, Any]]) -> str:
             str(r["underruns"]),
             str(sum(r["errors"].values())),
             "/".join("-" if rows[s] is None else f"{rows[s]:.2f}" for s in stages.STAGES),
-            "-" if r.get("first_audio_in_phase") is None else f"{r['first_audio_in_phase']:.2f}")))
+            "-" if r.get("first_audio_in_phase") is None else f"{r['first_audio_in_phase']:.2f}",
+            "/".join(_fmt(p["p50"]) for p in r.get("unit_to_audio_by_position_ms", {}).values()) or "-")))
     return "\n".join(lines)
 
 

@@ -108,6 +108,21 @@ def unit_latencies(log: UserLog) -> tuple[list[float], list[float]]:
     return audio, decided
 
 
+POSITIONS = 4  # unit latency by position in the response: 1st, 2nd, 3rd, 4th and later
+
+
+def unit_audio_by_position(log: UserLog) -> dict[int, list[float]]:
+    """Unit sent -> that unit's first audio (ms), keyed by the unit's position in its response (1, 2, 3,
+    `POSITIONS` for the later ones): a latency that grows along a response makes the chunk gaps exceed 1 s."""
+    out: dict[int, list[float]] = {k: [] for k in range(1, POSITIONS + 1)}
+    for r in log.responses.values():
+        for i, unit in enumerate(sorted(r.unit_audio_t)):
+            sent = unit_sent(log, unit)
+            if sent is not None:
+                out[min(i + 1, POSITIONS)].append((r.unit_audio_t[unit] - sent) * MS)
+    return out
+
+
 def cancel_latency(resp: ResponseLog) -> float | None:
     if resp.cancel_t is None:
         return None
@@ -178,6 +193,7 @@ def run_figures(sessions: int, logs: list[UserLog], scripted: bool | None) -> di
     commit_ms = [x for log in logs for x in commit_latencies(log)]
     created_ms = [(r.audio_t[0] - r.created_t) * MS for r in responses if r.audio_t]
     by_unit = [unit_latencies(log) for log in logs]
+    by_position = [unit_audio_by_position(log) for log in logs]
     cancel_ms = [x for r in responses if (x := cancel_latency(r)) is not None]
     text_ms = [(r.unit_text_t[u] - t) * MS for r in responses for u, t in r.unit_audio_t.items() if u in r.unit_text_t]
     rtfs = [p["realtime_factor"] for p in per if p["realtime_factor"] is not None]
@@ -191,6 +207,9 @@ def run_figures(sessions: int, logs: list[UserLog], scripted: bool | None) -> di
         "response_created_to_first_audio_ms": pcts(created_ms, 50, 99),
         "unit_to_first_audio_ms": pcts([x for audio, _ in by_unit for x in audio], 50, 99),
         "unit_to_decision_ms": pcts([x for _, decided in by_unit for x in decided], 50, 99),
+        "unit_to_audio_by_position_ms": {
+            (f"{k}+" if k == POSITIONS else str(k)): pcts([x for pos in by_position for x in pos[k]], 50, 99)
+            for k in range(1, POSITIONS + 1)},
         "cancel_to_last_audio_ms": pcts(cancel_ms, 50, 99),
         "cancel_to_done_ms": pcts([x for r in responses if (x := cancel_to_done(r)) is not None], 50, 99),
         "transcript_delay_ms": pcts(text_ms, 50, 99),

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from bench.loadgen import stages, text_wait
+from bench.loadgen.grid import FIRST_UNIT, UNIT
 from bench.loadgen.report import commit_latencies, play, run_figures
 from bench.loadgen.user import ResponseLog, UserLog, audio_delta_ms
 
@@ -71,6 +72,21 @@ def test_timeline_and_in_phase_count_show_sessions_that_answer_together() -> Non
     assert run["first_audio_in_phase"] == pytest.approx(2 / 3, abs=1e-3)
     assert run["per_session"][1]["timeline"] == {"opened_s": 0.2, "commits_s": [1.85], "first_audio_s": [2.05]}
     assert run_figures(1, [UserLog(0)], scripted=False)["first_audio_in_phase"] is None
+
+
+def test_unit_latency_by_position_in_the_response() -> None:
+    """Units sent on the grid (0.2 s appends) whose audio comes 200, 300 and
+    450 ms after them: the latency grows along the response, each position its own figure."""
+    log = UserLog(0)
+    log.chunk_sent = [0.2 * (k + 1) for k in range(60)]  # append k carries input samples 3200k ... 3200k + 3199
+    r = ResponseLog("r", 2.0)
+    sent = {u: log.chunk_sent[(FIRST_UNIT + u * UNIT - 1) // 3200] for u in (2, 3, 4)}  # its last sample's append
+    r.unit_audio_t = {2: sent[2] + 0.2, 3: sent[3] + 0.3, 4: sent[4] + 0.45}
+    r.audio_t, r.audio_ms = sorted(r.unit_audio_t.values()), [1000.0] * 3
+    log.responses = {"r": r}
+    by_position = run_figures(1, [log], scripted=True)["unit_to_audio_by_position_ms"]
+    assert [by_position[k]["p50"] for k in ("1", "2", "3")] == pytest.approx([200.0, 300.0, 450.0])
+    assert by_position["4+"]["count"] == 0
 
 
 def test_a_session_without_audio_or_with_a_failure_does_not_hold() -> None:
