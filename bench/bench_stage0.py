@@ -195,7 +195,8 @@ def bench_prefill(model: Qwen3LLM, cfg: LLMConfig, args: argparse.Namespace, dev
                   dtype: torch.dtype) -> list[dict]:
     ctx = args.prefill_context
     config, rules = engine_config(1, args, dev)
-    kv = random_kv(cfg, 1, max(config.slot_len(rules), ctx + args.extra), dev, dtype)
+    extra = args.extra + (FRAME_PREFILL if args.frame_prefill else 0)
+    kv = random_kv(cfg, 1, max(config.slot_len(rules), ctx + extra), dev, dtype)
     span = min(kv.max_len, quantized(ctx + MERGED_PREFILL))
     slot = torch.zeros(1, dtype=torch.long, device=dev)
     out, lengths = [], (UNIT_PREFILL, MERGED_PREFILL) + ((FRAME_PREFILL,) if args.frame_prefill else ())
