@@ -3,7 +3,8 @@
 Each user streams espeak-ng speech at exactly 1x real time in 200 ms appends (silence between sentences,
 server VAD commits), plays the returned audio into a simulated 1x player and, with --cancel-every, barges in
 with `response.cancel` while audio streams. Sweeps N in the given order and stops after the first N that no
-longer holds real time (every session's audio keeps pace, no chunk gap > 1.2 s: targets.md P8). With
+longer holds real time (every session's audio keeps pace, no chunk gap > 1.2 s: targets.md P8; --keep-going runs
+every N anyway). With
 --triton-metrics it scrapes the stage metrics before and after each N and reports mean rows per engine step
 per stage (batch occupancy, P12). It scrapes the gateway's own /metrics the same way and reports how long
 generated text waited before its delta left (`transcript_behind_generation_ms`, P13). Progress goes to stderr; the JSON is rewritten after every N; a table is
@@ -63,6 +64,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--triton-metrics", help="Triton's metrics URL, http://HOST:PORT/metrics")
     ap.add_argument("--gateway-metrics", help="the gateway's metrics URL (default: /metrics of --url); it must "
                                               "serve only this load while a step runs")
+    ap.add_argument("--keep-going", action="store_true",
+                    help="run every N of the sweep, also after one that did not hold real time")
     ap.add_argument("--api-key", help="sent as Authorization: Bearer KEY")
     ap.add_argument("--cancel-every", type=float, help="seconds between barge-in cancels per session")
     ap.add_argument("--out", type=Path, required=True, help="JSON results file")
@@ -258,7 +261,7 @@ async def sweep(args: argparse.Namespace) -> dict[str, Any]:
         write(args.out, doc)
         print(f"[N={n}] held real time: {run['held_realtime']}"
               + ("" if run["held_realtime"] else f" ({'; '.join(run['not_held'])})"), file=sys.stderr, flush=True)
-        if not run["held_realtime"]:
+        if not run["held_realtime"] and not args.keep_going:
             break
     return doc
 

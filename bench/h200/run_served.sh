@@ -14,6 +14,7 @@
 #   CKPT_ARGS (extra make_full_checkpoint.py flags, e.g. --no-vision)   PROFILE deploy/profiles/h200-scripted.yaml
 #   PORT 8000   METRICS_PORT 8003   SERVE_DIR /tmp/duplex-serve (cache dir: model repository + logs)
 #   READY_TIMEOUT 420 (s the serve step waits for /ready)   SESSIONS 1,8,16,32,64   DURATION 20
+#   KEEP_GOING (set: the sweep runs every N, also after one that did not hold)
 #   FIXTURES .cache/loadgen-fixtures (espeak-ng WAVs made by `fixtures`; carry it)   OUT ($OUT or /tmp/duplex-out)
 #   COMMIT (recorded in the results; default: the file COMMIT beside this checkout, else git HEAD)
 set -euo pipefail
@@ -102,7 +103,7 @@ do_load() {
   DUPLEX_LOADGEN_CACHE="$FIXTURES" PYTHONUNBUFFERED=1 "$VENV/bin/python" bench/load_realtime.py \
     --url "ws://127.0.0.1:$PORT" --sessions "$SESSIONS" --duration "$DURATION" --profile "$PROFILE" \
     --triton-metrics "http://127.0.0.1:$METRICS_PORT/metrics" --out "$OUT/load-h200.json" \
-    ${COMMIT:+--commit "$COMMIT"}
+    ${COMMIT:+--commit "$COMMIT"} ${KEEP_GOING:+--keep-going}
 }
 
 do_logs() {
