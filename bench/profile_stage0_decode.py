@@ -21,17 +21,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.bench_stage0 import (  # noqa: E402
-    FULL,
-    TINY,
-    dummy_init,
-    engine_config,
-    floor_ms,
-    fresh_compile,
-    random_kv,
-    stats,
-    timed,
-)
+from bench.bench_stage0 import engine_config, floor_ms, fresh_compile, random_kv, stats, timed  # noqa: E402
+from bench.profile_stage0_prefill import profiled_model  # noqa: E402
 from engine.model.llm import Qwen3LLM  # noqa: E402
 from engine.stage0.graphs import DecodeGraphs  # noqa: E402
 
@@ -50,13 +41,7 @@ def main(argv: list[str] | None = None) -> None:
     # the rest of what bench_stage0.engine_config reads: the engine rows' slot length and buckets
     args.engine_units, args.slot_len, args.no_graphs, args.compile_static, args.no_fuse = 5, None, False, False, False
     args.prefill_attention, args.compile = ["gather"], args.compile or None
-    dev = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
-    dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
-    cfg = TINY if args.tiny else FULL
-    with torch.device(dev):
-        model = Qwen3LLM(cfg).to(dtype).eval()
-    dummy_init(model)
-    model.fuse_projections()
+    model, cfg, dev, dtype = profiled_model(args.tiny)
     n_params = sum(p.numel() for p in model.parameters())  # bench_stage0's floor (the embedding table counted)
     summary = []
     for b in (int(x) for x in args.batches.split(",")):

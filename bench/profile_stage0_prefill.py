@@ -41,13 +41,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="SDPA kernel sets to compare: default (PyTorch's choice), efficient, flash, math, no-cudnn")
     ap.add_argument("--tiny", action="store_true")
     args = ap.parse_args(argv)
-    dev = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
-    dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
-    cfg = TINY if args.tiny else FULL
-    with torch.device(dev):
-        model = Qwen3LLM(cfg).to(dtype).eval()
-    dummy_init(model)
-    model.fuse_projections()
+    model, cfg, dev, dtype = profiled_model(args.tiny)
     summary = []
     for b in (int(x) for x in args.batches.split(",")):
         for name in args.sdpa.split(","):
@@ -59,6 +53,18 @@ def main(argv: list[str] | None = None) -> None:
     print("\nsdpa | batch | eager wall ms | GPU ms | attention ms | KV gather ms")
     for name, b, wall, gpu, attn, gather in summary:
         print(f"{name} | {b} | {wall:.1f} | {gpu:.1f} | {attn:.1f} | {gather:.1f}")
+
+
+def profiled_model(tiny: bool) -> tuple[Qwen3LLM, LLMConfig, torch.device, torch.dtype]:
+    """bench_stage0's model with fused projections: full size in bf16 on the GPU, or tiny in fp32 on the CPU."""
+    dev = torch.device("cpu" if tiny or not torch.cuda.is_available() else "cuda")
+    dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
+    cfg = TINY if tiny else FULL
+    with torch.device(dev):
+        model = Qwen3LLM(cfg).to(dtype).eval()
+    dummy_init(model)
+    model.fuse_projections()
+    return model, cfg, dev, dtype
 
 
 def profile_one(model: Qwen3LLM, cfg: LLMConfig, b: int, args: argparse.Namespace, dev: torch.device,
