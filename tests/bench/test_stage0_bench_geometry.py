@@ -60,3 +60,23 @@ def test_slot_len_too_short_for_the_engine_rows_is_refused() -> None:
     args.slot_len = 197
     config, rules = engine_config(1, args, torch.device("cpu"))
     assert config.slot_len(rules) == 197
+
+
+def test_frame_prefill_row_runs_with_flex(tmp_path: Path) -> None:
+    """`--frame-prefill` adds a unit with one camera frame (79 positions) to the graph prefill rows, attending with
+    flex past the prefill context. (Here the tiny slot already has room; at full size the KV needed the row's
+    room added: the H200 run at 025c29c raised a GraphShapeError, 4175 > 4159.)"""
+    rows = run_bench(tmp_path, "--frame-prefill", "--engine-batches", "", "--prefill-batches", "",
+                     "--prefill-attention", "flex")
+    frame = [r for r in rows if r["name"].startswith("graph prefill 79 [flex]")]
+    assert len(frame) == 1 and frame[0]["median_ms"] > 0 and frame[0]["span"] >= 64 + 79
+
+
+def test_decode_profiler_runs_the_served_graph(capsys: pytest.CaptureFixture[str]) -> None:
+    """bench/profile_stage0_decode.py on the CPU (tiny model, eager graphs): one row per attention and batch."""
+    sys.path.insert(0, str(REPO))
+    from bench.profile_stage0_decode import main
+
+    main(["--tiny", "--batches", "1,2", "--context", "64", "--attention", "matmul", "--compile", "", "--iters", "1"])
+    table = capsys.readouterr().out.split("attention | batch")[1].strip().splitlines()[1:]
+    assert [line.split(" | ")[:2] for line in table] == [["matmul", "1"], ["matmul", "2"]]
