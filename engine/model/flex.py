@@ -80,9 +80,22 @@ def slot_blocks(write_pos: torch.Tensor, valid: torch.Tensor, slot_ids: torch.Te
     return SlotBlocks(mask, slot_ids)
 
 
+# Shapes one process compiles the standalone flex kernel for (batch bucket x length bucket x dtype x kernel options:
+# dozens in a served stage0 without compiled layers). Past dynamo's default limit of 8 per code object every later
+# shape would silently run the eager reference instead (materialised scores, other numerics).
+FLEX_RECOMPILE_LIMIT = 256
+
+
 @functools.cache
 def _compiled_flex():  # noqa: ANN202 - torch.compile's wrapper type
     return torch.compile(flex_attention, dynamic=False)
+
+
+def compiled_flex_attention(*args, **kwargs) -> torch.Tensor:  # noqa: ANN002, ANN003 - flex_attention's own
+    """`torch.compile(flex_attention)` outside a compiled region, one static compile per shape, never the eager
+    fallback that dynamo's recompile limit would otherwise choose after 8 shapes."""
+    with torch._dynamo.config.patch(recompile_limit=FLEX_RECOMPILE_LIMIT):
+        return _compiled_flex()(*args, **kwargs)
 
 
 def flex_slot_attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -96,7 +109,7 @@ def flex_slot_attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         dense[blocks.slot_ids] = q
     fn = flex_attention
     if q.device.type == "cuda" and not torch.compiler.is_compiling():
-        fn = _compiled_flex()
+        fn = compiled_flex_attention
     options = {"FORCE_USE_FLEX_ATTENTION": True} if t > FLEX_DECODING_MAX_POSITIONS else None
     out = fn(dense, k_cache, v_cache, block_mask=blocks.block_mask, enable_gqa=heads != k_cache.shape[1],
              kernel_options=options)

@@ -100,3 +100,26 @@ def test_flex_decode_rows_equal_matmul_decode_rows() -> None:
             x = torch.randn(4, 1, TINY.hidden_size, generator=gen)
             outs.append(model(x, pos, None, kv, kv_limit=kv.reserved_pos + 1)[[0, 1, 3], 0])
     torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
+
+
+def test_standalone_compiled_flex_compiles_every_shape_past_dynamos_limit() -> None:
+    """Outside a compiled region the flex kernel is compiled once per shape (`compiled_flex_attention`): a process
+    with more shapes than dynamo's default recompile limit (8) still compiles each, where a bare
+    `torch.compile(flex_attention)` would run the eager reference (other numerics) from the 9th shape on."""
+    import torch._dynamo as dynamo
+
+    from engine.model.flex import compiled_flex_attention
+
+    k = torch.randn(1, 2, 32, 8)
+    shapes = 10
+    before = dynamo.utils.counters["frames"]["ok"]
+    for t in range(1, shapes + 1):
+        q = torch.randn(1, 2, 16 * t, 8)
+        torch.testing.assert_close(compiled_flex_attention(q, k, k), flex_attention_reference(q, k))
+    # one compiled frame per shape (a bare compile: 8 of 10, then "Dynamo recompile limit exceeded")
+    assert dynamo.utils.counters["frames"]["ok"] - before == shapes
+    assert dynamo.config.recompile_limit == 8  # the patch is local to the call
+
+
+def flex_attention_reference(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.scaled_dot_product_attention(q, k, k)
