@@ -108,18 +108,18 @@ def unit_latencies(log: UserLog) -> tuple[list[float], list[float]]:
     return audio, decided
 
 
-POSITIONS = 4  # unit latency by position in the response: 1st, 2nd, 3rd, 4th and later
+POSITIONS = ("1", "2", "3", "4+")  # unit latency by position in the response: 1st, 2nd, 3rd, 4th and later
 
 
-def unit_audio_by_position(log: UserLog) -> dict[int, list[float]]:
-    """Unit sent -> that unit's first audio (ms), keyed by the unit's position in its response (1, 2, 3,
-    `POSITIONS` for the later ones): a latency that grows along a response makes the chunk gaps exceed 1 s."""
-    out: dict[int, list[float]] = {k: [] for k in range(1, POSITIONS + 1)}
+def unit_audio_by_position(log: UserLog) -> dict[str, list[float]]:
+    """Unit sent -> that unit's first audio (ms), keyed by the unit's position in its response (`POSITIONS`): a
+    latency that grows along a response makes the chunk gaps exceed 1 s."""
+    out: dict[str, list[float]] = {k: [] for k in POSITIONS}
     for r in log.responses.values():
         for i, unit in enumerate(sorted(r.unit_audio_t)):
             sent = unit_sent(log, unit)
             if sent is not None:
-                out[min(i + 1, POSITIONS)].append((r.unit_audio_t[unit] - sent) * MS)
+                out[POSITIONS[min(i, len(POSITIONS) - 1)]].append((r.unit_audio_t[unit] - sent) * MS)
     return out
 
 
@@ -207,9 +207,8 @@ def run_figures(sessions: int, logs: list[UserLog], scripted: bool | None) -> di
         "response_created_to_first_audio_ms": pcts(created_ms, 50, 99),
         "unit_to_first_audio_ms": pcts([x for audio, _ in by_unit for x in audio], 50, 99),
         "unit_to_decision_ms": pcts([x for _, decided in by_unit for x in decided], 50, 99),
-        "unit_to_audio_by_position_ms": {
-            (f"{k}+" if k == POSITIONS else str(k)): pcts([x for pos in by_position for x in pos[k]], 50, 99)
-            for k in range(1, POSITIONS + 1)},
+        "unit_to_audio_by_position_ms": {k: pcts([x for pos in by_position for x in pos[k]], 50, 99)
+                                         for k in POSITIONS},
         "cancel_to_last_audio_ms": pcts(cancel_ms, 50, 99),
         "cancel_to_done_ms": pcts([x for r in responses if (x := cancel_to_done(r)) is not None], 50, 99),
         "transcript_delay_ms": pcts(text_ms, 50, 99),
