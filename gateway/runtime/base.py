@@ -71,6 +71,9 @@ class AudioPiece:
     unit: int
     seq: int
     pcm16: bytes  # 24 kHz mono PCM16 LE
+    # Token2Wav's `last` flag: False for a piece that is not its unit's last (the session sends it at once),
+    # True for the last; None where the runtime does not say (the piece waits for the unit's UnitDone).
+    last: bool | None = None
     kind: Literal["audio"] = "audio"
 
 

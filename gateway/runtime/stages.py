@@ -10,7 +10,7 @@ A cancel goes to the three stages at once. Why this and not the `duplex` BLS mod
 
 Per session the units leave in order (`UnitOrder`): unit N's events are held until unit N-1's `UnitDone`
 has gone out, and a unit's `UnitDone` follows its audio, which is what the session's projection expects
-(one response per model turn, output released per unit).
+(one response per model turn; a unit's audio leaves per Token2Wav call, its end with the UnitDone).
 """
 
 from __future__ import annotations

@@ -94,7 +94,9 @@ def typed_event(ev: dict[str, Any], audio: np.ndarray | None, epoch: int) -> Run
                          received_at=time.monotonic())
     if kind == "audio":
         pcm = b"" if audio is None else np.asarray(audio, dtype="<i2").reshape(-1).tobytes()
-        return AudioPiece(epoch=epoch, unit=int(ev["unit"]), seq=int(ev.get("seq", 0)), pcm16=pcm)
+        last = ev.get("last")
+        return AudioPiece(epoch=epoch, unit=int(ev["unit"]), seq=int(ev.get("seq", 0)), pcm16=pcm,
+                          last=bool(last) if last is not None else None)
     if kind == "unit_done":
         return UnitDone(epoch=epoch, unit=int(ev["unit"]), is_listen=bool(ev["is_listen"]),
                         end_of_turn=bool(ev.get("end_of_turn", False)), metrics=ev.get("metrics") or {},

@@ -3,8 +3,9 @@ the conversation record — and the projection of runtime output onto responses
 (protocol.md §3.2, §3.4, §3.6, §3.8, §3.9, C-8, L1-L8).
 
 It owns and alone writes the state below. Runtime events are accepted only if their fence epoch is the
-session epoch (§3.9 T-2); output is buffered per unit and released at `unit_done` as one audio/transcript
-pair (C-3). What it needs from the input side it asks through `InputLink` (the session routes those calls
+session epoch (§3.9 T-2); output is buffered per unit and released as audio/transcript pairs (C-3): a piece
+of audio that the runtime marks as not its unit's last (one Token2Wav call of several) goes out at once with
+the unit's text so far, the rest at `unit_done`, which carries `end_of_turn` and the unit's metrics. What it needs from the input side it asks through `InputLink` (the session routes those calls
 to its `InputTrack`), so neither track subclasses or imports the other's module for these calls.
 """
 
@@ -71,7 +72,7 @@ class InputLink(Protocol):
 
 @dataclass(slots=True)
 class UnitOutput:
-    """Output the runtime produced for one model unit, held until `unit_done` pairs it (C-3)."""
+    """Output the runtime produced for one model unit and not sent yet (C-3 pairs it)."""
     speak: bool = False
     text: list[str] = field(default_factory=list)
     audio: list[bytes] = field(default_factory=list)
@@ -169,15 +170,17 @@ class ResponseTrack:
 
     def emit_unit(self, resp: Response, unit: int, out: UnitOutput, end_of_turn: bool,
                   unit_metrics: Json | None) -> None:
-        text = "".join(out.text)
+        """Send what `out` holds as one pair (or a text delta) and empty it; the unit may send more later."""
+        text, text_at = "".join(out.text), out.text_at
+        pcm = b"".join(out.audio)
+        out.text, out.audio, out.text_at = [], [], None
         if resp.options.text_only:
             if text:
                 resp.transcript += text
                 self.core.emit(resp.text_delta_event(text, unit), kind=Kind.STREAM, epoch=resp.epoch,
                                response_id=resp.id, model_turn_id=resp.model_turn_id, text=text,
-                               text_at=out.text_at, text_sampled=out.text_sampled)
+                               text_at=text_at, text_sampled=out.text_sampled)
             return
-        pcm = b"".join(out.audio)
         dur = pcm16_duration_ms(len(pcm))
         wire, rate = encode_output(pcm, resp.options.output_format)
         entry = self.playback(resp)
@@ -199,7 +202,7 @@ class ResponseTrack:
         self.core.emit(*resp.pair_events(base64.b64encode(wire).decode(), resp.options.output_format, rate, text,
                                          md),
                        kind=Kind.STREAM, epoch=resp.epoch, response_id=resp.id, model_turn_id=resp.model_turn_id,
-                       audio_ms=dur, text=text, text_at=out.text_at if text else None, text_sampled=out.text_sampled)
+                       audio_ms=dur, text=text, text_at=text_at if text else None, text_sampled=out.text_sampled)
 
     def playback(self, resp: Response) -> PlaybackEntry:
         """The response's playback entry, made on its first audio (the last audio response from then on)."""
@@ -348,6 +351,8 @@ class ResponseTrack:
             resp = self.active
             if resp is not None and resp.playback is not None and not self._drop_turn_output:
                 resp.playback.generated_ms += pcm16_duration_ms(len(ev.pcm16))  # §7.1: before stale filtering
+            if ev.last is False and resp is not None and self._streams(resp, buf):
+                self.emit_unit(resp, ev.unit, buf, False, None)  # the unit's later pieces follow as they come
         elif isinstance(ev, UnitDone):
             self._units.pop(ev.unit, None)
             self._on_unit_done(ev, buf)
@@ -361,6 +366,10 @@ class ResponseTrack:
         if resp.playback is None and not resp.options.text_only:
             self.playback(resp)
         self.speak(resp, unit)
+
+    def _streams(self, resp: Response, buf: UnitOutput) -> bool:
+        """The unit's audio may leave before its `unit_done`: the unit spoke and the active response owns it."""
+        return buf.speak and resp.spoke and not resp.options.text_only and not self._drop_turn_output
 
     def _on_unit_done(self, ev: UnitDone, buf: UnitOutput) -> None:
         self.link.on_unit_decided(ev.unit)

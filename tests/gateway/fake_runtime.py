@@ -36,6 +36,7 @@ class Speak:
     audio_ms: int = 1000
     end_of_turn: bool = False
     tokens: int = 3
+    calls: bool = False  # the audio's two pieces carry Token2Wav's `last` flag (two calls), else no flag
 
 
 @dataclass(frozen=True)
@@ -114,8 +115,8 @@ class FakeRuntime:
             q.put_nowait(TextPiece(epoch=e, unit=u, text=piece, token_id=i))
         pcm = tone(action.audio_ms)
         half = len(pcm) // 4 * 2
-        q.put_nowait(AudioPiece(epoch=e, unit=u, seq=0, pcm16=pcm[:half]))
-        q.put_nowait(AudioPiece(epoch=e, unit=u, seq=1, pcm16=pcm[half:]))
+        q.put_nowait(AudioPiece(epoch=e, unit=u, seq=0, pcm16=pcm[:half], last=False if action.calls else None))
+        q.put_nowait(AudioPiece(epoch=e, unit=u, seq=1, pcm16=pcm[half:], last=True if action.calls else None))
         q.put_nowait(UnitDone(epoch=e, unit=u, is_listen=False, end_of_turn=action.end_of_turn,
                               metrics=unit_metrics(action.tokens)))
 

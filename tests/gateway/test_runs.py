@@ -33,6 +33,60 @@ async def test_spoken_response_run() -> None:
     assert sm["1"]["stage"] == "talker" and sm["2"]["stage"] == "code2wav"
 
 
+async def test_a_unit_of_several_token2wav_calls_sends_each_call_as_it_comes() -> None:
+    """Issue 14 "audio as each Token2Wav call finishes": a piece flagged not-last leaves at once, with the
+    unit's text; the last piece leaves at the unit's end with `end_of_turn`, its metrics and "" (C-3, C-4)."""
+    async with session() as (c, rt):
+        rt.plan[1] = Speak("Sure, one ", 1000, calls=True)
+        rt.plan[2] = Speak("plus one is two.", 840, end_of_turn=True, calls=True)
+        await stream_units(c, 3)
+        got = await c.until("rate_limits.updated")
+        events = await close(c)
+    assert_conformant(events)
+    deltas = [e for e in got if e["type"] == "response.output_audio.delta"]
+    md = [d["metadata"] for d in deltas]
+    assert [len(base64.b64decode(d["delta"])) for d in deltas] == [24000, 24000, 20160, 20160]
+    assert [m["model_unit_index"] for m in md] == [1, 1, 2, 2]
+    assert [m["end_of_turn"] for m in md] == [False, False, False, True]
+    assert ["unit_metrics" in m for m in md] == [False, True, False, True]
+    assert [(m["audio_start_ms"], m["audio_end_ms"]) for m in md] == [(0, 500), (500, 1000), (1000, 1420),
+                                                                      (1420, 1840)]
+    assert [m["audio_text_mark"]["text_chars"] for m in md] == [10, 10, 26, 26]
+    text = [e["delta"] for e in got if e["type"] == "response.output_audio_transcript.delta"]
+    assert text == ["Sure, one ", "", "plus one is two.", ""]
+    done = next(e for e in got if e["type"] == "response.done")["response"]
+    assert done["output"][0]["content"][0]["transcript"] == "Sure, one plus one is two."
+    assert done["duplex"]["committed"] == {"audio_ms": 1840, "text_chars": 26, "final": True}
+
+
+async def test_a_piece_not_last_leaves_before_its_unit_ends() -> None:
+    """The not-last piece is on the socket while the runtime still works on the unit (no UnitDone yet)."""
+    from gateway.runtime.base import AudioPiece, Decision, TextPiece, UnitDone
+    from tests.gateway.fake_runtime import tone, unit_metrics
+
+    async with session() as (c, rt):
+        corr = next(iter(rt.seqs))
+        for ev in (Decision(epoch=0, unit=0, action="speak"), TextPiece(epoch=0, unit=0, text="Hi "),
+                   TextPiece(epoch=0, unit=0, text="there"), AudioPiece(epoch=0, unit=0, seq=0, pcm16=tone(300),
+                                                                        last=False)):
+            rt.inject(corr, ev)
+        first = await c.until("response.output_audio_transcript.delta")
+        assert (await c.quiet(0.3)) == []  # nothing else until the unit goes on
+        rt.inject(corr, AudioPiece(epoch=0, unit=0, seq=1, pcm16=tone(200), last=True))
+        assert (await c.quiet(0.3)) == []  # the last piece waits for the unit's end
+        rt.inject(corr, UnitDone(epoch=0, unit=0, is_listen=False, end_of_turn=True, metrics=unit_metrics(2)))
+        rest = await c.until("rate_limits.updated")
+        events = await close(c)
+    assert_conformant(events)
+    delta = next(e for e in first if e["type"] == "response.output_audio.delta")
+    assert len(base64.b64decode(delta["delta"])) == 14400 and delta["metadata"]["end_of_turn"] is False
+    assert first[-1]["delta"] == "Hi there"
+    last = next(e for e in rest if e["type"] == "response.output_audio.delta")
+    assert len(base64.b64decode(last["delta"])) == 9600 and last["metadata"]["end_of_turn"] is True
+    assert [e["delta"] for e in rest if e["type"] == "response.output_audio_transcript.delta"] == [""]
+    assert types(rest).index("response.output_audio.delta") < types(rest).index("response.done")
+
+
 async def test_listen_only_run_has_no_response() -> None:
     async with session() as (c, rt):
         await stream_units(c, 3)

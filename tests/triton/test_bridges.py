@@ -184,6 +184,7 @@ def test_tts_and_token2wav_render_a_unit(engines: dict[str, Any]) -> None:
     audio = send(t2w, corrid=15, op="append", fence=(1, 1, 1), tokens=codes.outs[0].tokens, config={"unit": 0})
     assert audio.kinds() and set(audio.kinds()) == {"audio"} and audio.closes == 1
     assert [o.event["seq"] for o in audio.outs] == list(range(len(audio.outs)))
+    assert [o.event["last"] for o in audio.outs] == [False] * (len(audio.outs) - 1) + [True]
     assert all(o.audio.dtype == np.int16 and o.audio.size == o.event["samples"] for o in audio.outs)
     for bridge in (tts, t2w):
         assert send(bridge, corrid=15, op="close", fence=(1, 1, 0)).kinds() == ["closed"]

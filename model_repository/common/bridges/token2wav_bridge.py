@@ -1,6 +1,6 @@
 """Token2Wav bridge: `audio_tokens` (TOKENS = one unit's codes, CONFIG = {"unit", "end_of_turn"}) ->
-engine.stage1.Token2WavEngine -> `audio` events (AUDIO = 24 kHz PCM16) as chunks finish; the request
-ends (FINAL) after the unit's last chunk. Voices are the checkpoint's voice packs, built once at load, and the
+engine.stage1.Token2WavEngine -> `audio` events (AUDIO = 24 kHz PCM16, `last` on the unit's last chunk) as
+chunks finish; the request ends (FINAL) after the unit's last chunk. Voices are the checkpoint's voice packs, built once at load, and the
 clips of sessions opened with `ref_audio` (model.md §6.1): a clip's voice pack is made by the checkpoint's S3
 tokenizer and CAM++ (engine/token2wav/prompt.py) on a worker thread, not the engine thread; the engine thread
 builds its base cache once, shared by every session with the same clip (keyed by its hash) and dropped with the
@@ -232,8 +232,9 @@ class Token2WavBridge(EngineBridge):
                 continue
             unit, _, sink, seq = match
             if chunk.pcm.size:
-                sink.emit(StageOutput({"type": "audio", "unit": unit, "seq": seq[0], "samples": int(chunk.pcm.size)},
-                                      audio=chunk.pcm))
+                # `last`: the gateway sends a piece that is not its unit's last at once, without its UnitDone
+                sink.emit(StageOutput({"type": "audio", "unit": unit, "seq": seq[0], "samples": int(chunk.pcm.size),
+                                       "last": bool(chunk.unit_final)}, audio=chunk.pcm))
                 seq[0] += 1
             if chunk.unit_final:
                 waiting.remove(match)
