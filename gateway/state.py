@@ -68,7 +68,7 @@ class GatewayState:
                              default_voice_available=s.default_voice_available, idle_ttl_s=s.idle_ttl_s,
                              force_listen_count=s.force_listen_count,
                              default_input_rate_hz=NATIVE_INPUT_RATE_HZ if native else REALTIME_INPUT_RATE_HZ,
-                             default_output_format="wav" if native else "pcm16")
+                             default_output_format="wav" if native else "pcm16", text_ahead_of_audio=not native)
 
     def vad_batcher(self) -> VadBatcher:
         """The one Silero model of the process (≈ 2 MB) and the batcher that runs every session's windows on it,

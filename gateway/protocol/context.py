@@ -20,6 +20,9 @@ class ConfigContext:
     force_listen_count: int
     default_input_rate_hz: int
     default_output_format: str
+    # An audio response's transcript leaves as it is generated (Realtime: targets.md P13), or only inside its
+    # audio pairs (native: one event per pair carries both halves, protocol.md §3.3).
+    text_ahead_of_audio: bool = True
 
     def resolve_model(self, name: str) -> str | None:
         return self.served_model if name == self.served_model or name in self.model_aliases else None

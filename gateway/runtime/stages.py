@@ -10,7 +10,9 @@ A cancel goes to the three stages at once. Why this and not the `duplex` BLS mod
 
 Per session the units leave in order (`UnitOrder`): unit N's events are held until unit N-1's `UnitDone`
 has gone out, and a unit's `UnitDone` follows its audio, which is what the session's projection expects
-(one response per model turn; a unit's audio leaves per Token2Wav call, its end with the UnitDone).
+(one response per model turn; a unit's audio leaves per Token2Wav call, its end with the UnitDone). One
+exception: once stage0 has finished unit N-1 speaking and without ending the turn, unit N belongs to the same
+response, so its decision and text go out as stage0 makes them, ahead of unit N-1's audio (P13).
 """
 
 from __future__ import annotations
@@ -29,12 +31,14 @@ import numpy as np
 
 from gateway.runtime.base import (
     RUNTIME_DEAD,
+    Decision,
     Fence,
     Readiness,
     RuntimeEvent,
     RuntimeFailure,
     SessionKey,
     StreamError,
+    TextPiece,
     UnitDone,
     UnitSubmission,
 )
@@ -185,7 +189,8 @@ class _Unit:
 
 
 class UnitOrder:
-    """A session's units in append order: only the head's events go out, the others are held (module doc)."""
+    """A session's units in append order: only the head's events go out, the others are held (module doc),
+    except a unit's decision and text behind units that continue one spoken turn (`_early`)."""
 
     def __init__(self, put: Callable[[RuntimeEvent], None]) -> None:
         self._put = put
@@ -198,10 +203,36 @@ class UnitOrder:
         if self._units and self._units[0] is unit:
             self._put(ev)
         elif unit in self._units:
-            unit.held.append(ev)
+            if not unit.held and isinstance(ev, (Decision, TextPiece)) and self._early(unit):
+                self._put(ev)
+            else:
+                unit.held.append(ev)
+
+    def _early(self, unit: _Unit) -> bool:
+        """Every unit ahead of `unit` has left stage0 speaking without ending the turn, so `unit` belongs to
+        the same response: its decision and text may go out before their audio (targets.md P13)."""
+        for ahead in self._units:
+            if ahead is unit:
+                return True
+            done = ahead.done_event
+            if done is None or done.is_listen or done.end_of_turn:
+                return False
+        return False
+
+    def _release_early(self) -> None:
+        """The decision and text held by units behind the head that may now go out early (their order kept)."""
+        for unit in itertools.islice(self._units, 1, None):
+            if not self._early(unit):
+                return
+            n = next((i for i, ev in enumerate(unit.held) if not isinstance(ev, (Decision, TextPiece))),
+                     len(unit.held))
+            for ev in unit.held[:n]:
+                self._put(ev)
+            del unit.held[:n]
 
     def settle(self) -> None:
-        """Send what the finished head units owe (their UnitDone) and release the next unit's held events."""
+        """Send what the finished head units owe (their UnitDone), release the next unit's held events, and
+        the decision and text that may go out early."""
         while self._units and self._units[0].finished:
             unit = self._units.popleft()
             if unit.done_event is not None:
@@ -211,6 +242,7 @@ class UnitOrder:
                 for ev in head.held:
                     self._put(ev)
                 head.held.clear()
+        self._release_early()
 
     def drop_before(self, epoch: int) -> None:
         """A cancel: units of older epochs emit nothing more (the session rejects their epoch anyway)."""
@@ -324,6 +356,7 @@ class StagedTritonRuntime:
             parsed = typed_event(ev, None, fence.epoch)
             if isinstance(parsed, UnitDone):
                 flow.done_event = parsed
+                s.order.settle()  # the units behind it may now send their decision and text
             elif not isinstance(parsed, dict):
                 s.order.emit(flow, parsed)
 

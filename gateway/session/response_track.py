@@ -3,9 +3,11 @@ the conversation record — and the projection of runtime output onto responses
 (protocol.md §3.2, §3.4, §3.6, §3.8, §3.9, C-8, L1-L8).
 
 It owns and alone writes the state below. Runtime events are accepted only if their fence epoch is the
-session epoch (§3.9 T-2); output is buffered per unit and released as audio/transcript pairs (C-3): a piece
-of audio that the runtime marks as not its unit's last (one Token2Wav call of several) goes out at once with
-the unit's text so far, the rest at `unit_done`, which carries `end_of_turn` and the unit's metrics. What it needs from the input side it asks through `InputLink` (the session routes those calls
+session epoch (§3.9 T-2). Text leaves as it is generated: each text piece of a unit the active response owns
+goes out at once as its own transcript (or text) delta (targets.md P13). Audio is buffered per unit and released
+as audio/transcript pairs (C-3; the pair's transcript is the unit's text not sent yet, mostly ""): a piece of
+audio that the runtime marks as not its unit's last (one Token2Wav call of several) goes out at once, the rest
+at `unit_done`, which carries `end_of_turn` and the unit's metrics. What it needs from the input side it asks through `InputLink` (the session routes those calls
 to its `InputTrack`), so neither track subclasses or imports the other's module for these calls.
 """
 
@@ -78,6 +80,7 @@ class UnitOutput:
     audio: list[bytes] = field(default_factory=list)
     text_at: float | None = None  # when its first text started on its way out (`text_started_at`; P13)
     text_sampled: bool = False  # `text_at` is the engine's sampling time, not the gateway's receipt
+    sent_chars: int = 0  # its text already sent on its own, ahead of its audio
 
 
 class ResponseTrack:
@@ -171,16 +174,13 @@ class ResponseTrack:
     def emit_unit(self, resp: Response, unit: int, out: UnitOutput, end_of_turn: bool,
                   unit_metrics: Json | None) -> None:
         """Send what `out` holds as one pair (or a text delta) and empty it; the unit may send more later."""
+        if resp.options.text_only:
+            if any(out.text):
+                self._send_text(resp, unit, out)
+            return
         text, text_at = "".join(out.text), out.text_at
         pcm = b"".join(out.audio)
         out.text, out.audio, out.text_at = [], [], None
-        if resp.options.text_only:
-            if text:
-                resp.transcript += text
-                self.core.emit(resp.text_delta_event(text, unit), kind=Kind.STREAM, epoch=resp.epoch,
-                               response_id=resp.id, model_turn_id=resp.model_turn_id, text=text,
-                               text_at=text_at, text_sampled=out.text_sampled)
-            return
         dur = pcm16_duration_ms(len(pcm))
         wire, rate = encode_output(pcm, resp.options.output_format)
         entry = self.playback(resp)
@@ -188,7 +188,9 @@ class ResponseTrack:
         resp.audio_ms += dur
         resp.audio_deltas += 1
         resp.transcript += text
-        mark = {"text_chars": len(resp.transcript), "audio_end_ms": resp.audio_ms}
+        # §7.5: the text this audio covers is the transcript through this unit, not the later units' early text
+        ahead = sum(o.sent_chars for u, o in self._units.items() if u > unit)
+        mark = {"text_chars": len(resp.transcript) - ahead, "audio_end_ms": resp.audio_ms}
         entry.marks.append((resp.audio_ms, len(resp.transcript)))
         entry.sent_ms = resp.audio_ms
         entry.generated_ms = max(entry.generated_ms, entry.sent_ms)  # per-piece rounding never breaks the order
@@ -346,6 +348,8 @@ class ResponseTrack:
             resp = self.active
             if resp is not None and resp.spoke:
                 resp.text_tokens += 1
+                if ev.text and self._owns(resp, buf) and (resp.options.text_only or self.core.ctx.text_ahead_of_audio):
+                    self._send_text(resp, ev.unit, buf)
         elif isinstance(ev, AudioPiece):
             buf.audio.append(ev.pcm16)
             resp = self.active
@@ -367,9 +371,24 @@ class ResponseTrack:
             self.playback(resp)
         self.speak(resp, unit)
 
+    def _owns(self, resp: Response, buf: UnitOutput) -> bool:
+        """The unit spoke and the active response owns it: its output may leave before its `unit_done`."""
+        return buf.speak and resp.spoke and not self._drop_turn_output
+
     def _streams(self, resp: Response, buf: UnitOutput) -> bool:
-        """The unit's audio may leave before its `unit_done`: the unit spoke and the active response owns it."""
-        return buf.speak and resp.spoke and not resp.options.text_only and not self._drop_turn_output
+        """The unit's audio may leave before its `unit_done`."""
+        return self._owns(resp, buf) and not resp.options.text_only
+
+    def _send_text(self, resp: Response, unit: int, out: UnitOutput) -> None:
+        """The unit's unsent text as one delta of its own (P13): a transcript delta, or a text delta."""
+        text, text_at = "".join(out.text), out.text_at
+        out.text, out.text_at = [], None
+        out.sent_chars += len(text)
+        resp.transcript += text
+        event = (resp.text_delta_event(text, unit) if resp.options.text_only
+                 else resp.transcript_delta_event(text, unit))
+        self.core.emit(event, kind=Kind.STREAM, epoch=resp.epoch, response_id=resp.id,
+                       model_turn_id=resp.model_turn_id, text=text, text_at=text_at, text_sampled=out.text_sampled)
 
     def _on_unit_done(self, ev: UnitDone, buf: UnitOutput) -> None:
         self.link.on_unit_decided(ev.unit)

@@ -87,6 +87,11 @@ class Response:
                                    metadata={"epoch": md["epoch"], "model_unit_index": md["model_unit_index"]}
                                    ).model_dump()]
 
+    def transcript_delta_event(self, text: str, unit: int) -> Json:
+        """A transcript delta on its own, sent as its text is generated (the pair's half follows with "")."""
+        return se.TranscriptDelta(**self._ref(), delta=text,
+                                  metadata={"epoch": self.epoch, "model_unit_index": unit}).model_dump()
+
     def text_delta_event(self, text: str, unit: int) -> Json:
         return se.TextDelta(**self._ref(), delta=text,
                             metadata={"epoch": self.epoch, "model_unit_index": unit}).model_dump()

@@ -38,6 +38,11 @@ class _Resp:
     status: str | None = None
     listened: bool = False
     audio_ms: int = 0
+    unit_chars: list[tuple[int, int]] = field(default_factory=list)  # (model_unit_index, chars) of each text delta
+
+    def chars_through(self, unit: int) -> int:
+        """§7.5: the transcript an audio delta of `unit` covers (later units' early text excluded)."""
+        return sum(n for u, n in self.unit_chars if u <= unit)
 
 
 def _canonical(ev: Json, profile: str) -> Json:
@@ -95,9 +100,9 @@ def check(events: list[Json], profile: str = "ga") -> list[str]:  # noqa: C901 -
             prev = evs[i - 1]
             if t != "response.output_audio_transcript.delta" or ev.get("response_id") != prev.get("response_id"):
                 bad(i, "audio delta not immediately followed by its transcript delta (C-3)")
-        if t == "response.output_audio_transcript.delta" and (
+        if t == "response.output_audio_transcript.delta" and not ev.get("delta") and (
                 i == 0 or evs[i - 1]["type"] != "response.output_audio.delta"):
-            bad(i, "transcript delta without the audio delta right before it")
+            bad(i, "empty transcript delta without the audio delta right before it (only a pair's half is empty)")
         # ---- response lifecycle (§3.4) ----
         if t == "response.created":
             r = ev["response"]
@@ -145,9 +150,10 @@ def check(events: list[Json], profile: str = "ga") -> list[str]:  # noqa: C901 -
                     bad(i, "audio delta in a text-only response")
                 mark = md.get("audio_text_mark")
                 nxt = evs[i + 1] if i + 1 < len(evs) else {}
-                after = resp.transcript + (nxt.get("delta") or "")
-                if mark is None or mark.get("text_chars") != len(after):
-                    bad(i, f"audio_text_mark.text_chars {mark} != {len(after)} (§7.5)")
+                unit = md.get("model_unit_index", -1)
+                after = resp.chars_through(unit) + len(nxt.get("delta") or "")
+                if mark is None or mark.get("text_chars") != after:
+                    bad(i, f"audio_text_mark.text_chars {mark} != {after} (§7.5)")
                 if mark and md.get("audio_end_ms") != mark.get("audio_end_ms"):
                     bad(i, "audio_text_mark.audio_end_ms != metadata.audio_end_ms")
                 if md.get("audio_start_ms") != resp.audio_ms:
@@ -155,6 +161,7 @@ def check(events: list[Json], profile: str = "ga") -> list[str]:  # noqa: C901 -
                 resp.audio_ms = md.get("audio_end_ms", resp.audio_ms)
             else:
                 resp.transcript += ev.get("delta") or ""
+                resp.unit_chars.append((md.get("model_unit_index", -1), len(ev.get("delta") or "")))
             resp.phase = max(resp.phase, 4)
             continue
         closing = ["response.output_audio.done", "response.output_audio_transcript.done", "response.output_text.done",

@@ -12,7 +12,9 @@ async def _speaking(c, rt) -> str:  # noqa: ANN001
     for u in range(2, 8):
         rt.plan[u] = Speak("more ", 1000)
     await stream_units(c, 2)
-    got = await c.until("response.output_audio_transcript.delta")
+    got = await c.until("response.output_audio.delta")
+    got.append(await c.recv())  # the pair's transcript half: unit 1 is all out
+    assert got[-1]["type"] == "response.output_audio_transcript.delta"
     return next(e for e in got if e["type"] == "response.created")["response"]["id"]
 
 

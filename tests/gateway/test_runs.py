@@ -53,24 +53,29 @@ async def test_a_unit_of_several_token2wav_calls_sends_each_call_as_it_comes() -
                                                                       (1420, 1840)]
     assert [m["audio_text_mark"]["text_chars"] for m in md] == [10, 10, 26, 26]
     text = [e["delta"] for e in got if e["type"] == "response.output_audio_transcript.delta"]
-    assert text == ["Sure, one ", "", "plus one is two.", ""]
+    halves = [got[i + 1]["delta"] for i, e in enumerate(got) if e["type"] == "response.output_audio.delta"]
+    assert halves == ["", "", "", ""] and "".join(text) == "Sure, one plus one is two."  # the text went ahead
     done = next(e for e in got if e["type"] == "response.done")["response"]
     assert done["output"][0]["content"][0]["transcript"] == "Sure, one plus one is two."
     assert done["duplex"]["committed"] == {"audio_ms": 1840, "text_chars": 26, "final": True}
 
 
-async def test_a_piece_not_last_leaves_before_its_unit_ends() -> None:
-    """The not-last piece is on the socket while the runtime still works on the unit (no UnitDone yet)."""
+async def test_text_and_a_piece_not_last_leave_before_their_unit_ends() -> None:
+    """Each text piece is on the socket as it comes, before any audio of its unit (P13); the not-last audio
+    piece leaves while the runtime still works on the unit (no UnitDone yet)."""
     from gateway.runtime.base import AudioPiece, Decision, TextPiece, UnitDone
     from tests.gateway.fake_runtime import tone, unit_metrics
 
     async with session() as (c, rt):
         corr = next(iter(rt.seqs))
-        for ev in (Decision(epoch=0, unit=0, action="speak"), TextPiece(epoch=0, unit=0, text="Hi "),
-                   TextPiece(epoch=0, unit=0, text="there"), AudioPiece(epoch=0, unit=0, seq=0, pcm16=tone(300),
-                                                                        last=False)):
-            rt.inject(corr, ev)
-        first = await c.until("response.output_audio_transcript.delta")
+        rt.inject(corr, Decision(epoch=0, unit=0, action="speak"))
+        rt.inject(corr, TextPiece(epoch=0, unit=0, text="Hi "))
+        text = await c.until("response.output_audio_transcript.delta")
+        assert text[-1]["delta"] == "Hi " and (await c.quiet(0.3)) == []
+        rt.inject(corr, TextPiece(epoch=0, unit=0, text="there"))
+        rt.inject(corr, AudioPiece(epoch=0, unit=0, seq=0, pcm16=tone(300), last=False))
+        first = await c.until("response.output_audio.delta")
+        first.append(await c.recv())
         assert (await c.quiet(0.3)) == []  # nothing else until the unit goes on
         rt.inject(corr, AudioPiece(epoch=0, unit=0, seq=1, pcm16=tone(200), last=True))
         assert (await c.quiet(0.3)) == []  # the last piece waits for the unit's end
@@ -78,9 +83,10 @@ async def test_a_piece_not_last_leaves_before_its_unit_ends() -> None:
         rest = await c.until("rate_limits.updated")
         events = await close(c)
     assert_conformant(events)
+    assert [e["delta"] for e in first if e["type"] == "response.output_audio_transcript.delta"] == ["there", ""]
     delta = next(e for e in first if e["type"] == "response.output_audio.delta")
     assert len(base64.b64decode(delta["delta"])) == 14400 and delta["metadata"]["end_of_turn"] is False
-    assert first[-1]["delta"] == "Hi there"
+    assert delta["metadata"]["audio_text_mark"]["text_chars"] == 8
     last = next(e for e in rest if e["type"] == "response.output_audio.delta")
     assert len(base64.b64decode(last["delta"])) == 9600 and last["metadata"]["end_of_turn"] is True
     assert [e["delta"] for e in rest if e["type"] == "response.output_audio_transcript.delta"] == [""]
@@ -163,7 +169,8 @@ async def test_text_only_run() -> None:
         events = await close(c)
     assert_conformant(events)
     t = types(got)
-    assert "response.output_audio.delta" not in t and t.count("response.output_text.delta") == 2
+    # one text delta per text piece as it comes (3 per unit in the fake), not one per unit (P13)
+    assert "response.output_audio.delta" not in t and t.count("response.output_text.delta") == 6
     done = next(e for e in got if e["type"] == "response.done")["response"]
     assert done["output_modalities"] == ["text"] and "1" not in done["duplex"]["stage_metrics"]
     assert next(e for e in got if e["type"] == "response.output_text.done")["text"] == "Hi there."
@@ -201,3 +208,26 @@ async def test_precreated_response_speaks_its_whole_turn_with_auto_response_off(
     assert done["output"][0]["content"][0]["transcript"] == "One two." and done["duplex"]["reason"] == "turn_end"
     assert [u.force_listen for u in rt.units_seen] == [True, False, False, True]
     assert_conformant(events)
+
+
+async def test_a_units_audio_marks_only_the_text_up_to_it_when_the_next_units_text_went_ahead() -> None:
+    """§7.5 with P13: unit 1's text is out before unit 0's audio; unit 0's mark counts unit 0's text only."""
+    from gateway.runtime.base import AudioPiece, Decision, TextPiece, UnitDone
+    from tests.gateway.fake_runtime import tone, unit_metrics
+
+    async with session() as (c, rt):
+        corr = next(iter(rt.seqs))
+        for ev in (Decision(epoch=0, unit=0, action="speak"), TextPiece(epoch=0, unit=0, text="ab"),
+                   Decision(epoch=0, unit=1, action="speak"), TextPiece(epoch=0, unit=1, text="cde"),
+                   AudioPiece(epoch=0, unit=0, seq=0, pcm16=tone(100)),
+                   UnitDone(epoch=0, unit=0, is_listen=False, end_of_turn=False, metrics=unit_metrics(1)),
+                   AudioPiece(epoch=0, unit=1, seq=0, pcm16=tone(100)),
+                   UnitDone(epoch=0, unit=1, is_listen=False, end_of_turn=True, metrics=unit_metrics(1))):
+            rt.inject(corr, ev)
+        got = await c.until("rate_limits.updated")
+        events = await close(c)
+    assert_conformant(events)
+    marks = [e["metadata"]["audio_text_mark"] for e in got if e["type"] == "response.output_audio.delta"]
+    assert [m["text_chars"] for m in marks] == [2, 5]
+    text = [e["delta"] for e in got if e["type"] == "response.output_audio_transcript.delta"]
+    assert text == ["ab", "cde", "", ""]

@@ -145,10 +145,12 @@ async def test_stage0_runs_the_next_unit_while_tts_holds_the_previous_one_and_ou
     await asyncio.wait_for(rt.append(KEY, Fence(1, 0, 2), _unit(1)), 2)
     assert "stage0:1 end" in client.log and "tts end" not in client.log  # stage0 ran unit 1 during unit 0's TTS
     await asyncio.sleep(0.2)
-    assert seen == []  # unit 1's decision is held until unit 0 is done
+    # unit 0 left stage0 speaking without ending the turn: unit 1's decision goes out ahead of unit 0's audio
+    # (P13); its UnitDone waits for unit 0's
+    assert [(type(e), e.unit) for e in seen] == [(Decision, 1)]
     client.tts_gate.set()
     await asyncio.sleep(0.2)
-    assert [(type(e), e.unit) for e in seen] == [(AudioPiece, 0), (UnitDone, 0), (Decision, 1), (UnitDone, 1)]
+    assert [(type(e), e.unit) for e in seen] == [(Decision, 1), (AudioPiece, 0), (UnitDone, 0), (UnitDone, 1)]
     collector.cancel()
     await rt.aclose()
 
@@ -330,3 +332,31 @@ async def test_no_stage_call_starts_once_the_close_went_out() -> None:
     assert "token2wav:append" not in sent[sent.index("token2wav:close"):]
     assert "token2wav:append" not in sent  # tts's tokens came after the close: nobody would hear them
     await rt.aclose()
+
+
+def test_unit_order_sends_a_units_decision_and_text_early_only_inside_one_spoken_turn() -> None:
+    from gateway.runtime.stages import UnitOrder, _Unit
+
+    out: list[Any] = []
+    order = UnitOrder(out.append)
+    u0, u1, u2 = _Unit(0, 0), _Unit(1, 0), _Unit(2, 0)
+    for u in (u0, u1, u2):
+        order.add(u)
+    order.emit(u0, Decision(epoch=0, unit=0, action="speak"))
+    order.emit(u1, Decision(epoch=0, unit=1, action="speak"))  # unit 0 is still in stage0: held
+    assert [e.unit for e in out] == [0]
+    u0.done_event = UnitDone(epoch=0, unit=0, is_listen=False, end_of_turn=False)
+    order.settle()  # unit 0 left stage0 speaking, the turn goes on: unit 1's held decision goes out
+    order.emit(u1, TextPiece(epoch=0, unit=1, text="a"))
+    assert [(type(e), e.unit) for e in out] == [(Decision, 0), (Decision, 1), (TextPiece, 1)]
+    order.emit(u1, AudioPiece(epoch=0, unit=1, seq=0, pcm16=b"\0\0"))  # audio keeps its unit order: held
+    u1.done_event = UnitDone(epoch=0, unit=1, is_listen=False, end_of_turn=True)
+    order.emit(u2, Decision(epoch=0, unit=2, action="speak"))  # behind the turn's end: a new response, held
+    order.settle()
+    assert len(out) == 3
+    u0.stage0_open = False
+    order.settle()  # unit 0 done: its UnitDone, then unit 1's audio
+    assert [(type(e), e.unit) for e in out[3:]] == [(UnitDone, 0), (AudioPiece, 1)]
+    u1.stage0_open = False
+    order.settle()
+    assert [(type(e), e.unit) for e in out[5:]] == [(UnitDone, 1), (Decision, 2)]

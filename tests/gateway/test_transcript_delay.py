@@ -27,7 +27,7 @@ from tests.gateway.harness import connect, serve
 from tests.gateway.scenario import stream_units
 
 FAMILY = "duplex_transcript_delay_seconds"
-HOLD_S = 0.3  # the fake's stand-in for TTS + Token2Wav: a unit's text waits this long for its audio
+HOLD_S = 0.3  # the fake's stand-in for TTS + Token2Wav: a unit's audio (and, on /v1/duplex, its text) waits this long
 ENGINE_LEAD_S = 0.2  # how long before the gateway's receipt the stamped engine sampled the token
 
 
@@ -143,15 +143,15 @@ async def _run(path: str, update: dict[str, Any], engine_stamp: bool) -> tuple[l
     return got, metrics
 
 
-async def test_realtime_transcript_deltas_are_counted_with_their_wait() -> None:
+async def test_realtime_transcript_deltas_leave_as_generated_not_after_their_audio() -> None:
+    """P13 on /v1/realtime: each text piece is its own transcript delta, sent without waiting for the audio."""
     got, metrics = await _run("/v1/realtime", {}, engine_stamp=False)
     deltas = [e for e in got if e["type"] == "response.output_audio_transcript.delta" and e["delta"]]
-    assert len(deltas) == 2
+    assert len(deltas) == 6  # 3 pieces per unit in the fake
     h = _histogram(metrics)
     row = h[("audio", "received")]
-    assert row["count"] == 2
-    assert row["le=0.2"] == 0 and row["le=0.5"] == 2  # each text waited its unit's HOLD_S, not much more
-    assert HOLD_S * 2 <= row["sum"] < (HOLD_S + 0.15) * 2
+    assert row["count"] == 6
+    assert row["le=0.1"] == 6 and row["sum"] < HOLD_S  # none waited for its unit's audio (HOLD_S)
     assert h[("text", "received")]["count"] == 0 and h[("audio", "sampled")]["count"] == 0
 
 
@@ -167,6 +167,7 @@ async def test_native_pairs_count_from_the_engine_stamp() -> None:
 
 async def test_text_only_deltas_are_counted_apart() -> None:
     got, metrics = await _run("/v1/realtime", {"output_modalities": ["text"]}, engine_stamp=False)
-    assert sum(1 for e in got if e["type"] == "response.output_text.delta") == 2
+    assert sum(1 for e in got if e["type"] == "response.output_text.delta") == 6
     h = _histogram(metrics)
-    assert h[("text", "received")]["count"] == 2 and h[("audio", "received")]["count"] == 0
+    assert h[("text", "received")]["count"] == 6 and h[("audio", "received")]["count"] == 0
+    assert h[("text", "received")]["sum"] < HOLD_S  # each piece as it came, not at its unit's end
