@@ -204,6 +204,18 @@ def test_unknown_engine_option_fails_the_load(tiny_checkpoint: Path) -> None:
         bridges.tts(settings("tts", tiny_checkpoint, engine_options='{"compile_stepp": true}'))
 
 
+def test_tts_max_turn_positions_option_sizes_the_kv_slot(tiny_checkpoint: Path) -> None:
+    from model_repository.common.settings import ConfigError
+
+    for bad in ('"4096"', "0", "true"):
+        with pytest.raises(ConfigError, match="max_turn_positions"):
+            bridges.tts(settings("tts", tiny_checkpoint, engine_options=f'{{"max_turn_positions": {bad}}}'))
+    for options, turn in (("{}", 8192), ('{"max_turn_positions": 1024}', 1024)):
+        bridge = bridges.tts(settings("tts", tiny_checkpoint, engine_options=options))
+        assert bridge.engine.cfg.max_turn_positions == turn
+        assert bridge.engine.runner.kv.max_len == turn + 1  # the slot: one KV row per position (+1)
+
+
 def test_stage0_audio_worker_option(tiny_checkpoint: Path) -> None:
     """Off by default (the front end runs in the step); `true` makes the bridge's start run it on its own
     thread; anything but a bool fails the load."""

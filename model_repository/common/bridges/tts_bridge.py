@@ -18,11 +18,13 @@ from engine.stage1.tts_engine import TTSEngine
 from engine.stage1.types import Fence, TTSUnitRequest
 
 from ..codec import RequestError, StageOutput, StageRequest
-from ..settings import StageSettings
+from ..settings import ConfigError, StageSettings
 from .base import EngineBridge, configure_torch, control_event, engine_options, session_key, torch_dtype
 from .options import check_config, seed_of, talker_sampling
 
-OPTIONS = ("compile_step", "cuda_graphs")  # deploy profile `engine_options.tts` keys
+# deploy profile `engine_options.tts` keys; max_turn_positions: the TTS KV slot per session (model.md §5.2; a
+# longer turn goes on in a fresh TTS context), the engine default 8192 when absent
+OPTIONS = ("compile_step", "cuda_graphs", "max_turn_positions")
 
 
 class TTSBridge(EngineBridge):
@@ -32,9 +34,12 @@ class TTSBridge(EngineBridge):
         opts = engine_options(settings, OPTIONS)
         ck = load_checkpoint(settings.checkpoint_dir, device=settings.device, dtype=torch_dtype(settings),
                              with_vision=False, with_token2wav=False, components=TTS_COMPONENTS)
+        turn = opts.get("max_turn_positions", TTSEngineConfig.max_turn_positions)
+        if isinstance(turn, bool) or not isinstance(turn, int) or turn <= 0:
+            raise ConfigError(f"engine option max_turn_positions={turn!r} must be a positive integer")
         cfg = TTSEngineConfig(max_sessions=settings.max_sessions, max_batch=settings.max_sessions,
                               use_cuda_graphs=settings.device.startswith("cuda") and opts.get("cuda_graphs", True),
-                              compile_step=bool(opts.get("compile_step", False)))
+                              compile_step=bool(opts.get("compile_step", False)), max_turn_positions=turn)
         self.llm_dim = ck.config.tts.llm_dim
         self.engine = TTSEngine(ck.model.tts, cfg)  # the process holds only the TTS weights
         self.pending: dict[str, list[tuple[TTSUnitRequest, Any]]] = {}
