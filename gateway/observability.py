@@ -34,7 +34,7 @@ OTHER = "other"
 LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
 STAGES = frozenset({"thinker", "talker", "code2wav"})
 # P13 (docs/design/targets.md: text behind its generation <= 30 ms p50): fine edges below 100 ms, 30 ms among them,
-# and a unit's worth of TTS + Token2Wav above, where a transcript paired with its audio (C-3) lands.
+# and a unit's worth of TTS + Token2Wav above, where text that waits for its audio pair (/v1/duplex) lands.
 TEXT_WAIT_BUCKETS_S = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0,
                        10.0)
 
