@@ -66,8 +66,8 @@ def test_checked_in_configs_match_the_builder(model: str) -> None:
     assert (SOURCE / model / "config.pbtxt").read_text() == render_config(model, profile, DEFAULT_CHECKPOINT)
 
 
-@pytest.mark.parametrize("name", ["default.yaml", "h200.yaml", "h200-scripted.yaml", "h20.yaml", "h200x2.yaml",
-                                  "h200x2-scripted.yaml"])
+@pytest.mark.parametrize("name", ["default.yaml", "h200.yaml", "h200-scripted.yaml", "h200-64-scripted.yaml", "h20.yaml",
+                                  "h200x2.yaml", "h200x2-scripted.yaml"])
 def test_shipped_profiles_are_valid(name: str) -> None:
     DeployProfile.load(REPO / "deploy" / "profiles" / name)
 
