@@ -4,11 +4,13 @@ the conversation record — and the projection of runtime output onto responses
 
 It owns and alone writes the state below. Runtime events are accepted only if their fence epoch is the
 session epoch (§3.9 T-2). Text leaves as it is generated: each text piece of a unit the active response owns
-goes out at once as its own transcript (or text) delta (targets.md P13). Audio is buffered per unit and released
-as audio/transcript pairs (C-3; the pair's transcript is the unit's text not sent yet, mostly ""): a piece of
-audio that the runtime marks as not its unit's last (one Token2Wav call of several) goes out at once, the rest
-at `unit_done`, which carries `end_of_turn` and the unit's metrics. What it needs from the input side it asks through `InputLink` (the session routes those calls
-to its `InputTrack`), so neither track subclasses or imports the other's module for these calls.
+goes out at once as its own transcript (or text) delta (targets.md P13; on /v1/duplex an audio response's text
+stays in its pairs). Audio is buffered per unit and released as audio/transcript pairs (C-3; the pair's
+transcript is the unit's text not sent yet, mostly ""): a piece of audio that the runtime marks as not its
+unit's last (one Token2Wav call of several) goes out at once, the rest at `unit_done`, which carries
+`end_of_turn` and the unit's metrics. What it needs from the input side it asks through `InputLink` (the
+session routes those calls to its `InputTrack`), so neither track subclasses or imports the other's module for
+these calls.
 """
 
 from __future__ import annotations
@@ -191,7 +193,7 @@ class ResponseTrack:
         # §7.5: the text this audio covers is the transcript through this unit, not the later units' early text
         ahead = sum(o.sent_chars for u, o in self._units.items() if u > unit)
         mark = {"text_chars": len(resp.transcript) - ahead, "audio_end_ms": resp.audio_ms}
-        entry.marks.append((resp.audio_ms, len(resp.transcript)))
+        entry.marks.append((resp.audio_ms, mark["text_chars"]))
         entry.sent_ms = resp.audio_ms
         entry.generated_ms = max(entry.generated_ms, entry.sent_ms)  # per-piece rounding never breaks the order
         if entry.first_send_at is None:
@@ -348,7 +350,8 @@ class ResponseTrack:
             resp = self.active
             if resp is not None and resp.spoke:
                 resp.text_tokens += 1
-                if ev.text and self._owns(resp, buf) and (resp.options.text_only or self.core.ctx.text_ahead_of_audio):
+                ahead = resp.options.text_only or self.core.ctx.text_ahead_of_audio
+                if ev.text and ahead and self._owns(resp, buf):
                     self._send_text(resp, ev.unit, buf)
         elif isinstance(ev, AudioPiece):
             buf.audio.append(ev.pcm16)

@@ -225,8 +225,16 @@ async def test_a_units_audio_marks_only_the_text_up_to_it_when_the_next_units_te
                    UnitDone(epoch=0, unit=1, is_listen=False, end_of_turn=True, metrics=unit_metrics(1))):
             rt.inject(corr, ev)
         got = await c.until("rate_limits.updated")
+        # the history heard up to unit 0's audio end holds unit 0's text, not unit 1's sent ahead of it
+        rid = next(e for e in got if e["type"] == "response.done")["response"]["id"]
+        await c.send({"type": "conversation.item.truncate", "item_id": f"item_{rid}", "content_index": 0,
+                      "audio_end_ms": 100})
+        await c.until("conversation.item.truncated")
+        await c.send({"type": "conversation.item.retrieve", "item_id": f"item_{rid}"})
+        item = (await c.until("conversation.item.retrieved"))[-1]["item"]
         events = await close(c)
     assert_conformant(events)
+    assert item["content"][0]["transcript"] == "ab"
     marks = [e["metadata"]["audio_text_mark"] for e in got if e["type"] == "response.output_audio.delta"]
     assert [m["text_chars"] for m in marks] == [2, 5]
     text = [e["delta"] for e in got if e["type"] == "response.output_audio_transcript.delta"]
