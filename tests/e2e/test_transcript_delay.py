@@ -70,3 +70,22 @@ async def test_every_delta_sent_is_counted_from_its_sampling(scripted: Stack, re
     assert 0 < waited < LIMIT_S * len(sent)
     assert after["under_limit"] - before["under_limit"] == len(sent)
 
+
+
+async def test_a_units_text_reaches_the_client_before_its_audio(scripted: Stack) -> None:
+    """Issue 14 "transcript deltas arrive before the unit's end", through real Triton: on /v1/realtime each speaking
+    unit's first text delta comes before that unit's first audio delta, and every audio delta is still followed by
+    its transcript half (C-3)."""
+    events = await _one_response(scripted.addr, {})
+    first_text: dict[int, int] = {}
+    first_audio: dict[int, int] = {}
+    for i, e in enumerate(events):
+        unit = (e.get("metadata") or {}).get("model_unit_index")
+        if e["type"] == "response.output_audio_transcript.delta" and e["delta"]:
+            first_text.setdefault(unit, i)
+        elif e["type"] == "response.output_audio.delta":
+            first_audio.setdefault(unit, i)
+            assert events[i + 1]["type"] == "response.output_audio_transcript.delta"
+    assert first_text, [e["type"] for e in events]
+    assert all(unit in first_audio and first_text[unit] < first_audio[unit] for unit in first_text), \
+        (first_text, first_audio)
