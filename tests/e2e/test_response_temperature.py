@@ -26,7 +26,9 @@ STACK_ENV = SHARED_ENV
 SESSION_T = 0.7  # the session default (protocol.md §2.2)
 SEED = 11
 OWNED = (1, 2)  # the units sent after response.create
-UNITS = 1 + len(OWNED)
+# one unit more than the owned ones: its decision comes after all of unit 2's text (text deltas stream per piece,
+# so unit 2's own first delta is no sign that its text is complete)
+UNITS = 1 + len(OWNED) + 1
 
 
 async def _owned_output(addr: str, speech: np.ndarray, response: dict[str, Any]) -> list[tuple]:
@@ -47,7 +49,7 @@ async def _owned_output(addr: str, speech: np.ndarray, response: dict[str, Any])
         await c.send({"type": "response.create", "response": response})
         await collect_until(c, lambda e: e["type"] == "response.created")
         await send_audio(c, audio[first:], pace=0)
-        await collect_until(c, lambda e: unit_decided(e, OWNED[-1]))
+        await collect_until(c, lambda e: unit_decided(e, OWNED[-1] + 1))
         events = await close_session(c)
     return [(e["type"], unit, e.get("delta")) for e in events
             if (unit := e.get("model_unit_index", (e.get("metadata") or {}).get("model_unit_index"))) in OWNED
