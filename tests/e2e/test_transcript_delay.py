@@ -89,3 +89,22 @@ async def test_a_units_text_reaches_the_client_before_its_audio(scripted: Stack)
     assert first_text, [e["type"] for e in events]
     assert all(unit in first_audio and first_text[unit] < first_audio[unit] for unit in first_text), \
         (first_text, first_audio)
+
+
+async def test_a_unit_of_two_vocoder_calls_reaches_the_client_as_two_audio_deltas(scripted: Stack) -> None:
+    """Issue 14 "audio as each Token2Wav call finishes", through real Triton: a unit whose audio takes two Token2Wav
+    calls (the turn's end flushes the mel cache in a second call) arrives as several audio deltas, and only the
+    unit's last one carries its metrics (and the turn's end)."""
+    c, _ = await opened(scripted.addr)
+    async with cleanup(c):
+        await send_audio(c, fit_units(silence(0), UNITS), pace=0)
+        await collect_until(c, lambda e: e["type"] == "response.done", wait_s=120)  # the turn's end, all its audio
+        events = await close_session(c)
+    deltas: dict[int, list[dict[str, Any]]] = {}
+    for e in events:
+        if e["type"] == "response.output_audio.delta":
+            deltas.setdefault(e["metadata"]["model_unit_index"], []).append(e["metadata"])
+    assert any(len(md) > 1 for md in deltas.values()), {u: len(md) for u, md in deltas.items()}
+    for md in deltas.values():
+        assert ["unit_metrics" in m for m in md] == [False] * (len(md) - 1) + [True]
+        assert not any(m["end_of_turn"] for m in md[:-1])
