@@ -1,10 +1,10 @@
 """Token2Wav bridge: `audio_tokens` (TOKENS = one unit's codes, CONFIG = {"unit", "end_of_turn"}) ->
 engine.stage1.Token2WavEngine -> `audio` events (AUDIO = 24 kHz PCM16, `last` on the unit's last chunk) as
-chunks finish; the request ends (FINAL) after the unit's last chunk. Voices are the checkpoint's voice packs, built once at load, and the
-clips of sessions opened with `ref_audio` (model.md §6.1): a clip's voice pack is made by the checkpoint's S3
-tokenizer and CAM++ (engine/token2wav/prompt.py) on a worker thread, not the engine thread; the engine thread
-builds its base cache once, shared by every session with the same clip (keyed by its hash) and dropped with the
-last of them. A checkpoint without the two ONNX models keeps the session's named voice (logged once at load).
+chunks finish; the request ends (FINAL) after the unit's last chunk. Voices are the checkpoint's voice packs,
+built once at load, and the clips of sessions opened with `ref_audio` (model.md §6.1): a clip's voice pack is
+made by the checkpoint's S3 tokenizer and CAM++ (engine/token2wav/prompt.py) on a worker thread, not the engine
+thread; the engine thread builds its base cache once, shared by every session with the same clip (keyed by its
+hash) and dropped with the last of them. A checkpoint without the two ONNX models keeps the session's named voice (logged once at load).
 """
 
 from __future__ import annotations

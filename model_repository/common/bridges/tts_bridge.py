@@ -32,11 +32,11 @@ class TTSBridge(EngineBridge):
         super().__init__(settings)
         configure_torch(settings)
         opts = engine_options(settings, OPTIONS)
+        turn = opts.get("max_turn_positions", TTSEngineConfig.max_turn_positions)
+        if isinstance(turn, bool) or not isinstance(turn, int) or turn <= 0:  # before the checkpoint loads
+            raise ConfigError(f"engine option max_turn_positions={turn!r} must be a positive integer")
         ck = load_checkpoint(settings.checkpoint_dir, device=settings.device, dtype=torch_dtype(settings),
                              with_vision=False, with_token2wav=False, components=TTS_COMPONENTS)
-        turn = opts.get("max_turn_positions", TTSEngineConfig.max_turn_positions)
-        if isinstance(turn, bool) or not isinstance(turn, int) or turn <= 0:
-            raise ConfigError(f"engine option max_turn_positions={turn!r} must be a positive integer")
         cfg = TTSEngineConfig(max_sessions=settings.max_sessions, max_batch=settings.max_sessions,
                               use_cuda_graphs=settings.device.startswith("cuda") and opts.get("cuda_graphs", True),
                               compile_step=bool(opts.get("compile_step", False)), max_turn_positions=turn)
