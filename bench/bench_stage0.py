@@ -32,7 +32,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -299,6 +299,24 @@ class BenchFrontEnd:
 def bench_engine(model: Qwen3LLM, cfg: LLMConfig, b: int, args: argparse.Namespace, dev: torch.device,
                  dtype: torch.dtype) -> list[dict]:
     """The engine's own step(): b sessions at `context` retained positions, every unit a scripted speak unit."""
+    engine, sids, config = engine_at_context(model, cfg, b, args, dev, dtype)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    kinds: dict[str, list[float]] = {"decode": [], "prefill": []}
+    for unit, kind in unit_steps(engine, sids, config, args.engine_units):
+        sync()
+        t0 = time.perf_counter()
+        busy = engine.step()
+        sync()
+        if busy and unit and kind:
+            kinds[kind].append((time.perf_counter() - t0) * 1e3)
+    span = decode_span(engine.runner.graphs, args) if engine.runner.graphs is not None else None
+    return [dict(name=f"engine step {k}" + (f" +{args.compile}" if args.compile else ""), batch=b, ctx=args.context,
+                 ms=stats(v), span=span if k == "decode" else None) for k, v in kinds.items() if v]
+
+
+def engine_at_context(model: Qwen3LLM, cfg: LLMConfig, b: int, args: argparse.Namespace, dev: torch.device,
+                      dtype: torch.dtype) -> tuple[Stage0Engine, list[str], Stage0Config]:
+    """The engine rows' engine: b sessions opened, prefixes run, each with `args.context` retained positions."""
     config, rules = engine_config(b, args, dev)
     fresh_compile(args.compile)
     tok = BenchTokenizer(cfg.vocab_size)
@@ -318,26 +336,20 @@ def bench_engine(model: Qwen3LLM, cfg: LLMConfig, b: int, args: argparse.Namespa
             t[s.slot, :, s.cached_len:args.context].normal_()
         s.ledger.append(UnitRecord(-1, args.context - s.prefix_len, (), "", True))
         s.cached_len = args.context
-    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    kinds: dict[str, list[float]] = {"decode": [], "prefill": []}
-    for unit in range(args.engine_units + 1):  # unit 0 warms up
+    return engine, sids, config
+
+
+def unit_steps(engine: Stage0Engine, sids: list[str], config: Stage0Config,
+               units: int) -> Iterator[tuple[int, str | None]]:
+    """Appends unit 0 (the warm-up) .. `units` to every session; before each step the caller takes, yields
+    (unit, the step's kind: "decode" when every session feeds a token, "prefill" when units start, else None)."""
+    for unit in range(units + 1):
         for sid in sids:
             samples = config.first_unit_samples if unit == 0 else config.unit_samples
             engine.append(sid, Fence(1, 0, seq=unit), torch.zeros(samples))
-        while True:
+        while engine.has_work():
             phases = {engine.session(sid).phase for sid in sids}
-            kind = "decode" if phases == {Phase.FEED} else "prefill" if Phase.IDLE in phases else None
-            sync()
-            t0 = time.perf_counter()
-            busy = engine.step()
-            sync()
-            if not busy:
-                break
-            if unit and kind:
-                kinds[kind].append((time.perf_counter() - t0) * 1e3)
-    span = decode_span(engine.runner.graphs, args) if engine.runner.graphs is not None else None
-    return [dict(name=f"engine step {k}" + (f" +{args.compile}" if args.compile else ""), batch=b, ctx=args.context,
-                 ms=stats(v), span=span if k == "decode" else None) for k, v in kinds.items() if v]
+            yield unit, "decode" if phases == {Phase.FEED} else "prefill" if Phase.IDLE in phases else None
 
 
 class RingOwner:

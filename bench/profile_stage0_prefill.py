@@ -1,6 +1,6 @@
 """Where a batched unit prefill's GPU time goes (issue 16): the kernels of one Stage0 prefill forward.
 
-    python bench/profile_stage0_prefill.py --batches 1,8,32 --context 8192
+    python bench/profile_stage0_prefill.py --batches 1,8,32 --context 8192 [--flex]
 
 Full-size dummy weights (bench_stage0's model), `batch` sessions with `context` retained positions each, one
 13-position unit (the merged close + `<unit>` + 10 audio embeddings) per session through the gathered-slot
@@ -39,6 +39,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rows", type=int, default=20, help="kernels listed per batch")
     ap.add_argument("--sdpa", default="default",
                     help="SDPA kernel sets to compare: default (PyTorch's choice), efficient, flash, math, no-cudnn")
+    ap.add_argument("--flex", action="store_true",
+                    help="the rows attend over the slot KV with FlexAttention (the served prefill), not a gathered copy")
     ap.add_argument("--tiny", action="store_true")
     args = ap.parse_args(argv)
     model, cfg, dev, dtype = profiled_model(args.tiny)
@@ -81,7 +83,7 @@ def profile_one(model: Qwen3LLM, cfg: LLMConfig, b: int, args: argparse.Namespac
     valid = torch.ones(b, n, dtype=torch.bool, device=dev)
 
     def forward() -> None:
-        model(x, pos, slots, kv, valid=valid, kv_limit=span)
+        model(x, pos, slots, kv, valid=valid, kv_limit=span, flex=args.flex)
 
     with torch.no_grad():
         for _ in range(3):
@@ -96,7 +98,8 @@ def profile_one(model: Qwen3LLM, cfg: LLMConfig, b: int, args: argparse.Namespac
             forward()
             sync()
     key = "self_cuda_time_total" if dev.type == "cuda" else "self_cpu_time_total"
-    print(f"\n== batch {b}, context {args.context}, {n} positions per row: eager forward {wall:.1f} ms ==")
+    print(f"\n== batch {b}, context {args.context}, {n} positions per row{', flex' if args.flex else ''}: eager "
+          f"forward {wall:.1f} ms ==")
     table = prof.key_averages().table(sort_by=key, row_limit=args.rows, max_name_column_width=70)
     print(table)
     own = "self_device_time_total" if dev.type == "cuda" else "self_cpu_time_total"  # per-op name since torch 2.4
