@@ -42,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 from bench.stage0_frontend import FULL_AUDIO, TINY_AUDIO, bench_frontend, build_frontend
 from engine.config import LLMConfig
 from engine.hostio import read_back
+from engine.model import flex
 from engine.model.llm import Qwen3LLM, SlotKVCache
 from engine.stage0 import DecodeRules, Fence, SamplingParams, Stage0Config, Stage0Engine
 from engine.stage0.frontend import AudioFrontEndAdapter
@@ -255,7 +256,10 @@ def bench_prefill_batched(model: Qwen3LLM, cfg: LLMConfig, args: argparse.Namesp
 
 
 class BenchTokenizer:
-    """`TextTokenizer` over bytes: ids 0..255 are bytes, the special tokens sit at the top of the vocabulary."""
+    """`TextTokenizer` over bytes: ids 0..255 are bytes, the special tokens sit at the top of the vocabulary, every
+    id between decodes to a word (as the served full-size checkpoint's filler tokenizer does,
+    build/make_full_checkpoint.py). NOTE: when those ids decoded to "" the §9.5 script's draw of text ids rejected
+    ~600 ids per text id, 70-105 ms of host work in every 32-session unit step that served runs never pay."""
 
     def __init__(self, vocab: int) -> None:
         self._special = {tok: vocab - 1 - i for i, tok in enumerate(SPECIALS)}
@@ -270,7 +274,8 @@ class BenchTokenizer:
         return ids
 
     def decode(self, ids: list[int]) -> str:
-        return bytes(i for i in ids if i < BYTE_IDS).decode(errors="replace")
+        data = b"".join(bytes([i]) if i < BYTE_IDS else b"" if i in self._text else b" w%d" % i for i in ids)
+        return data.decode(errors="replace")
 
     def token_id(self, token: str) -> int:
         return self._special[token]
@@ -543,6 +548,8 @@ def main(argv: list[str] | None = None) -> None:
                     help=f"also a unit prefill with one camera frame ({FRAME_PREFILL} positions), batch 1")
     ap.add_argument("--prefill-batches", default="32",
                     help="sessions' merged unit prefills per graph for the batched prefill rows ('' = none)")
+    ap.add_argument("--flex-programs-per-sm", type=int, default=flex.DECODE_PROGRAMS_PER_SM,
+                    help="the flex decoding kernel's programs per SM (engine/model/flex.py DECODE_PROGRAMS_PER_SM)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--results", default=None,
                     help="write issue 16's JSON (commit, device, rows of what/batch/context/median_ms/p99_ms)")
@@ -557,6 +564,7 @@ def main(argv: list[str] | None = None) -> None:
     with torch.device(dev):
         model = Qwen3LLM(cfg).to(dtype).eval()
     dummy_init(model)
+    flex.DECODE_PROGRAMS_PER_SM = args.flex_programs_per_sm
     Qwen3LLM.fold_gqa = not args.no_fold
     Qwen3LLM.decode_attention = args.decode_attention[0]
     if not args.no_fuse:

@@ -25,6 +25,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 from bench.bench_stage0 import FULL, MERGED_PREFILL, TINY, dummy_init, quantized, random_kv  # noqa: E402
 from engine.config import LLMConfig  # noqa: E402
+from engine.model import flex  # noqa: E402
 from engine.model.llm import Qwen3LLM  # noqa: E402
 
 SDPA_SETS = {"efficient": [SDPBackend.EFFICIENT_ATTENTION], "flash": [SDPBackend.FLASH_ATTENTION],
@@ -41,20 +42,25 @@ def main(argv: list[str] | None = None) -> None:
                     help="SDPA kernel sets to compare: default (PyTorch's choice), efficient, flash, math, no-cudnn")
     ap.add_argument("--flex", action="store_true",
                     help="the rows attend over the slot KV with FlexAttention (the served prefill), not a gathered copy")
+    ap.add_argument("--programs-per-sm", default="",
+                    help="with --flex: flex.DECODE_PROGRAMS_PER_SM values to sweep (the decoding kernel's key splits)")
     ap.add_argument("--tiny", action="store_true")
     args = ap.parse_args(argv)
     model, cfg, dev, dtype = profiled_model(args.tiny)
     summary = []
+    programs = [int(p) for p in args.programs_per_sm.split(",") if p] or [flex.DECODE_PROGRAMS_PER_SM]
     for b in (int(x) for x in args.batches.split(",")):
         for name in args.sdpa.split(","):
-            try:
-                with sdpa_kernel(SDPA_SETS[name]) if name != "default" else contextlib.nullcontext():
-                    summary.append((name, b, *profile_one(model, cfg, b, args, dev, dtype)))
-            except RuntimeError as exc:  # e.g. no kernel of the set takes this mask on this device
-                print(f"\n== batch {b}, sdpa {name}: {exc} ==")
-    print("\nsdpa | batch | eager wall ms | GPU ms | attention ms | KV gather ms")
-    for name, b, wall, gpu, attn, gather in summary:
-        print(f"{name} | {b} | {wall:.1f} | {gpu:.1f} | {attn:.1f} | {gather:.1f}")
+            for per_sm in programs:
+                flex.DECODE_PROGRAMS_PER_SM = per_sm
+                try:
+                    with sdpa_kernel(SDPA_SETS[name]) if name != "default" else contextlib.nullcontext():
+                        summary.append((name, per_sm, b, *profile_one(model, cfg, b, args, dev, dtype)))
+                except RuntimeError as exc:  # e.g. no kernel of the set takes this mask on this device
+                    print(f"\n== batch {b}, sdpa {name}: {exc} ==")
+    print("\nsdpa | flex programs per SM | batch | eager wall ms | GPU ms | attention ms | KV gather ms")
+    for name, per_sm, b, wall, gpu, attn, gather in summary:
+        print(f"{name} | {per_sm if args.flex else '-'} | {b} | {wall:.1f} | {gpu:.1f} | {attn:.1f} | {gather:.1f}")
 
 
 def profiled_model(tiny: bool) -> tuple[Qwen3LLM, LLMConfig, torch.device, torch.dtype]:
@@ -104,7 +110,8 @@ def profile_one(model: Qwen3LLM, cfg: LLMConfig, b: int, args: argparse.Namespac
     print(table)
     own = "self_device_time_total" if dev.type == "cuda" else "self_cpu_time_total"  # per-op name since torch 2.4
     ops = {e.key: getattr(e, own) / 1e3 for e in prof.key_averages()}  # ms
-    attention = sum(v for k, v in ops.items() if k.startswith("aten::_") and "attention" in k)
+    attention = sum(v for k, v in ops.items() if (k.startswith("aten::_") and "attention" in k)
+                    or k.startswith("triton_tem_fused_flex"))
     return wall, _total_ms(table), attention, ops.get("aten::index", 0.0)
 
 

@@ -28,6 +28,11 @@ Q_BLOCK = 128
 # flex attention kernel: the decoding kernel found no valid configuration for 79-position rows on the H200
 # (NoValidChoicesError, torch 2.11, stop 26).
 FLEX_DECODING_MAX_POSITIONS = 16
+# Programs per SM the decoding kernel is given by splitting each row's keys (its SPLIT_KV). torch's default is
+# 2 x SMs // (rows x kv heads), at least 1: 33 dense rows x 8 kv heads on 132 SMs get ONE split, so each program
+# walks a slot's whole 8 k keys alone, latency-bound (26 of the 44 ms of 32 units' prefill at 8 k on the H200,
+# stop 29). More, shorter splits keep enough loads in flight; the value is the H200 sweep's (bench/RESULTS.md).
+DECODE_PROGRAMS_PER_SM = 8
 
 
 class SlotBlocks(NamedTuple):
@@ -35,22 +40,37 @@ class SlotBlocks(NamedTuple):
 
     block_mask: BlockMask
     slot_ids: torch.Tensor | None  # [B] the rows' slots (dummy rows: the scratch slot); None: row i is slot i
+    split_kv: int | None = None  # the decoding kernel's splits of each row's keys (None: torch's choice)
 
 
-def dense_blocks(write_pos: torch.Tensor, idle_pos: int, max_len: int) -> SlotBlocks:
+def decode_splits(rows: int, kv_heads: int, max_len: int, device: torch.device) -> int | None:
+    """SPLIT_KV for the flex decoding kernel over `rows` cache rows: DECODE_PROGRAMS_PER_SM programs per SM, a
+    power of two, at most one split per key block; None off CUDA (eager flex takes no kernel options)."""
+    if device.type != "cuda":
+        return None
+    want = DECODE_PROGRAMS_PER_SM * _sm_count(device) // max(rows * kv_heads, 1)
+    return max(1, min(1 << (max(want, 1).bit_length() - 1), -(-max_len // KV_BLOCK)))
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def dense_blocks(write_pos: torch.Tensor, idle_pos: int, max_len: int, kv_heads: int) -> SlotBlocks:
     """Single-token rows of the dense layout (row i = slot i, write_pos [B, 1]): each row reads its own key blocks
     up to its position; an idle row (at `idle_pos`, output discarded) reads none."""
     b = write_pos.shape[0]
     pos = torch.where(write_pos == idle_pos, -1, write_pos)
     rows = torch.arange(b, device=write_pos.device)
-    blocks = slot_blocks(pos, torch.ones_like(pos, dtype=torch.bool), rows, b, max_len)
-    return SlotBlocks(blocks.block_mask, None)
+    blocks = slot_blocks(pos, torch.ones_like(pos, dtype=torch.bool), rows, b, max_len, kv_heads)
+    return SlotBlocks(blocks.block_mask, None, blocks.split_kv)
 
 
 def slot_blocks(write_pos: torch.Tensor, valid: torch.Tensor, slot_ids: torch.Tensor, slots: int,
-                max_len: int) -> SlotBlocks:
+                max_len: int, kv_heads: int = 1) -> SlotBlocks:
     """write_pos, valid [B, T]; slot_ids [B]; `slots` cache rows (the scratch slot included), `max_len`
-    positions each. A padded query attends as its row's first query does (it is discarded)."""
+    positions each, `kv_heads` heads. A padded query attends as its row's first query does (it is discarded)."""
     b, t = write_pos.shape
     device = write_pos.device
     qpos = torch.where(valid, write_pos, write_pos[:, :1])  # [B, T]
@@ -77,7 +97,7 @@ def slot_blocks(write_pos: torch.Tensor, valid: torch.Tensor, slot_ids: torch.Te
         partial[:, None].to(torch.int32), kv_indices[:, None].contiguous(),
         full[:, None].to(torch.int32), full_indices[:, None].contiguous(),
         BLOCK_SIZE=(Q_BLOCK, KV_BLOCK), mask_mod=mask_mod, seq_lengths=(t, max_len), compute_q_blocks=False)
-    return SlotBlocks(mask, slot_ids)
+    return SlotBlocks(mask, slot_ids, decode_splits(slots, kv_heads, max_len, device))
 
 
 # Shapes one process compiles the standalone flex kernel for (batch bucket x length bucket x dtype x kernel options:
@@ -110,7 +130,10 @@ def flex_slot_attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     fn = flex_attention
     if q.device.type == "cuda" and not torch.compiler.is_compiling():
         fn = compiled_flex_attention
-    options = {"FORCE_USE_FLEX_ATTENTION": True} if t > FLEX_DECODING_MAX_POSITIONS else None
+    if t > FLEX_DECODING_MAX_POSITIONS:
+        options = {"FORCE_USE_FLEX_ATTENTION": True}
+    else:
+        options = {"SPLIT_KV": blocks.split_kv} if blocks.split_kv is not None else None
     out = fn(dense, k_cache, v_cache, block_mask=blocks.block_mask, enable_gqa=heads != k_cache.shape[1],
              kernel_options=options)
     return out if blocks.slot_ids is None else out[blocks.slot_ids]  # type: ignore[index] - no return_lse

@@ -143,8 +143,10 @@ class Qwen3LLM(nn.Module):
         cos, sin = self.rope(lay.write_pos, x.dtype)
         h, run = x, layer_fn or run_layer
         if use_flex:
-            blocks = (dense_blocks(lay.write_pos, kv.reserved_pos, kv.max_len) if dense_flex else
-                      slot_blocks(lay.write_pos, lay.write_slot != kv.scratch, slot_ids, kv.slots + 1, kv.max_len))
+            kvh = self.cfg.num_key_value_heads
+            blocks = (dense_blocks(lay.write_pos, kv.reserved_pos, kv.max_len, kvh) if dense_flex else
+                      slot_blocks(lay.write_pos, lay.write_slot != kv.scratch, slot_ids, kv.slots + 1, kv.max_len,
+                                  kvh))
             for i, layer in enumerate(self.model.layers):
                 h = run(layer, h, cos, sin, kv.k[i], kv.v[i], lay.write_slot, lay.write_pos, slot_ids, blocks,
                         lay.kv_limit, "flex")

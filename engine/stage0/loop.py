@@ -141,7 +141,7 @@ class StepScheduler:
             try:
                 embeds = self._unit_embeds(s)
                 if s.pending_close:  # §3.6: the previous unit's close merged into this forward
-                    embeds = torch.cat([self.runner.embed(list(s.pending_close)), embeds])
+                    embeds = torch.cat([self.runner.embed_marks(*s.pending_close), embeds])
                 return Row(s.slot, s.cached_len, embeds)
             except Exception as exc:  # noqa: BLE001 - any encoder failure fails this unit only; nothing was fed
                 self.recovery.fail_unit(s, f"{type(exc).__name__}: {exc}")
@@ -153,7 +153,7 @@ class StepScheduler:
             return Row(s.slot, s.cached_len, token=unit.pending_token)
         if s.phase is Phase.CLOSE:
             assert unit is not None and unit.terminator is not None
-            return Row(s.slot, s.cached_len, self.runner.embed([unit.terminator, ids.unit_close]))
+            return Row(s.slot, s.cached_len, self.runner.embed_marks(unit.terminator, ids.unit_close))
         return None
 
     def _prepare(self, s: Session) -> None:
@@ -222,7 +222,7 @@ class StepScheduler:
         """`<unit>` + frame blocks + audio embeddings → [T, H] (§3.3)."""
         assert s.unit is not None
         job, cfg, h = s.unit.job, self.config, self.model.cfg.hidden_size
-        parts = [self.runner.embed([self.ids.unit_open])]
+        parts = [self.runner.embed_marks(self.ids.unit_open)]
         frames = s.unit.frame_embeds
         if frames is None:  # not batched (a front end with `encode_frame` only, or a failed batch)
             if job.frames and not hasattr(self.frontend, "encode_frame"):
@@ -231,8 +231,8 @@ class StepScheduler:
         for f in frames:
             if tuple(f.shape) != (cfg.frame_embeddings, h):
                 raise FrontEndError(f"frame embeddings have shape {tuple(f.shape)}")
-            parts += [self.runner.embed([self.ids.image_open]), f.to(self.runner.device, self.runner.dtype),
-                      self.runner.embed([self.ids.image_close])]
+            parts += [self.runner.embed_marks(self.ids.image_open), f.to(self.runner.device, self.runner.dtype),
+                      self.runner.embed_marks(self.ids.image_close)]
         audio = s.unit.audio_embeds
         if isinstance(audio, Exception):
             raise FrontEndError(f"unit {job.index}: the batched audio front end failed: {audio}")
