@@ -140,7 +140,7 @@ def engine_config(b: int, args: argparse.Namespace, dev: torch.device) -> tuple[
         eager_replay_graphs=dev.type != "cuda" and not args.no_graphs, compile_mode=args.compile,
         compile_dynamic=False if args.compile_static else None,
         fuse_projections=not args.no_fuse, merge_unit_close=True, scripted_decisions=True, benchmark_mode=True,
-        prefill_attention=args.prefill_attention[0],
+        prefill_attention=args.prefill_attention[0], decode_attention=args.decode_attention[0],
         # all speak units, so every session decodes in lock step (turn-end every `speak_units`)
         script_plan=ScriptPlan(listen_units=0, tail_listen_units=0))
     return config, rules
@@ -539,7 +539,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="engine: compile every graph shape separately (Stage0Config.compile_dynamic=False)")
     ap.add_argument("--no-fuse", action="store_true", help="separate q/k/v and gate/up matmuls")
     ap.add_argument("--no-fold", action="store_true", help="SDPA enable_gqa instead of kv-head-major query rows")
-    ap.add_argument("--decode-attention", default="matmul,sdpa",
+    ap.add_argument("--decode-attention", default="flex,matmul",
                     help="decode attention variants for the decode rows; the first one is used elsewhere")
     ap.add_argument("--prefill-attention", default="flex,gather",
                     help="unit prefill attention variants (Stage0Config.prefill_attention); the first one is "
@@ -548,8 +548,8 @@ def main(argv: list[str] | None = None) -> None:
                     help=f"also a unit prefill with one camera frame ({FRAME_PREFILL} positions), batch 1")
     ap.add_argument("--prefill-batches", default="32",
                     help="sessions' merged unit prefills per graph for the batched prefill rows ('' = none)")
-    ap.add_argument("--flex-programs-per-sm", type=int, default=flex.DECODE_PROGRAMS_PER_SM,
-                    help="the flex decoding kernel's programs per SM (engine/model/flex.py DECODE_PROGRAMS_PER_SM)")
+    ap.add_argument("--flex-keys-per-split", type=int, default=flex.KEYS_PER_SPLIT,
+                    help="the flex decoding kernel's split length (engine/model/flex.py KEYS_PER_SPLIT)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--results", default=None,
                     help="write issue 16's JSON (commit, device, rows of what/batch/context/median_ms/p99_ms)")
@@ -564,7 +564,7 @@ def main(argv: list[str] | None = None) -> None:
     with torch.device(dev):
         model = Qwen3LLM(cfg).to(dtype).eval()
     dummy_init(model)
-    flex.DECODE_PROGRAMS_PER_SM = args.flex_programs_per_sm
+    flex.KEYS_PER_SPLIT = args.flex_keys_per_split
     Qwen3LLM.fold_gqa = not args.no_fold
     Qwen3LLM.decode_attention = args.decode_attention[0]
     if not args.no_fuse:

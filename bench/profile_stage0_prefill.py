@@ -42,25 +42,25 @@ def main(argv: list[str] | None = None) -> None:
                     help="SDPA kernel sets to compare: default (PyTorch's choice), efficient, flash, math, no-cudnn")
     ap.add_argument("--flex", action="store_true",
                     help="the rows attend over the slot KV with FlexAttention (the served prefill), not a gathered copy")
-    ap.add_argument("--programs-per-sm", default="",
-                    help="with --flex: flex.DECODE_PROGRAMS_PER_SM values to sweep (the decoding kernel's key splits)")
+    ap.add_argument("--keys-per-split", default="",
+                    help="with --flex: flex.KEYS_PER_SPLIT values to sweep (the decoding kernel's split length)")
     ap.add_argument("--tiny", action="store_true")
     args = ap.parse_args(argv)
     model, cfg, dev, dtype = profiled_model(args.tiny)
     summary = []
-    programs = [int(p) for p in args.programs_per_sm.split(",") if p] or [flex.DECODE_PROGRAMS_PER_SM]
+    programs = [int(p) for p in args.keys_per_split.split(",") if p] or [flex.KEYS_PER_SPLIT]
     for b in (int(x) for x in args.batches.split(",")):
         for name in args.sdpa.split(","):
-            for per_sm in programs:
-                flex.DECODE_PROGRAMS_PER_SM = per_sm
+            for keys in programs:
+                flex.KEYS_PER_SPLIT = keys
                 try:
                     with sdpa_kernel(SDPA_SETS[name]) if name != "default" else contextlib.nullcontext():
-                        summary.append((name, per_sm, b, *profile_one(model, cfg, b, args, dev, dtype)))
+                        summary.append((name, keys, b, *profile_one(model, cfg, b, args, dev, dtype)))
                 except RuntimeError as exc:  # e.g. no kernel of the set takes this mask on this device
                     print(f"\n== batch {b}, sdpa {name}: {exc} ==")
-    print("\nsdpa | flex programs per SM | batch | eager wall ms | GPU ms | attention ms | KV gather ms")
-    for name, per_sm, b, wall, gpu, attn, gather in summary:
-        print(f"{name} | {per_sm if args.flex else '-'} | {b} | {wall:.1f} | {gpu:.1f} | {attn:.1f} | {gather:.1f}")
+    print("\nsdpa | flex keys per split | batch | eager wall ms | GPU ms | attention ms | KV gather ms")
+    for name, keys, b, wall, gpu, attn, gather in summary:
+        print(f"{name} | {keys if args.flex else '-'} | {b} | {wall:.1f} | {gpu:.1f} | {attn:.1f} | {gather:.1f}")
 
 
 def profiled_model(tiny: bool) -> tuple[Qwen3LLM, LLMConfig, torch.device, torch.dtype]:

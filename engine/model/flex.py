@@ -28,49 +28,44 @@ Q_BLOCK = 128
 # flex attention kernel: the decoding kernel found no valid configuration for 79-position rows on the H200
 # (NoValidChoicesError, torch 2.11, stop 26).
 FLEX_DECODING_MAX_POSITIONS = 16
-# Programs per SM the decoding kernel is given by splitting each row's keys (its SPLIT_KV). torch's default is
-# 2 x SMs // (rows x kv heads), at least 1: 33 dense rows x 8 kv heads on 132 SMs get ONE split, so each program
-# walks a slot's whole 8 k keys alone, latency-bound (26 of the 44 ms of 32 units' prefill at 8 k on the H200,
-# stop 29). More, shorter splits keep enough loads in flight; the value is the H200 sweep's (bench/RESULTS.md).
-DECODE_PROGRAMS_PER_SM = 8
+# Keys per split of a row for the flex decoding kernel (its SPLIT_KV = the cache length / this). torch's default
+# split count is 2 x SMs // (rows x kv heads), at least 1: 33 cache rows x 8 kv heads on 132 SMs got ONE split, so
+# each program walked a slot's whole 8 k keys alone, latency-bound (26 of the 44 ms of 32 units' prefill at 8 k on
+# the H200, stop 29). A split length fixed per engine, not a count from the batch, also keeps a row's sum order the
+# same whatever rows share its step (batch invariance). The value is the H200 sweep's (bench/RESULTS.md, stop 29).
+KEYS_PER_SPLIT = 512
 
 
 class SlotBlocks(NamedTuple):
     """What every layer's flex attention shares in one forward."""
 
     block_mask: BlockMask
-    slot_ids: torch.Tensor | None  # [B] the rows' slots (dummy rows: the scratch slot); None: row i is slot i
+    slot_ids: torch.Tensor  # [B] the rows' slots (dummy rows: the scratch slot)
     split_kv: int | None = None  # the decoding kernel's splits of each row's keys (None: torch's choice)
 
 
-def decode_splits(rows: int, kv_heads: int, max_len: int, device: torch.device) -> int | None:
-    """SPLIT_KV for the flex decoding kernel over `rows` cache rows: DECODE_PROGRAMS_PER_SM programs per SM, a
-    power of two, at most one split per key block; None off CUDA (eager flex takes no kernel options)."""
-    if device.type != "cuda":
-        return None
-    want = DECODE_PROGRAMS_PER_SM * _sm_count(device) // max(rows * kv_heads, 1)
-    return max(1, min(1 << (max(want, 1).bit_length() - 1), -(-max_len // KV_BLOCK)))
+def decode_splits(max_len: int, device: torch.device) -> int | None:
+    """SPLIT_KV for the flex decoding kernel over cache rows of `max_len` positions: one split per KEYS_PER_SPLIT
+    keys; None off CUDA (eager flex takes no kernel options)."""
+    return max(1, -(-max_len // KEYS_PER_SPLIT)) if device.type == "cuda" else None
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def dense_blocks(write_pos: torch.Tensor, idle_pos: int, max_len: int, kv_heads: int) -> SlotBlocks:
+def dense_blocks(write_pos: torch.Tensor, idle_pos: int, slots: int, max_len: int) -> SlotBlocks:
     """Single-token rows of the dense layout (row i = slot i, write_pos [B, 1]): each row reads its own key blocks
-    up to its position; an idle row (at `idle_pos`, output discarded) reads none."""
+    up to its position; an idle row (at `idle_pos`, output discarded) reads none. The rows attend as gathered rows
+    of slots 0..B-1 over all `slots` cache rows, so the kernel's batch is the cache's static size: a compiled layer
+    with a symbolic batch would otherwise leave the decoding kernel for flex's general one (torch's
+    `_use_flex_decoding` needs a static batch)."""
     b = write_pos.shape[0]
     pos = torch.where(write_pos == idle_pos, -1, write_pos)
     rows = torch.arange(b, device=write_pos.device)
-    blocks = slot_blocks(pos, torch.ones_like(pos, dtype=torch.bool), rows, b, max_len, kv_heads)
-    return SlotBlocks(blocks.block_mask, None, blocks.split_kv)
+    return slot_blocks(pos, torch.ones_like(pos, dtype=torch.bool), rows, slots, max_len)
 
 
 def slot_blocks(write_pos: torch.Tensor, valid: torch.Tensor, slot_ids: torch.Tensor, slots: int,
-                max_len: int, kv_heads: int = 1) -> SlotBlocks:
+                max_len: int) -> SlotBlocks:
     """write_pos, valid [B, T]; slot_ids [B]; `slots` cache rows (the scratch slot included), `max_len`
-    positions each, `kv_heads` heads. A padded query attends as its row's first query does (it is discarded)."""
+    positions each. A padded query attends as its row's first query does (it is discarded)."""
     b, t = write_pos.shape
     device = write_pos.device
     qpos = torch.where(valid, write_pos, write_pos[:, :1])  # [B, T]
@@ -97,7 +92,7 @@ def slot_blocks(write_pos: torch.Tensor, valid: torch.Tensor, slot_ids: torch.Te
         partial[:, None].to(torch.int32), kv_indices[:, None].contiguous(),
         full[:, None].to(torch.int32), full_indices[:, None].contiguous(),
         BLOCK_SIZE=(Q_BLOCK, KV_BLOCK), mask_mod=mask_mod, seq_lengths=(t, max_len), compute_q_blocks=False)
-    return SlotBlocks(mask, slot_ids, decode_splits(slots, kv_heads, max_len, device))
+    return SlotBlocks(mask, slot_ids, decode_splits(max_len, device))
 
 
 # Shapes one process compiles the standalone flex kernel for (batch bucket x length bucket x dtype x kernel options:
@@ -121,12 +116,9 @@ def compiled_flex_attention(*args, **kwargs) -> torch.Tensor:  # noqa: ANN002, A
 def flex_slot_attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      blocks: SlotBlocks) -> torch.Tensor:
     """q [B, heads, T, D] → [B, heads, T, D], attending over one layer's caches [slots, kvh, max_len, D]."""
-    b, heads, t, d = q.shape
-    if blocks.slot_ids is None:  # dense: the first b slots, views of the caches
-        dense, k_cache, v_cache = q, k_cache[:b], v_cache[:b]
-    else:
-        dense = q.new_zeros(k_cache.shape[0], heads, t, d)
-        dense[blocks.slot_ids] = q
+    _, heads, t, d = q.shape
+    dense = q.new_zeros(k_cache.shape[0], heads, t, d)
+    dense[blocks.slot_ids] = q
     fn = flex_attention
     if q.device.type == "cuda" and not torch.compiler.is_compiling():
         fn = compiled_flex_attention
@@ -136,4 +128,4 @@ def flex_slot_attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         options = {"SPLIT_KV": blocks.split_kv} if blocks.split_kv is not None else None
     out = fn(dense, k_cache, v_cache, block_mask=blocks.block_mask, enable_gqa=heads != k_cache.shape[1],
              kernel_options=options)
-    return out if blocks.slot_ids is None else out[blocks.slot_ids]  # type: ignore[index] - no return_lse
+    return out[blocks.slot_ids]  # type: ignore[index] - no return_lse

@@ -123,7 +123,8 @@ class Qwen3LLM(nn.Module):
 
     def forward(self, x: torch.Tensor, input_pos: torch.Tensor, slot_ids: torch.Tensor | None,
                 kv: SlotKVCache, valid: torch.Tensor | None = None,
-                kv_limit: int | None = None, layer_fn: LayerFn | None = None, flex: bool = False) -> torch.Tensor:
+                kv_limit: int | None = None, layer_fn: LayerFn | None = None, flex: bool = False,
+                decode_attention: str | None = None) -> torch.Tensor:
         """One forward over ragged rows.
 
         x [B, T, H] input embeddings; input_pos [B, T] absolute positions = cache indices (padding: any
@@ -134,26 +135,26 @@ class Qwen3LLM(nn.Module):
         layer_fn: runs each layer (`compile_layers()` for regional compilation; None: eager).
         flex: rows of the gathered layout attend with FlexAttention over the cache itself, instead of a copy of
         each row's first kv_limit positions (engine/model/flex.py); the dense layout ignores it.
+        decode_attention: this call's single-token attention (None: the class's `decode_attention`).
         Returns final-norm hidden [B, T, H].
         """
         b, t, _ = x.shape
-        dense_flex = t == 1 and slot_ids is None and self.decode_attention == "flex"
+        decode_attention = decode_attention or self.decode_attention
+        dense_flex = t == 1 and slot_ids is None and decode_attention == "flex"
         use_flex = (flex and slot_ids is not None) or dense_flex
         lay = slot_layout(input_pos, slot_ids, kv, valid, kv_limit, with_visible=not use_flex)
         cos, sin = self.rope(lay.write_pos, x.dtype)
         h, run = x, layer_fn or run_layer
         if use_flex:
-            kvh = self.cfg.num_key_value_heads
-            blocks = (dense_blocks(lay.write_pos, kv.reserved_pos, kv.max_len, kvh) if dense_flex else
-                      slot_blocks(lay.write_pos, lay.write_slot != kv.scratch, slot_ids, kv.slots + 1, kv.max_len,
-                                  kvh))
+            blocks = (dense_blocks(lay.write_pos, kv.reserved_pos, kv.slots + 1, kv.max_len) if dense_flex else
+                      slot_blocks(lay.write_pos, lay.write_slot != kv.scratch, slot_ids, kv.slots + 1, kv.max_len))
             for i, layer in enumerate(self.model.layers):
                 h = run(layer, h, cos, sin, kv.k[i], kv.v[i], lay.write_slot, lay.write_pos, slot_ids, blocks,
                         lay.kv_limit, "flex")
             return self.model.norm(h)
         visible = lay.visible  # [B, 1, T, L]
         assert visible is not None
-        mode = "matmul" if t == 1 and self.decode_attention == "matmul" else "fold" if self.fold_gqa else "gqa"
+        mode = "matmul" if t == 1 and decode_attention == "matmul" else "fold" if self.fold_gqa else "gqa"
         if mode != "gqa":  # rows of a kv head are (group, query): the same causal row repeats per group
             g = self.cfg.num_attention_heads // self.cfg.num_key_value_heads
             visible = visible.expand(b, g, t, lay.kv_limit).reshape(b, 1, g * t, lay.kv_limit)  # [B, 1, g T, L]

@@ -117,6 +117,12 @@ class Stage0Config:
     # "flex" attends over the slot KV itself with FlexAttention (per-row key blocks, no copy; compiled on
     # CUDA); "auto" is flex on CUDA, gather elsewhere (eager FlexAttention materialises the scores).
     prefill_attention: Literal["auto", "gather", "flex"] = "auto"
+    # Attention of the decode steps (single-token rows, row = slot): "matmul" reads every row's keys up to the
+    # step's span bucket (the longest row's); "flex" reads each row's own key blocks (engine/model/flex.py), so a
+    # step costs the sum of its rows' lengths, and one span serves every bucket (fewer graphs); "auto" is flex on
+    # CUDA (compiled, 5.8 vs 6.3 ms at 8 k batch 1, 15.5 vs 16.3 at batch 32 on the H200, stop 29), matmul
+    # elsewhere (eager FlexAttention materialises the scores); "sdpa" as in Qwen3LLM.
+    decode_attention: Literal["auto", "matmul", "sdpa", "flex"] = "auto"
     # torch.compile mode applied to the forward before graph capture ("default" or
     # "max-autotune-no-cudagraphs"); None = eager kernels. Only used where graphs are captured.
     compile_mode: str | None = None
@@ -148,6 +154,8 @@ class Stage0Config:
             raise ValueError(f"compile_mode {self.compile_mode!r}: use one of {COMPILE_MODES} or None")
         if self.prefill_attention not in ("auto", "gather", "flex"):
             raise ValueError(f"prefill_attention {self.prefill_attention!r}: use auto, gather or flex")
+        if self.decode_attention not in ("auto", "matmul", "sdpa", "flex"):
+            raise ValueError(f"decode_attention {self.decode_attention!r}: use auto, matmul, sdpa or flex")
         if self.scripted_decisions and not self.benchmark_mode:
             raise ValueError("scripted_decisions is benchmark-only (set benchmark_mode in a benchmark)")
 

@@ -91,8 +91,10 @@ class StepGraphs:
     """Static steps keyed by shape, captured once into one pool."""
 
     def __init__(self, model: Qwen3LLM, kv: SlotKVCache, compile_mode: str | None = None,
-                 eager_replay: bool = False, compile_dynamic: bool | None = True) -> None:
+                 eager_replay: bool = False, compile_dynamic: bool | None = True,
+                 decode_attention: str | None = None) -> None:
         self.model, self.kv = model, kv
+        self.decode_attention = decode_attention  # single-token rows' attention (None: the model's default)
         self.layer_fn = compile_step(compile_mode, compile_dynamic)
         if self.layer_fn is not None:
             mark_static_kv(kv)
@@ -116,7 +118,7 @@ class StepGraphs:
 
     def _call(self, st: StaticStep) -> torch.Tensor:
         return self.model(st.x, st.pos, st.slots, self.kv, valid=st.valid, kv_limit=st.span, layer_fn=self.layer_fn,
-                          flex=st.flex)
+                          flex=st.flex, decode_attention=self.decode_attention)
 
     @torch.no_grad()
     def _capture(self, key: tuple[int, ...], st: StaticStep) -> None:
@@ -137,19 +139,23 @@ class StepGraphs:
 class DecodeGraphs(StepGraphs):
     def __init__(self, model: Qwen3LLM, kv: SlotKVCache, batch_buckets: tuple[int, ...],
                  kv_buckets: tuple[int, ...], compile_mode: str | None = None, eager_replay: bool = False,
-                 compile_dynamic: bool | None = True) -> None:
-        super().__init__(model, kv, compile_mode, eager_replay, compile_dynamic)
+                 compile_dynamic: bool | None = True, decode_attention: str | None = None) -> None:
+        super().__init__(model, kv, compile_mode, eager_replay, compile_dynamic, decode_attention)
         self.batch_buckets = tuple(sorted({min(b, kv.slots) for b in batch_buckets} | {kv.slots}))
         self.kv_buckets = top_span_buckets(kv, kv_buckets)
+        if (decode_attention or model.decode_attention) == "flex":  # each row reads its own blocks: one span
+            self.kv_buckets = self.kv_buckets[-1:]
 
     @classmethod
     def create(cls, model: Qwen3LLM, kv: SlotKVCache, batch_buckets: tuple[int, ...],
                kv_buckets: tuple[int, ...] = (), enabled: bool = True, compile_mode: str | None = None,
-               eager_replay: bool = False, compile_dynamic: bool | None = True) -> DecodeGraphs | None:
+               eager_replay: bool = False, compile_dynamic: bool | None = True,
+               decode_attention: str | None = None) -> DecodeGraphs | None:
         """None when disabled, or off CUDA unless `eager_replay` (tests)."""
         if not enabled or (kv.k[0].device.type != "cuda" and not eager_replay):
             return None
-        graphs = cls(model, kv, batch_buckets, kv_buckets, compile_mode, eager_replay, compile_dynamic)
+        graphs = cls(model, kv, batch_buckets, kv_buckets, compile_mode, eager_replay, compile_dynamic,
+                     decode_attention)
         graphs.capture()
         return graphs
 

@@ -38,8 +38,9 @@ class Row:
 
 class ModelRunner:
     def __init__(self, model: Qwen3LLM, kv: SlotKVCache, graphs: DecodeGraphs | None = None,
-                 prefill_graphs: PrefillGraphs | None = None) -> None:
+                 prefill_graphs: PrefillGraphs | None = None, decode_attention: str | None = None) -> None:
         self.model = model
+        self.decode_attention = decode_attention  # the eager decode rows' (None: the model's class default)
         self.kv = kv
         self.graphs = graphs  # decode
         self.prefill_graphs = prefill_graphs
@@ -107,7 +108,8 @@ class ModelRunner:
         dense_x = torch.zeros(n, 1, x.shape[-1], dtype=self.dtype, device=self.device)
         dev_slots = to_device(slots, self.device)
         dense_x[dev_slots, 0] = x
-        hidden = self.model(dense_x, to_device(dense_pos, self.device), None, self.kv, kv_limit=self._limit(reach))
+        hidden = self.model(dense_x, to_device(dense_pos, self.device), None, self.kv, kv_limit=self._limit(reach),
+                            decode_attention=self.decode_attention)
         return hidden[dev_slots, 0]
 
     def _eager(self, rows: list[Row]) -> list[torch.Tensor]:

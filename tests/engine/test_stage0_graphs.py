@@ -18,7 +18,7 @@ ATOL = 1e-5
 @pytest.mark.filterwarnings("ignore:TensorFloat32 tensor cores")  # inductor's advice on fp32 matmuls
 @pytest.mark.parametrize(("compile_mode", "fuse", "attention"), [
     (None, False, "sdpa"), (None, True, "matmul"), ("default", False, "sdpa"), ("default", True, "matmul"),
-    ("max-autotune-no-cudagraphs", True, "matmul")])
+    ("max-autotune-no-cudagraphs", True, "matmul"), (None, True, "flex"), ("default", True, "flex")])
 def test_graph_decode_step_equals_eager(compile_mode: str | None, fuse: bool, attention: str,
                                         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(Qwen3LLM, "decode_attention", attention)  # the eager reference uses the same variant

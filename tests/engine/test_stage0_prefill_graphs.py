@@ -158,11 +158,33 @@ def _assert_same_events(got: list, want: list, atol: float = ATOL) -> None:
 
 
 @flex_unfused
-@pytest.mark.parametrize(("merge", "prefill"), [(False, "gather"), (True, "gather"), (True, "flex")])
-def test_engine_with_eager_replay_graphs_equals_eager_engine(merge: bool, prefill: str) -> None:
-    graphed, eager = _engine_runs(tiny_llm(), merge_unit_close=merge, prefill_attention=prefill)
+@pytest.mark.parametrize(("merge", "prefill", "decode"), [(False, "gather", "matmul"), (True, "gather", "matmul"),
+                                                          (True, "flex", "matmul"), (True, "flex", "flex")])
+def test_engine_with_eager_replay_graphs_equals_eager_engine(merge: bool, prefill: str, decode: str) -> None:
+    graphed, eager = _engine_runs(tiny_llm(), merge_unit_close=merge, prefill_attention=prefill,
+                                  decode_attention=decode)
     for got, want in zip(graphed, eager, strict=True):
         _assert_same_events(got, want)
+
+
+@flex_unfused
+def test_flex_decode_engine_equals_matmul_decode_engine() -> None:
+    """Decode steps with flex attention (each row its own key blocks, one span bucket for every batch bucket) give
+    the matmul engine's ids and hidden states, graphs in eager replay; off CUDA `auto` decodes with matmul."""
+    model, arrivals, runs = tiny_llm(), {f"s{i}": 3 * i for i in range(4)}, []
+    for attention in ("matmul", "flex"):
+        engine, events = make_engine(model, sessions=4, rules=DecodeRules(force_listen_count=1), **SMALL,
+                                     decode_attention=attention, eager_replay_graphs=True)
+        graphs = engine.runner.graphs
+        assert graphs is not None
+        spans = {span for _, span in graphs.steps}
+        assert spans == ({engine.runner.kv.reserved_pos} if attention == "flex" else {256, engine.runner.kv.reserved_pos})
+        run_schedule(engine, arrivals, units=4)
+        runs.append([by_session(events, sid) for sid in arrivals])
+    for got, want in zip(runs[1], runs[0], strict=True):
+        _assert_same_events(got, want)
+    engine, _ = make_engine(model, sessions=2, **SMALL)
+    assert engine.runner.decode_attention == "matmul"
 
 
 def test_config_refuses_compile_modes_with_their_own_graphs() -> None:

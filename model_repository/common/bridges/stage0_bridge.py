@@ -49,8 +49,8 @@ MS_PER_S = 1000.0
 WINDOW_LOW_FRACTION = 0.75  # eviction drops old units down to this share of the KV window (§7.4)
 
 WARM_SESSION_BATCHES = (1, 2, 4, 8, 16)  # sessions opened at once by the warm-up (capped at max_sessions)
-OPTIONS = ("audio_worker", "compile_mode", "cuda_graphs", "merge_unit_close", "prefill_attention",
-           "scripted_decisions")  # deploy profile `engine_options.stage0` keys
+OPTIONS = ("audio_worker", "compile_mode", "cuda_graphs", "decode_attention", "merge_unit_close",
+           "prefill_attention", "scripted_decisions")  # deploy profile `engine_options.stage0` keys
 PLAN_KEYS = ("listen_units", "speak_units", "text_ids_per_unit", "tail_listen_units")  # ScriptPlan's fields
 
 
@@ -105,6 +105,7 @@ class Stage0Bridge(EngineBridge):
                            compile_mode=opts.get("compile_mode"),
                            merge_unit_close=bool(opts.get("merge_unit_close", True)),
                            prefill_attention=opts.get("prefill_attention", "auto"),
+                           decode_attention=opts.get("decode_attention", "auto"),
                            **scripted_decisions(opts.get("scripted_decisions")))
         self.hidden_dim = ck.config.llm.hidden_size
         self.engine = Stage0Engine(model.llm, ck.tokenizer, frontend, self._on_event, cfg)
