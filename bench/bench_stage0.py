@@ -539,7 +539,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="engine: compile every graph shape separately (Stage0Config.compile_dynamic=False)")
     ap.add_argument("--no-fuse", action="store_true", help="separate q/k/v and gate/up matmuls")
     ap.add_argument("--no-fold", action="store_true", help="SDPA enable_gqa instead of kv-head-major query rows")
-    ap.add_argument("--decode-attention", default="flex,matmul",
+    ap.add_argument("--decode-attention", default="matmul,flex",
                     help="decode attention variants for the decode rows; the first one is used elsewhere")
     ap.add_argument("--prefill-attention", default="flex,gather",
                     help="unit prefill attention variants (Stage0Config.prefill_attention); the first one is "

@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
     args.compile = args.compile or None
     args.engine_units, args.slot_len, args.no_graphs, args.compile_static, args.no_fuse = args.units, None, False, \
         False, False
-    args.prefill_attention, args.decode_attention = ["auto"], ["auto"]
+    args.prefill_attention, args.decode_attention = ["auto"], ["matmul"]
     with torch.device(dev):
         model = Qwen3LLM(cfg).to(dtype).eval()
     dummy_init(model)

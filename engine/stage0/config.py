@@ -119,10 +119,11 @@ class Stage0Config:
     prefill_attention: Literal["auto", "gather", "flex"] = "auto"
     # Attention of the decode steps (single-token rows, row = slot): "matmul" reads every row's keys up to the
     # step's span bucket (the longest row's); "flex" reads each row's own key blocks (engine/model/flex.py), so a
-    # step costs the sum of its rows' lengths, and one span serves every bucket (fewer graphs); "auto" is flex on
-    # CUDA (compiled, 5.8 vs 6.3 ms at 8 k batch 1, 15.5 vs 16.3 at batch 32 on the H200, stop 29), matmul
-    # elsewhere (eager FlexAttention materialises the scores); "sdpa" as in Qwen3LLM.
-    decode_attention: Literal["auto", "matmul", "sdpa", "flex"] = "auto"
+    # step costs the sum of its rows' lengths, and one span serves every bucket (fewer graphs); "sdpa" as in
+    # Qwen3LLM. Default matmul: on the H200 (stop 29, bench/RESULTS.md) the compiled flex graph was level with it
+    # alone (8 k: 6.46 vs 6.14 ms at batch 1, 16.47 vs 16.52 at 32) and worse served at 64 sessions (max gap
+    # 2371 vs 1447 ms, commit->first audio p99 2101 vs 1045 ms, same commit, only this option changed).
+    decode_attention: Literal["matmul", "sdpa", "flex"] = "matmul"
     # torch.compile mode applied to the forward before graph capture ("default" or
     # "max-autotune-no-cudagraphs"); None = eager kernels. Only used where graphs are captured.
     compile_mode: str | None = None
@@ -154,8 +155,8 @@ class Stage0Config:
             raise ValueError(f"compile_mode {self.compile_mode!r}: use one of {COMPILE_MODES} or None")
         if self.prefill_attention not in ("auto", "gather", "flex"):
             raise ValueError(f"prefill_attention {self.prefill_attention!r}: use auto, gather or flex")
-        if self.decode_attention not in ("auto", "matmul", "sdpa", "flex"):
-            raise ValueError(f"decode_attention {self.decode_attention!r}: use auto, matmul, sdpa or flex")
+        if self.decode_attention not in ("matmul", "sdpa", "flex"):
+            raise ValueError(f"decode_attention {self.decode_attention!r}: use matmul, sdpa or flex")
         if self.scripted_decisions and not self.benchmark_mode:
             raise ValueError("scripted_decisions is benchmark-only (set benchmark_mode in a benchmark)")
 

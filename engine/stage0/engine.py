@@ -60,11 +60,10 @@ class Stage0Engine:
                                   device=p.device)
         how = dict(enabled=config.use_cuda_graphs or config.eager_replay_graphs, compile_mode=config.compile_mode,
                    eager_replay=config.eager_replay_graphs, compile_dynamic=config.compile_dynamic)
-        cuda = p.device.type == "cuda"
-        decode = config.decode_attention if config.decode_attention != "auto" else "flex" if cuda else "matmul"
+        decode = config.decode_attention
         graphs = DecodeGraphs.create(model, kv, config.decode_batch_buckets, config.decode_kv_buckets,
                                      decode_attention=decode, **how)
-        flex = config.prefill_attention == "flex" or (config.prefill_attention == "auto" and cuda)
+        flex = config.prefill_attention == "flex" or (config.prefill_attention == "auto" and p.device.type == "cuda")
         prefill = PrefillGraphs.create(model, kv, config.prefill_batch_buckets, config.prefill_lengths(),
                                        config.decode_kv_buckets, flex=flex, **how)
         self.runner = ModelRunner(model, kv, graphs, prefill, decode_attention=decode)

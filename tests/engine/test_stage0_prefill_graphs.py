@@ -170,7 +170,7 @@ def test_engine_with_eager_replay_graphs_equals_eager_engine(merge: bool, prefil
 @flex_unfused
 def test_flex_decode_engine_equals_matmul_decode_engine() -> None:
     """Decode steps with flex attention (each row its own key blocks, one span bucket for every batch bucket) give
-    the matmul engine's ids and hidden states, graphs in eager replay; off CUDA `auto` decodes with matmul."""
+    the matmul engine's ids and hidden states, graphs in eager replay; the default is matmul."""
     model, arrivals, runs = tiny_llm(), {f"s{i}": 3 * i for i in range(4)}, []
     for attention in ("matmul", "flex"):
         engine, events = make_engine(model, sessions=4, rules=DecodeRules(force_listen_count=1), **SMALL,

@@ -260,3 +260,13 @@ def test_stage0_session_warm_up_leaves_no_trace(tiny_checkpoint: Path) -> None:
         assert sink.outs[0].event["action"] == ("listen" if decision.listen else "speak")
         assert [o.event["token_id"] for o in sink.of("text")] == [e.token_id for e in mine if not e.decision and e.text]
     assert any(s.of("text") for s in sinks)  # this seed speaks: the comparison saw tokens
+
+
+def test_stage0_decode_attention_option(tiny_checkpoint: Path) -> None:
+    """`engine_options.stage0.decode_attention`: matmul by default, flex on request (the decode graphs then keep one
+    span bucket); an unknown value fails the load naming the option."""
+    with pytest.raises(ValueError, match="decode_attention"):
+        bridges.stage0(settings("stage0", tiny_checkpoint, engine_options='{"decode_attention": "fast"}'))
+    for options, attention in (("{}", "matmul"), ('{"decode_attention": "flex"}', "flex")):
+        bridge = bridges.stage0(settings("stage0", tiny_checkpoint, engine_options=options))
+        assert bridge.engine.runner.decode_attention == attention

@@ -105,7 +105,7 @@ class Stage0Bridge(EngineBridge):
                            compile_mode=opts.get("compile_mode"),
                            merge_unit_close=bool(opts.get("merge_unit_close", True)),
                            prefill_attention=opts.get("prefill_attention", "auto"),
-                           decode_attention=opts.get("decode_attention", "auto"),
+                           decode_attention=opts.get("decode_attention", "matmul"),
                            **scripted_decisions(opts.get("scripted_decisions")))
         self.hidden_dim = ck.config.llm.hidden_size
         self.engine = Stage0Engine(model.llm, ck.tokenizer, frontend, self._on_event, cfg)
