@@ -52,6 +52,23 @@ def test_uniform_stream_follows_the_session_generator() -> None:
     assert got == draw_uniforms(ref, 6).tolist()
 
 
+def test_uniform_stream_draws_ahead_in_blocks_with_the_same_values() -> None:
+    """The stream pre-draws PREDRAW uniforms at a time; what it hands out, past several blocks and however the
+    peeks and consumes interleave, is still the generator's sequence, and `consumed` counts only what was used."""
+    from engine.stage0.sampling import PREDRAW
+
+    s, ref = UniformStream(9), session_generator(9)
+    got = []
+    for step in range(3 * PREDRAW):
+        first = s.peek(2)
+        assert len(first) == 2
+        used = 1 + step % 2
+        got += first[:used]
+        s.consume(used)
+    assert s.consumed == len(got) > 2 * PREDRAW
+    assert got == draw_uniforms(ref, len(got)).tolist()
+
+
 def test_a_row_without_probability_mass_draws_a_valid_id() -> None:
     """NaN or all-zero rows (a graph bucket's padding) must not yield −1: TTS feeds ids to gathers."""
     probs = torch.tensor([[0.2, 0.8, 0.0], [float("nan")] * 3, [0.0, 0.0, 0.0]])
