@@ -69,6 +69,9 @@ class GatewaySettings(BaseModel):
     ready_probe_timeout_s: float = Field(2.0, gt=0)  # a hung Triton must not hang /ready or the handshake
     tick_interval_s: float = Field(0.05, gt=0)
     unit_deadline_grace_s: float = Field(0.25, ge=0)
+    # DUPLEX_UNIT_ALIGN_S > 0: after each commit the next unit is cut short on a shared tick of this period, so the
+    # sessions' units reach the stages together (gateway/session/units.py); 0 = off (not yet measured served)
+    unit_align_s: float = Field(0.0, ge=0)
     # admission, auth, VAD, web demo
     cleanup_retry_base_s: float = Field(0.5, gt=0)
     bind_host: str = "127.0.0.1"

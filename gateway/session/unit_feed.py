@@ -64,6 +64,7 @@ class UnitFeed:
         if unit is None:
             return None
         self._submit(unit, commit_ids=commit_ids)
+        self.cutter.arm_tick(self.core.clock())  # the next unit ends on the shared tick (when aligning)
         return unit.index
 
     def drop_partial(self) -> None:
@@ -73,7 +74,10 @@ class UnitFeed:
         self._unsubmitted_bytes = 0
 
     def tick(self, now: float) -> None:
-        """U-3: complete the unit with silence at its deadline."""
+        """The shared tick's short unit when no audio reached it; U-3: complete the unit with silence at its
+        deadline."""
+        for unit in self.cutter.cut_if_tick(now):
+            self._submit(unit)
         deadline = self.cutter.deadline()
         if deadline is not None and now >= deadline:
             unit = self.cutter.pad(allow_empty=True)

@@ -4,6 +4,11 @@ Unit 0 is 16,480 samples (1030 ms), later units 16,000 (1000 ms). Deadlines sit 
 deadline(k) = anchor + end of unit k on the model clock + grace; they are not chained to the previous
 unit's completion. When silence continuation starts after a quiet spell the grid is re-anchored so the
 partial unit fills in real time from now instead of being flushed at once.
+
+With `align_period_s` > 0 the unit after a commit is cut short on the next shared tick (a multiple of the
+period on the gateway clock), padded with silence like the commit's own unit, and the units after it follow
+1 s apart from that tick: every session's units then reach the stages at the same moments of the second, so
+each stage step batches them together instead of each session's unit arriving at its own phase.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ class UnitGeometry:
     first_unit_samples: int = 16480
     unit_samples: int = 16000
     deadline_grace_s: float = 0.25  # NOTE: slack for client jitter before silence is injected
+    align_period_s: float = 0.0  # > 0: units put on a shared tick after each commit (module docstring); 0: off
 
     def length(self, k: int) -> int:
         return self.first_unit_samples if k == 0 else self.unit_samples
@@ -45,6 +51,7 @@ class UnitCutter:
         self._buf = np.zeros(0, np.float32)
         self._client_in_buf = 0
         self._anchor: float | None = None
+        self._tick_at: float | None = None  # the shared tick the partial unit is cut on (armed by a commit)
 
     @property
     def residual(self) -> int:
@@ -55,7 +62,31 @@ class UnitCutter:
         return (self.geometry.start(self.next_index) + len(self._buf)) * 1000 // MODEL_RATE_HZ
 
     def push(self, samples: np.ndarray, now: float) -> list[CutUnit]:
-        """Append client audio; returns the units it completes."""
+        """Append client audio; returns the units it completes. A chunk that reaches past an armed tick is split
+        there: the audio up to the tick ends the short unit, the rest starts the next one."""
+        if self._tick_at is not None and now >= self._tick_at:
+            head = max(0, len(samples) - round((now - self._tick_at) * MODEL_RATE_HZ))
+            return self._push(samples[:head], now) + self._cut_on_tick() + self._push(samples[head:], now)
+        return self._push(samples, now)
+
+    def arm_tick(self, now: float) -> None:
+        """After a commit: the partial unit will end on the next shared tick (no-op when alignment is off)."""
+        period = self.geometry.align_period_s
+        if period > 0:
+            self._tick_at = (now // period + 1) * period
+
+    def cut_if_tick(self, now: float) -> list[CutUnit]:
+        """The armed tick has passed with no audio past it: cut the partial unit on it now."""
+        return self._cut_on_tick() if self._tick_at is not None and now >= self._tick_at else []
+
+    def _cut_on_tick(self) -> list[CutUnit]:
+        tick, self._tick_at = self._tick_at, None
+        assert tick is not None
+        unit = self.pad(allow_empty=False)  # nothing since the last cut: the next unit already starts on the tick
+        self._anchor = tick - self.geometry.start(self.next_index) / MODEL_RATE_HZ  # deadlines from the tick
+        return [unit] if unit is not None else []
+
+    def _push(self, samples: np.ndarray, now: float) -> list[CutUnit]:
         if self._anchor is None and len(samples):
             self._anchor = now - len(samples) / MODEL_RATE_HZ
         self._buf = np.concatenate([self._buf, samples.astype(np.float32, copy=False)])

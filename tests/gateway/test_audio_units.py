@@ -86,3 +86,47 @@ def test_encode_output_formats() -> None:
     assert sr == 24000 and np.array_equal(data, np.frombuffer(pcm, "<i2"))
     mu, rate = encode_output(pcm, "g711_ulaw")
     assert rate == 8000 and len(mu) == 8000
+
+
+def test_a_commit_puts_the_next_unit_on_the_shared_tick() -> None:
+    """align_period_s: the unit after a commit ends on the next multiple of the period; a chunk that reaches past
+    the tick is split there (its audio before the tick, then silence, closes the short unit) and the units after
+    it follow one second apart from the tick, whatever phase the session's audio had."""
+    cutter = UnitCutter(UnitGeometry(deadline_grace_s=0.0, align_period_s=1.0))
+    x = _signal(16480 + 5000, seed=3)
+    assert [u.index for u in cutter.push(x, now=7.33)] == [0]
+    committed = cutter.pad(allow_empty=False)  # the commit's own unit, cut at 7.33
+    assert committed is not None and committed.client_samples == 5000
+    cutter.arm_tick(7.33)
+    y = _signal(16000 * 2, seed=4)
+    assert cutter.push(y[:4000], now=7.58) == []  # 250 ms before the tick at 8.0
+    units = cutter.push(y[4000:12000], now=8.08)  # 500 ms chunk that passes the tick by 80 ms
+    assert [u.index for u in units] == [2]
+    short = units[0]
+    assert short.client_samples == 4000 + 8000 - 1280  # the audio up to the tick
+    np.testing.assert_array_equal(short.samples[:10720], y[:10720])
+    np.testing.assert_array_equal(short.samples[10720:], 0.0)
+    assert cutter.residual == 1280  # the 80 ms after the tick start unit 3
+    assert cutter.deadline() == pytest.approx(9.0)  # unit 3 ends one second after the tick
+    assert [u.index for u in cutter.push(y[12000:12000 + 14720], now=9.0)] == [3]
+    assert cutter.cut_if_tick(9.5) == []  # not armed again until the next commit
+
+
+def test_a_tick_with_no_audio_past_it_cuts_the_partial_unit_and_no_alignment_when_off() -> None:
+    cutter = UnitCutter(UnitGeometry(deadline_grace_s=0.0, align_period_s=0.5))
+    cutter.push(_signal(16480), now=3.1)
+    cutter.arm_tick(3.1)  # the tick at 3.5
+    cutter.push(_signal(1600), now=3.2)
+    assert cutter.cut_if_tick(3.45) == []
+    (short,) = cutter.cut_if_tick(3.52)
+    assert short.index == 1 and short.client_samples == 1600 and len(short.samples) == 16000
+    assert cutter.deadline() == pytest.approx(4.5)
+    empty = UnitCutter(UnitGeometry(deadline_grace_s=0.0, align_period_s=1.0))
+    empty.push(_signal(16480), now=2.2)
+    empty.arm_tick(2.2)
+    assert empty.cut_if_tick(3.0) == []  # nothing since the last cut: the next unit simply starts on the tick
+    assert empty.deadline() == pytest.approx(4.0)
+    off = UnitCutter(UnitGeometry(deadline_grace_s=0.0))
+    off.push(_signal(16480 + 800), now=5.0)
+    off.arm_tick(5.0)
+    assert off.cut_if_tick(9.0) == [] and off.push(_signal(800), now=9.0) == [] and off.residual == 1600

@@ -1,0 +1,66 @@
+"""Units put on a shared tick after a commit (`unit_align_s`, gateway/session/units.py), on real WebSockets with
+the fake runtime: the unit after the commit is cut short on the tick and the next one follows a second later."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from tests.gateway.fake_runtime import FakeRuntime, Speak
+from tests.gateway.harness import append
+from tests.gateway.scenario import assert_conformant, close, session
+
+PERIOD_S = 0.5
+
+
+class TimedRuntime(FakeRuntime):
+    """Notes the gateway clock's time (time.monotonic) of every append."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.append_times: dict[int, float] = {}
+
+    async def append(self, key: Any, fence: Any, unit: Any) -> None:  # noqa: ANN401 - FakeRuntime's signature
+        self.append_times[unit.unit_index] = time.monotonic()
+        await super().append(key, fence, unit)
+
+
+async def _stream(c: Any, seconds: float, chunk_ms: int = 100) -> None:  # noqa: ANN401 - the harness client
+    """Audio at real time, as a microphone sends it."""
+    for _ in range(int(seconds * 1000 / chunk_ms)):
+        await c.send(append(chunk_ms))
+        await asyncio.sleep(chunk_ms / 1000)
+
+
+async def test_the_unit_after_a_commit_ends_on_the_shared_tick() -> None:
+    rt = TimedRuntime()
+    async with session(rt, unit_align_s=PERIOD_S) as (c, rt):
+        rt.plan[0] = Speak("Hi!", 600, end_of_turn=True)
+        await c.send(append(300))
+        await c.send({"type": "input_audio_buffer.commit"})
+        await c.until("conversation.item.done")
+        committed_at = rt.append_times[0]
+        await _stream(c, 2.4)
+        events = await close(c)
+    short, after = rt.append_times[1], rt.append_times[2]
+    tick = (committed_at // PERIOD_S + 1) * PERIOD_S
+    assert tick <= short < tick + 0.3  # cut on the first tick after the commit (chunks arrive every 100 ms)
+    assert 0.85 < after - tick < 1.6  # unit 2: one second of audio after the tick
+    units = {u.unit_index: u for u in rt.units_seen}
+    assert len(units[1].pcm) == len(units[2].pcm) == 16000 * 4  # full units (float32 bytes), the short one padded
+    assert_conformant(events)
+
+
+async def test_without_alignment_the_unit_after_a_commit_takes_a_whole_second() -> None:
+    rt = TimedRuntime()
+    async with session(rt) as (c, rt):
+        rt.plan[0] = Speak("Hi!", 600, end_of_turn=True)
+        await c.send(append(300))
+        await c.send({"type": "input_audio_buffer.commit"})
+        await c.until("conversation.item.done")
+        committed_at = rt.append_times[0]
+        await _stream(c, 1.4)
+        events = await close(c)
+    assert 0.9 < rt.append_times[1] - committed_at < 1.4
+    assert_conformant(events)
