@@ -358,8 +358,10 @@ class ResponseTrack:
             resp = self.active
             if resp is not None and resp.playback is not None and not self._drop_turn_output:
                 resp.playback.generated_ms += pcm16_duration_ms(len(ev.pcm16))  # §7.1: before stale filtering
-            if ev.last is False and resp is not None and self._streams(resp, buf):
-                self.emit_unit(resp, ev.unit, buf, False, None)  # the unit's later pieces follow as they come
+            # the unit's later pieces follow as they come; a call with no audio (Token2Wav's first call of a turn can
+            # return none) sends nothing: an empty delta would be the client's first audio
+            if ev.last is False and ev.pcm16 and resp is not None and self._streams(resp, buf):
+                self.emit_unit(resp, ev.unit, buf, False, None)
         elif isinstance(ev, UnitDone):
             self._units.pop(ev.unit, None)
             self._on_unit_done(ev, buf)

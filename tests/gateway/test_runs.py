@@ -93,6 +93,30 @@ async def test_text_and_a_piece_not_last_leave_before_their_unit_ends() -> None:
     assert types(rest).index("response.output_audio.delta") < types(rest).index("response.done")
 
 
+async def test_a_token2wav_call_without_audio_sends_no_delta() -> None:
+    """A not-last piece with no samples (a Token2Wav call that returned none) leaves nothing: the first audio delta
+    of the response carries the next piece's audio (e2e: the OpenAI SDK's first delta was empty, stop 29 CI)."""
+    from gateway.runtime.base import AudioPiece, Decision, TextPiece, UnitDone
+    from tests.gateway.fake_runtime import tone, unit_metrics
+
+    async with session() as (c, rt):
+        corr = next(iter(rt.seqs))
+        rt.inject(corr, Decision(epoch=0, unit=0, action="speak"))
+        rt.inject(corr, TextPiece(epoch=0, unit=0, text="Hi"))
+        await c.until("response.output_audio_transcript.delta")
+        rt.inject(corr, AudioPiece(epoch=0, unit=0, seq=0, pcm16=b"", last=False))
+        assert (await c.quiet(0.3)) == []
+        rt.inject(corr, AudioPiece(epoch=0, unit=0, seq=1, pcm16=tone(200), last=False))
+        first = await c.until("response.output_audio.delta")
+        rt.inject(corr, AudioPiece(epoch=0, unit=0, seq=2, pcm16=tone(100), last=True))
+        rt.inject(corr, UnitDone(epoch=0, unit=0, is_listen=False, end_of_turn=True, metrics=unit_metrics(1)))
+        rest = await c.until("rate_limits.updated")
+        events = await close(c)
+    assert_conformant(events)
+    deltas = [first[-1]] + [e for e in rest if e["type"] == "response.output_audio.delta"]
+    assert [len(base64.b64decode(d["delta"])) for d in deltas] == [9600, 4800]
+
+
 async def test_listen_only_run_has_no_response() -> None:
     async with session() as (c, rt):
         await stream_units(c, 3)
