@@ -68,6 +68,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="run every N of the sweep, also after one that did not hold real time")
     ap.add_argument("--api-key", help="sent as Authorization: Bearer KEY")
     ap.add_argument("--cancel-every", type=float, help="seconds between barge-in cancels per session")
+    ap.add_argument("--unit-align-s", type=float, default=0.0,
+                    help="the gateway's DUPLEX_UNIT_ALIGN_S (its unit grid after a commit; 0: off)")
     ap.add_argument("--out", type=Path, required=True, help="JSON results file")
     ap.add_argument("--commit", help="the commit the server runs (default: this checkout's git HEAD; a copy "
                                      "without its own history, such as a device snapshot, passes it)")
@@ -178,7 +180,7 @@ async def _start(user: User, delay_s: float) -> UserLog:
 async def run_step(n: int, args: argparse.Namespace, speech: list[Any],
                    plan: dict[str, int] | None = None) -> list[UserLog]:
     users = [User(i, args.url, speech, args.duration, cancel_every_s=args.cancel_every, api_key=args.api_key,
-                  plan=plan) for i in range(n)]
+                  plan=plan, unit_align_s=args.unit_align_s) for i in range(n)]
     progress = asyncio.create_task(_progress(n, users, time.monotonic()))
     try:
         return list(await asyncio.gather(*(_start(u, i * START_SPREAD_S / n) for i, u in enumerate(users))))
@@ -246,6 +248,7 @@ async def sweep(args: argparse.Namespace) -> dict[str, Any]:
                            "profile": str(args.profile) if args.profile else None, "scripted": scripted,
                            "scripted_plan": plan,
                            "url": args.url, "duration_s": args.duration, "cancel_every_s": args.cancel_every,
+                           "unit_align_s": args.unit_align_s,
                            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "runs": []}
     for i, n in enumerate(args.sessions):
         if i:

@@ -113,8 +113,11 @@ def _error_code(ev: dict[str, Any]) -> tuple[str, str | None]:
 class User:
     def __init__(self, index: int, url: str, speech: list[np.ndarray], duration_s: float, *,
                  cancel_every_s: float | None = None, api_key: str | None = None,
-                 plan: dict[str, int] | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 plan: dict[str, int] | None = None, clock: Callable[[], float] = time.monotonic,
+                 unit_align_s: float = 0.0) -> None:
         self.url, self.speech, self.duration_s, self.plan = url, speech, duration_s, plan
+        self.unit_align_s = unit_align_s  # the gateway's DUPLEX_UNIT_ALIGN_S: its grid after a commit
+        self._t0: float | None = None  # the send schedule's start: chunk k is due at t0 + k x APPEND_S
         self.cancel_every_s, self.api_key, self.clock = cancel_every_s, api_key, clock
         self.log = UserLog(index)
         self._ws: websockets.ClientConnection | None = None
@@ -178,7 +181,7 @@ class User:
     # -- input ---------------------------------------------------------------------------------------
     async def _send_audio(self, receiver: asyncio.Task[None]) -> None:
         assert self._ws is not None
-        t0 = self.clock()
+        t0 = self._t0 = self.clock()
         for k, chunk in enumerate(self._chunks()):
             target = t0 + k * APPEND_S
             if target - t0 >= self.duration_s or receiver.done():
@@ -314,8 +317,21 @@ class User:
             self.log.commits.append(t)
         if md.get("reason") == "committed" and not md.get("response_create_deferred"):
             self.log.grid.flush_at(pos)
+            if self.unit_align_s > 0:
+                self._align_after(pos, t)
         elif md.get("reason") != "short_overlap_ack":  # padded later (deferred) or dropped: position unknown
             self.log.grid.lose_at(pos)
+
+    def _align_after(self, pos: int, t: float) -> None:
+        """The gateway cuts the unit after a commit short on the next tick of its clock (time.monotonic, this
+        host's too), at the input sample the tick falls on by the arrival of the chunk that passes it: a chunk is
+        sent at the start of its 200 ms (t0 + k x APPEND_S) and the gateway takes its audio as ending on arrival."""
+        k = pos // APPEND_SAMPLES - 1  # the append whose audio ended at the commit, sent about when it was made
+        at = self.log.chunk_sent[k] if 0 <= k < len(self.log.chunk_sent) else t
+        tick = (at // self.unit_align_s + 1) * self.unit_align_s
+        cut = APPEND_SAMPLES + round((tick - self._t0) * INPUT_RATE) if self._t0 is not None else pos
+        if cut > pos:  # else the tick came with the commit's own chunk: the grid already restarts at the commit
+            self.log.grid.cut_at(cut)
 
     def _on_error(self, ev: dict[str, Any]) -> None:
         code, event_id = _error_code(ev)

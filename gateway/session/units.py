@@ -76,8 +76,11 @@ class UnitCutter:
             self._tick_at = (now // period + 1) * period
 
     def cut_if_tick(self, now: float) -> list[CutUnit]:
-        """The armed tick has passed with no audio past it: cut the partial unit on it now."""
-        return self._cut_on_tick() if self._tick_at is not None and now >= self._tick_at else []
+        """No audio past the armed tick came within the deadline grace: cut the partial unit on the tick now. (The
+        chunk that passes the tick normally arrives first and is split there by `push`; cutting at the tick itself
+        would end the unit at the last chunk before it, a whole chunk early.)"""
+        due = self._tick_at is not None and now >= self._tick_at + self.geometry.deadline_grace_s
+        return self._cut_on_tick() if due else []
 
     def _cut_on_tick(self) -> list[CutUnit]:
         tick, self._tick_at = self._tick_at, None

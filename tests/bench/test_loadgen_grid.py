@@ -51,3 +51,23 @@ def test_a_plan_without_room_for_the_sentence_gets_no_user_turn() -> None:
     starts = [k for k in range(60) if user._plan_says_speak(k * APPEND_SAMPLES, length)]
     # only the first turn (unit 4) has room: units 0-3 listen; later turns have 1 listen unit before them
     assert len(starts) == 1 and starts[0] * APPEND_SAMPLES < user.log.grid.start(3)
+
+
+def test_with_the_gateways_unit_alignment_the_grid_restarts_on_the_tick_after_a_commit() -> None:
+    """`--unit-align-s`: after a commit the gateway cuts the next unit on its next clock tick, where the chunk that
+    passes the tick puts it (chunk k sent at t0 + 0.2 k, its audio taken as ending on arrival); the user's grid
+    follows, so unit times and the plan's speech placement stay right."""
+    user = User(0, "ws://x:1", [np.zeros(UNIT, np.int16)], 30.0, plan=PLAN, unit_align_s=1.0)
+    user._t0 = 100.3  # the schedule: chunk k due at 100.3 + 0.2 k
+    user.log.chunk_sent = [100.3 + 0.2 * k for k in range(40)]
+    pos = 16 * APPEND_SAMPLES  # the commit's audio ended with chunk 15, sent at 103.3
+    user._on_commit({"reason": "committed", "audio_end_ms": pos * 1000 // 16000}, 103.31)
+    tick_cut = APPEND_SAMPLES + round((104.0 - 100.3) * 16000)  # the tick at 104.0
+    assert user.log.grid.start(user.log.grid.unit_at(pos)[0]) == pos  # the commit's unit ended at the commit
+    unit, start = user.log.grid.unit_at(tick_cut)
+    assert start == tick_cut and user.log.grid.end(unit - 1) == tick_cut  # the short unit ended on the tick
+    assert user.log.grid.end(unit) == tick_cut + UNIT
+    plain = User(0, "ws://x:1", [np.zeros(UNIT, np.int16)], 30.0, plan=PLAN)
+    plain._t0, plain.log.chunk_sent = user._t0, list(user.log.chunk_sent)
+    plain._on_commit({"reason": "committed", "audio_end_ms": pos * 1000 // 16000}, 103.31)
+    assert plain.log.grid.unit_at(tick_cut)[1] == pos  # no alignment: regular units from the commit on

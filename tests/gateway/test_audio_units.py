@@ -126,6 +126,11 @@ def test_a_tick_with_no_audio_past_it_cuts_the_partial_unit_and_no_alignment_whe
     empty.arm_tick(2.2)
     assert empty.cut_if_tick(3.0) == []  # nothing since the last cut: the next unit simply starts on the tick
     assert empty.deadline() == pytest.approx(4.0)
+    graced = UnitCutter(UnitGeometry(deadline_grace_s=0.25, align_period_s=1.0))
+    graced.push(_signal(16480 + 800), now=2.2)
+    graced.arm_tick(2.2)
+    assert graced.cut_if_tick(3.2) == []  # the chunk that passes the tick may still come: it is split there
+    assert [u.client_samples for u in graced.cut_if_tick(3.26)] == [800]
     off = UnitCutter(UnitGeometry(deadline_grace_s=0.0))
     off.push(_signal(16480 + 800), now=5.0)
     off.arm_tick(5.0)
