@@ -17,6 +17,7 @@
 #   KEEP_GOING (set: the sweep runs every N, also after one that did not hold)
 #   FIXTURES .cache/loadgen-fixtures (espeak-ng WAVs made by `fixtures`; carry it)   OUT ($OUT or /tmp/duplex-out)
 #   COMMIT (recorded in the results; default: the file COMMIT beside this checkout, else git HEAD)
+#   UNIT_ALIGN_S (set: the gateway's DUPLEX_UNIT_ALIGN_S for `serve` and the load generator's --unit-align-s)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 REPO="$(pwd)"
@@ -80,7 +81,7 @@ do_serve() {
   if ready; then say "already serving at $URL"; return; fi
   if ! serving; then
     # setsid: its own session, so the server outlives this device call and a later call reuses it.
-    setsid "$VENV/bin/duplex" serve --profile "$PROFILE" --checkpoint "$CKPT" --port "$PORT" \
+    DUPLEX_UNIT_ALIGN_S="${UNIT_ALIGN_S:-0}" setsid "$VENV/bin/duplex" serve --profile "$PROFILE" --checkpoint "$CKPT" --port "$PORT" \
       --triton-metrics-port "$METRICS_PORT" --cache-dir "$SERVE_DIR" > "$SERVE_LOG" 2>&1 < /dev/null &
     echo $! > "$PIDFILE"
     say "started duplex serve (pid $(cat "$PIDFILE")), log $SERVE_LOG"
@@ -103,7 +104,7 @@ do_load() {
   DUPLEX_LOADGEN_CACHE="$FIXTURES" PYTHONUNBUFFERED=1 "$VENV/bin/python" bench/load_realtime.py \
     --url "ws://127.0.0.1:$PORT" --sessions "$SESSIONS" --duration "$DURATION" --profile "$PROFILE" \
     --triton-metrics "http://127.0.0.1:$METRICS_PORT/metrics" --out "$OUT/load-h200.json" \
-    ${COMMIT:+--commit "$COMMIT"} ${KEEP_GOING:+--keep-going}
+    ${COMMIT:+--commit "$COMMIT"} ${KEEP_GOING:+--keep-going} ${UNIT_ALIGN_S:+--unit-align-s "$UNIT_ALIGN_S"}
 }
 
 do_logs() {
