@@ -33,16 +33,23 @@ async def _stream(c: Any, seconds: float, chunk_ms: int = 100) -> None:  # noqa:
         await asyncio.sleep(chunk_ms / 1000)
 
 
-async def test_the_unit_after_a_commit_ends_on_the_shared_tick() -> None:
+async def _commit_then_stream(seconds: float, **settings: Any) -> tuple[TimedRuntime, float, list[dict]]:
+    """300 ms of audio, a commit (its unit padded at once), then `seconds` of audio at real time; returns the
+    runtime, the commit unit's append time and the session's events."""
     rt = TimedRuntime()
-    async with session(rt, unit_align_s=PERIOD_S) as (c, rt):
+    async with session(rt, **settings) as (c, rt):
         rt.plan[0] = Speak("Hi!", 600, end_of_turn=True)
         await c.send(append(300))
         await c.send({"type": "input_audio_buffer.commit"})
         await c.until("conversation.item.done")
         committed_at = rt.append_times[0]
-        await _stream(c, 2.4)
+        await _stream(c, seconds)
         events = await close(c)
+    return rt, committed_at, events
+
+
+async def test_the_unit_after_a_commit_ends_on_the_shared_tick() -> None:
+    rt, committed_at, events = await _commit_then_stream(2.4, unit_align_s=PERIOD_S)
     short, after = rt.append_times[1], rt.append_times[2]
     tick = (committed_at // PERIOD_S + 1) * PERIOD_S
     assert tick <= short < tick + 0.3  # cut on the first tick after the commit (chunks arrive every 100 ms)
@@ -53,14 +60,6 @@ async def test_the_unit_after_a_commit_ends_on_the_shared_tick() -> None:
 
 
 async def test_without_alignment_the_unit_after_a_commit_takes_a_whole_second() -> None:
-    rt = TimedRuntime()
-    async with session(rt) as (c, rt):
-        rt.plan[0] = Speak("Hi!", 600, end_of_turn=True)
-        await c.send(append(300))
-        await c.send({"type": "input_audio_buffer.commit"})
-        await c.until("conversation.item.done")
-        committed_at = rt.append_times[0]
-        await _stream(c, 1.4)
-        events = await close(c)
+    rt, committed_at, events = await _commit_then_stream(1.4)
     assert 0.9 < rt.append_times[1] - committed_at < 1.4
     assert_conformant(events)
