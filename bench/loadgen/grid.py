@@ -34,11 +34,6 @@ class UnitGrid:
         if pos > start:
             self.anchors.append((unit + 1, pos))
 
-    def cut_at(self, pos: int) -> None:
-        """The gateway's unit alignment (DUPLEX_UNIT_ALIGN_S) cut the unit holding input sample `pos` short there;
-        the next unit starts at it. A commit's `flush_at` is the same cut."""
-        self.flush_at(pos)
-
     def lose_at(self, pos: int) -> None:
         self.valid_until = min(self.valid_until, pos)
 

@@ -331,7 +331,7 @@ class User:
         tick = (at // self.unit_align_s + 1) * self.unit_align_s
         cut = APPEND_SAMPLES + round((tick - self._t0) * INPUT_RATE) if self._t0 is not None else pos
         if cut > pos:  # else the tick came with the commit's own chunk: the grid already restarts at the commit
-            self.log.grid.cut_at(cut)
+            self.log.grid.flush_at(cut)  # the gateway's short unit ends there, as a commit's does
 
     def _on_error(self, ev: dict[str, Any]) -> None:
         code, event_id = _error_code(ev)
