@@ -68,8 +68,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="run every N of the sweep, also after one that did not hold real time")
     ap.add_argument("--api-key", help="sent as Authorization: Bearer KEY")
     ap.add_argument("--cancel-every", type=float, help="seconds between barge-in cancels per session")
-    ap.add_argument("--unit-align-s", type=float, default=0.0,
-                    help="the gateway's DUPLEX_UNIT_ALIGN_S (its unit grid after a commit; 0: off)")
+    ap.add_argument("--unit-align-s", type=float, default=None,
+                    help="the gateway's DUPLEX_UNIT_ALIGN_S (its unit grid after a commit; 0: off; default: the "
+                         "--profile's unit_align_s, which `duplex serve` gives the gateway, else 0)")
     ap.add_argument("--out", type=Path, required=True, help="JSON results file")
     ap.add_argument("--commit", help="the commit the server runs (default: this checkout's git HEAD; a copy "
                                      "without its own history, such as a device snapshot, passes it)")
@@ -81,6 +82,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not args.sessions or min(args.sessions) < 1 or args.duration <= 0:
         ap.error("--sessions needs N >= 1 and --duration must be > 0")
     args.gateway_metrics = args.gateway_metrics or f"{http_base(args.url)}/metrics"
+    if args.unit_align_s is None:  # the grid follows the gateway's, which the profile sets
+        try:
+            args.unit_align_s = profile_unit_align_s(read_profile(args.profile))
+        except (OSError, yaml.YAMLError, TypeError, ValueError) as exc:
+            ap.error(f"cannot read unit_align_s from --profile {args.profile}: {exc}")
     return args
 
 
@@ -109,6 +115,11 @@ def read_profile(path: Path | None) -> dict[str, Any]:
         return {}
     data = yaml.safe_load(path.read_text()) or {}
     return data if isinstance(data, dict) else {}
+
+
+def profile_unit_align_s(profile: dict[str, Any]) -> float:
+    """The profile's `unit_align_s` (`duplex serve` passes it to the gateway as DUPLEX_UNIT_ALIGN_S); 0 when absent."""
+    return float(profile.get("unit_align_s") or 0.0)
 
 
 def scripted_plan(profile: dict[str, Any]) -> dict[str, Any] | None:
@@ -248,7 +259,7 @@ async def sweep(args: argparse.Namespace) -> dict[str, Any]:
                            "profile": str(args.profile) if args.profile else None, "scripted": scripted,
                            "scripted_plan": plan,
                            "url": args.url, "duration_s": args.duration, "cancel_every_s": args.cancel_every,
-                           "unit_align_s": args.unit_align_s,
+                           "unit_align_s": args.unit_align_s,  # effective: --unit-align-s, else the profile's
                            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "runs": []}
     for i, n in enumerate(args.sessions):
         if i:

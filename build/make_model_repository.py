@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import re
 import shutil
 import sys
@@ -54,6 +55,9 @@ class DeployProfile:
     kv_window: int = 4096
     session_idle_ttl_s: float = 300.0
     sequence_idle_timeout_s: float = 360.0
+    # the gateway's unit alignment period in seconds (passed to it as DUPLEX_UNIT_ALIGN_S; 0: off): after each
+    # commit the next unit is cut short on a shared tick, so the sessions' units reach the stages together
+    unit_align_s: float = 0.0
     stage0_instances: int = 1
     tts_instances: int = 1
     token2wav_instances: int = 1
@@ -86,6 +90,7 @@ class DeployProfile:
             "session_idle_ttl_s": _positive_number(self.session_idle_ttl_s),
             "sequence_idle_timeout_s": _positive_number(self.sequence_idle_timeout_s)
             and self.sequence_idle_timeout_s >= self.session_idle_ttl_s,
+            "unit_align_s": _non_negative_number(self.unit_align_s),
             **{f"{s}_instances": _positive_int(getattr(self, f"{s}_instances")) for s in (*STAGES, "pipeline")},
         }
         for name, ok in checks.items():
@@ -116,6 +121,7 @@ _HINTS = {
     "device": " (cpu, cuda or cuda:N)",
     "dtype": " (float32, bfloat16 or float16)",
     "sequence_idle_timeout_s": " (must be a number >= session_idle_ttl_s)",
+    "unit_align_s": " (a number of seconds >= 0; 0: off)",
     "mps": f" ({', '.join(MPS_MODES)}; on needs device: cuda)",
     "gpus": f" (a mapping of {', '.join(MODELS)} to non-empty lists of distinct GPU ids >= 0; needs device: cuda)",
 }
@@ -163,6 +169,10 @@ def _positive_int(v: Any) -> bool:
 
 def _positive_number(v: Any) -> bool:
     return isinstance(v, int | float) and not isinstance(v, bool) and v > 0
+
+
+def _non_negative_number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and 0 <= v < math.inf
 
 
 def _io_block() -> str:

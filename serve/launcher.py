@@ -111,10 +111,15 @@ def load_profile(profile: Path) -> dict[str, object]:
 
 
 def gateway_env(triton_url: str, profile: dict[str, object]) -> dict[str, str]:
-    return {**os.environ, "DUPLEX_TRITON_URL": triton_url, "DUPLEX_TRITON_MODEL": "duplex",
-            "DUPLEX_TRITON_READY_MODELS": ",".join(PIPELINE_MODELS),
-            "DUPLEX_MAX_SESSIONS": str(profile["max_sessions"]),
-            "DUPLEX_IDLE_TTL_S": str(profile["session_idle_ttl_s"])}
+    env = {**os.environ, "DUPLEX_TRITON_URL": triton_url, "DUPLEX_TRITON_MODEL": "duplex",
+           "DUPLEX_TRITON_READY_MODELS": ",".join(PIPELINE_MODELS),
+           "DUPLEX_MAX_SESSIONS": str(profile["max_sessions"]),
+           "DUPLEX_IDLE_TTL_S": str(profile["session_idle_ttl_s"])}
+    # The operator's own DUPLEX_UNIT_ALIGN_S wins over the profile's: that is how an A/B overrides a profile
+    # (an empty one, as compose's `${VAR:-}` gives, counts as unset).
+    if not os.environ.get("DUPLEX_UNIT_ALIGN_S"):
+        env["DUPLEX_UNIT_ALIGN_S"] = str(profile["unit_align_s"])
+    return env
 
 
 def _gateway_available() -> bool:

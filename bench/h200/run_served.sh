@@ -17,7 +17,8 @@
 #   KEEP_GOING (set: the sweep runs every N, also after one that did not hold)
 #   FIXTURES .cache/loadgen-fixtures (espeak-ng WAVs made by `fixtures`; carry it)   OUT ($OUT or /tmp/duplex-out)
 #   COMMIT (recorded in the results; default: the file COMMIT beside this checkout, else git HEAD)
-#   UNIT_ALIGN_S (set: the gateway's DUPLEX_UNIT_ALIGN_S for `serve` and the load generator's --unit-align-s)
+#   UNIT_ALIGN_S (set: the gateway's DUPLEX_UNIT_ALIGN_S for `serve` and the load generator's --unit-align-s,
+#     over the profile's unit_align_s; 0 turns it off; unset: both follow the profile)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 REPO="$(pwd)"
@@ -81,7 +82,8 @@ do_serve() {
   if ready; then say "already serving at $URL"; return; fi
   if ! serving; then
     # setsid: its own session, so the server outlives this device call and a later call reuses it.
-    DUPLEX_UNIT_ALIGN_S="${UNIT_ALIGN_S:-0}" setsid "$VENV/bin/duplex" serve --profile "$PROFILE" --checkpoint "$CKPT" --port "$PORT" \
+    # Only a set UNIT_ALIGN_S reaches the gateway: unset, the profile's unit_align_s holds.
+    ${UNIT_ALIGN_S:+env "DUPLEX_UNIT_ALIGN_S=$UNIT_ALIGN_S"} setsid "$VENV/bin/duplex" serve --profile "$PROFILE" --checkpoint "$CKPT" --port "$PORT" \
       --triton-metrics-port "$METRICS_PORT" --cache-dir "$SERVE_DIR" > "$SERVE_LOG" 2>&1 < /dev/null &
     echo $! > "$PIDFILE"
     say "started duplex serve (pid $(cat "$PIDFILE")), log $SERVE_LOG"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +21,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("field,value", [("max_sessions", 0), ("device", "tpu"), ("dtype", "int8"),
-                                         ("engine", "magic"), ("kv_window", -5), ("stage0_instances", True)])
+                                         ("engine", "magic"), ("kv_window", -5), ("stage0_instances", True),
+                                         ("unit_align_s", -0.5), ("unit_align_s", "1s"), ("unit_align_s", True),
+                                         ("unit_align_s", float("inf"))])
 def test_bad_profile_value_names_the_field(field: str, value: object) -> None:
     with pytest.raises(ProfileError, match=repr(field)):
         DeployProfile(**{field: value})
@@ -29,6 +32,23 @@ def test_bad_profile_value_names_the_field(field: str, value: object) -> None:
 def test_idle_timeout_must_cover_session_ttl() -> None:
     with pytest.raises(ProfileError, match="sequence_idle_timeout_s"):
         DeployProfile(session_idle_ttl_s=300, sequence_idle_timeout_s=100)
+
+
+def test_unit_align_s_is_read_and_printed_by_the_check(tmp_path: Path) -> None:
+    """The gateway's alignment period (`duplex serve` reads it from `--check --json`): 0 (off) unless set."""
+    assert DeployProfile().unit_align_s == 0.0 and DeployProfile(unit_align_s=0).unit_align_s == 0
+    profile = tmp_path / "p.yaml"
+    profile.write_text("unit_align_s: 1.5\n")
+    assert DeployProfile.load(profile).unit_align_s == 1.5
+    done = subprocess.run([sys.executable, str(REPO / "build" / "make_model_repository.py"), "--check", "--json",
+                           "--profile", str(profile)], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["unit_align_s"] == 1.5
+    profile.write_text("unit_align_s: -1\n")
+    done = subprocess.run([sys.executable, str(REPO / "build" / "make_model_repository.py"), "--check",
+                           "--profile", str(profile)], capture_output=True, text=True, check=False)
+    assert done.returncode == 2
+    assert "'unit_align_s' has a bad value -1 (a number of seconds >= 0; 0: off)" in done.stderr
 
 
 def test_unknown_profile_field_is_rejected(tmp_path: Path) -> None:

@@ -1,0 +1,54 @@
+"""bench/load_realtime.py's `--unit-align-s`: the load generator's grid follows the gateway's, which the deploy
+profile's `unit_align_s` sets unless an explicit value is given."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+BASE = ["--url", "ws://x:1", "--duration", "5", "--out", "r.json"]
+
+
+@pytest.fixture(name="parse")
+def _parse() -> Callable[..., argparse.Namespace]:
+    if str(REPO / "bench") not in sys.path:
+        sys.path.insert(0, str(REPO / "bench"))
+    import load_realtime  # noqa: PLC0415 - a script, importable once bench/ is on the path
+
+    return lambda *extra: load_realtime.parse_args([*BASE, *extra])
+
+
+def _profile(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "p.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_the_default_is_the_profiles_unit_align_s(tmp_path: Path, parse: Callable[..., argparse.Namespace]) -> None:
+    assert parse("--profile", str(_profile(tmp_path, "unit_align_s: 1.5\n"))).unit_align_s == 1.5
+    assert parse("--profile", str(REPO / "deploy" / "profiles" / "h200-64-scripted.yaml")).unit_align_s == 1.0
+
+
+def test_off_without_a_profile_or_without_the_key(tmp_path: Path, parse: Callable[..., argparse.Namespace]) -> None:
+    assert parse().unit_align_s == 0.0
+    assert parse("--profile", str(_profile(tmp_path, "max_sessions: 4\n"))).unit_align_s == 0.0
+
+
+@pytest.mark.parametrize("explicit", ["0", "0.5"])
+def test_an_explicit_value_wins_over_the_profile(tmp_path: Path, parse: Callable[..., argparse.Namespace],
+                                                explicit: str) -> None:
+    args = parse("--profile", str(_profile(tmp_path, "unit_align_s: 1.0\n")), "--unit-align-s", explicit)
+    assert args.unit_align_s == float(explicit)
+
+
+def test_an_unreadable_profile_is_a_usage_error(tmp_path: Path, parse: Callable[..., argparse.Namespace],
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        parse("--profile", str(_profile(tmp_path, "unit_align_s: soon\n")))
+    assert exit_.value.code == 2
+    assert "cannot read unit_align_s from --profile" in capsys.readouterr().err
