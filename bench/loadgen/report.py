@@ -182,6 +182,25 @@ def in_phase(logs: list[UserLog]) -> float | None:
     return round(sum(near) / len(near), 3)
 
 
+FIRST_UNIT_STAGES = (("thinker_ttft", "0", "ttft_ms"), ("talker_first_output", "1", "first_output_ms"),
+                     ("code2wav_first_output", "2", "first_output_ms"))
+
+
+def first_unit_stages(responses: list[ResponseLog]) -> dict[str, Any]:
+    """Where commit→first audio goes, from each response's `stage_metrics` (protocol.md §10.1): stage0's first token
+    of the response's first unit after the engine took the unit, and the first TTS codes / first audio at the
+    gateway after it sent that unit to stage0. The rest of commit→first audio is the gateway before the send (the
+    unit's cut) and the socket."""
+    out: dict[str, Any] = {"measures": "p50/p99 over responses of response.done duplex.stage_metrics: stage0 ttft "
+                                       "(engine: unit taken -> first token), TTS and Token2Wav first output (gateway: "
+                                       "unit sent to stage0 -> first codes / first audio back)"}
+    for name, key, field_ in FIRST_UNIT_STAGES:
+        values = [float(v) for r in responses if r.stage_metrics
+                  and (v := (r.stage_metrics.get(key) or {}).get(field_)) is not None]
+        out[name] = pcts(values, 50, 99)
+    return out
+
+
 def run_figures(sessions: int, logs: list[UserLog], scripted: bool | None) -> dict[str, Any]:
     per = [session_figures(log) for log in logs]
     starts = [t for log in logs for t in ([log.opened_t] if log.opened_t is not None else log.commits[:1])]
@@ -212,6 +231,7 @@ def run_figures(sessions: int, logs: list[UserLog], scripted: bool | None) -> di
         "cancel_to_last_audio_ms": pcts(cancel_ms, 50, 99),
         "cancel_to_done_ms": pcts([x for r in responses if (x := cancel_to_done(r)) is not None], 50, 99),
         "transcript_delay_ms": pcts(text_ms, 50, 99),
+        "first_unit_stages_ms": first_unit_stages(responses),
         "max_chunk_gap_ms": round(max((p["max_chunk_gap_ms"] for p in per), default=0.0), 1),
         "chunk_gap_ms": pcts(gaps, 50, 90, 99) | {"over_bound": sum(g > MAX_CHUNK_GAP_MS for g in gaps)},
         "underruns": sum(p["underruns"] for p in per),

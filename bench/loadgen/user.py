@@ -70,6 +70,7 @@ class ResponseLog:
     cancel_t: float | None = None  # send time of our response.cancel
     done_t: float | None = None
     status: str | None = None
+    stage_metrics: dict[str, Any] | None = None  # `response.done`'s duplex.stage_metrics (protocol.md §10.1)
 
 
 @dataclass
@@ -299,7 +300,9 @@ class User:
         elif kind == "response.done":
             rid = ev["response"]["id"]
             if rid in self.log.responses:
-                self.log.responses[rid].done_t, self.log.responses[rid].status = t, ev["response"].get("status")
+                done = self.log.responses[rid]
+                done.done_t, done.status = t, ev["response"].get("status")
+                done.stage_metrics = (ev["response"].get("duplex") or {}).get("stage_metrics")
             if self._active == rid:
                 self._active = None
         elif kind == "input_audio_buffer.committed":
