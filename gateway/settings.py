@@ -70,7 +70,8 @@ class GatewaySettings(BaseModel):
     tick_interval_s: float = Field(0.05, gt=0)
     unit_deadline_grace_s: float = Field(0.25, ge=0)
     # DUPLEX_UNIT_ALIGN_S > 0: after each commit the next unit is cut short on a shared tick of this period, so the
-    # sessions' units reach the stages together (gateway/session/units.py); 0 = off (served A/B: bench/RESULTS.md "Stop 30"; the h200-64 profile sets it)
+    # sessions' units reach the stages together (gateway/session/units.py); 0 = off. A deploy profile's
+    # `unit_align_s` sets it (served A/B: bench/RESULTS.md "Stop 30")
     unit_align_s: float = Field(0.0, ge=0)
     # admission, auth, VAD, web demo
     cleanup_retry_base_s: float = Field(0.5, gt=0)
