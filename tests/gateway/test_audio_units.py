@@ -135,3 +135,40 @@ def test_a_tick_with_no_audio_past_it_cuts_the_partial_unit_and_no_alignment_whe
     off.push(_signal(16480 + 800), now=5.0)
     off.arm_tick(5.0)
     assert off.cut_if_tick(9.0) == [] and off.push(_signal(800), now=9.0) == [] and off.residual == 1600
+
+
+def test_held_units_on_the_tick_grid_leave_together_whatever_the_clients_chunk_phase() -> None:
+    """align_hold_s: two sessions whose 200 ms chunks arrive at different phases complete their units on the tick
+    grid at different moments; held until grid end + hold, both leave at the same time, in order."""
+    geometry = UnitGeometry(deadline_grace_s=0.25, align_period_s=1.0, align_hold_s=0.25)
+    released: dict[str, list[tuple[int, float]]] = {}
+    for name, phase in (("early", 0.02), ("late", 0.17)):
+        cutter = UnitCutter(geometry)
+        cutter.push(_signal(16480 + 1000, seed=1), now=4.4)
+        assert cutter.pad(allow_empty=False) is not None  # the commit's own unit leaves at once
+        cutter.arm_tick(4.4)  # the tick at 5.0
+        got: list[tuple[int, float]] = []
+        t = 4.4 + phase
+        while t < 7.5:  # real-time 200 ms chunks, the session's own phase; the gateway ticks every 50 ms
+            got += [(u.index, t) for u in cutter.push(_signal(3200, seed=int(t * 100)), now=t)]
+            for k in range(1, 4):
+                got += [(u.index, t + 0.05 * k) for u in cutter.release(t + 0.05 * k)]
+            t += 0.2
+        assert not cutter.holding or cutter.release_all()
+        released[name] = got
+    for name, got in released.items():
+        assert [i for i, _ in got] == [2, 3, 4], (name, got)
+        for (i, at), end in zip(got, (5.0, 6.0, 7.0), strict=True):
+            assert end + 0.25 <= at < end + 0.25 + 0.05 + 1e-9, (name, i, at)  # within one gateway tick
+
+
+def test_a_commit_or_clear_sends_the_held_units_first_and_no_hold_off_the_grid() -> None:
+    geometry = UnitGeometry(deadline_grace_s=0.0, align_period_s=1.0, align_hold_s=0.3)
+    cutter = UnitCutter(geometry)
+    cutter.push(_signal(16480), now=2.2)  # unit 0, before any tick: leaves at once
+    cutter.arm_tick(2.2)
+    assert cutter.push(_signal(16000), now=3.1) == [] and cutter.holding  # unit 1 cut on the tick 3.0, held
+    assert cutter.release(3.29) == []
+    assert [u.index for u in cutter.release_all()] == [1] and not cutter.holding
+    off = UnitCutter(UnitGeometry(deadline_grace_s=0.0, align_hold_s=0.3))  # no alignment: nothing is held
+    assert [u.index for u in off.push(_signal(16480 + 16000), now=1.0)] == [0, 1] and not off.holding
