@@ -82,11 +82,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not args.sessions or min(args.sessions) < 1 or args.duration <= 0:
         ap.error("--sessions needs N >= 1 and --duration must be > 0")
     args.gateway_metrics = args.gateway_metrics or f"{http_base(args.url)}/metrics"
-    if args.unit_align_s is None:  # the grid follows the gateway's, which the profile sets
-        try:
-            args.unit_align_s = profile_unit_align_s(read_profile(args.profile))
-        except (OSError, yaml.YAMLError, TypeError, ValueError) as exc:
-            ap.error(f"cannot read unit_align_s from --profile {args.profile}: {exc}")
+    try:
+        args.profile_values = read_profile(args.profile)  # read once: the sweep takes the plan and device from it
+        if args.unit_align_s is None:  # the grid follows the gateway's, which the profile sets
+            args.unit_align_s = profile_unit_align_s(args.profile_values)
+    except (OSError, yaml.YAMLError, TypeError, ValueError) as exc:
+        ap.error(f"cannot read unit_align_s from --profile {args.profile}: {exc}")
     return args
 
 
@@ -251,7 +252,7 @@ def write(path: Path, doc: dict[str, Any]) -> None:
 
 async def sweep(args: argparse.Namespace) -> dict[str, Any]:
     check_ready(args.url)
-    profile = read_profile(args.profile)
+    profile = args.profile_values
     plan = scripted_plan(profile)
     scripted = None if args.profile is None else plan is not None  # without a profile nobody says
     speech = speech_fixtures()
