@@ -18,6 +18,11 @@ of la + 1 zero codes (one new token frame, `stride` mel frames) with no history,
 estimator key is column Tg − 1, which it writes itself), and the only thing it writes back is that
 unused column of row 0's slot, like row 0's own padded frames; every other write-back takes the real
 rows only. Row-wise kernels keep a real row's result independent of the other rows (tested).
+
+With graphs the widths are fixed too (`fixed`): the token input at one of two widths (a steady call's, a
+last call's), the gathered histories and the estimator window at the pool's caps. A graph's key is then
+its row bucket and token width only, so the warm-up turns build every graph a served turn meets; widths
+that followed each turn's depth and history missed on the H200 and ran eager mid-load (stop 30).
 """
 
 from __future__ import annotations
@@ -48,9 +53,9 @@ def to_device(arrays: dict[str, np.ndarray], device: torch.device) -> dict[str, 
     return out
 
 
-def _left_padded(orders: Sequence[np.ndarray], bucket: int) -> tuple[np.ndarray, np.ndarray]:
-    """Logical index arrays → (index [B, C] left-padded with 0, valid [B, C])."""
-    width = round_up(max(o.shape[0] for o in orders), bucket)
+def _left_padded(orders: Sequence[np.ndarray], bucket: int, width: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Logical index arrays → (index [B, C] left-padded with 0, valid [B, C]); C = `width` if given."""
+    width = width or round_up(max(o.shape[0] for o in orders), bucket)
     idx, valid = np.zeros((len(orders), width), np.int64), np.zeros((len(orders), width), bool)
     for b, o in enumerate(orders):
         if o.shape[0]:
@@ -63,8 +68,20 @@ def _rows_cols(pos: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     return np.repeat(np.arange(len(pos)), [p.shape[0] for p in pos]), np.concatenate(pos)
 
 
-def _plan(pool: FlowPool, slots: Sequence[SlotState], calls: Sequence[PendingCall], rows: int) -> tuple[dict, dict]:
-    """Index arrays of `rows` batch rows: the calls' rows, then `rows − len(calls)` dummy rows."""
+def _token_width(pool: FlowPool, n_in: int, fixed: bool) -> int:
+    """Token input columns: bucketed, or with `fixed` the smallest of a steady call's and a last call's width."""
+    width = round_up(n_in, pool.pcfg.token_bucket)
+    if fixed:
+        la, bucket = pool.fcfg.pre_lookahead_len, pool.pcfg.token_bucket
+        width = min((w for w in (round_up(pool.scfg.chunk_call, bucket), round_up(pool.scfg.chunk_call + la, bucket))
+                     if w >= n_in), default=width)
+    return width
+
+
+def _plan(pool: FlowPool, slots: Sequence[SlotState], calls: Sequence[PendingCall], rows: int,
+          fixed: bool = False) -> tuple[dict, dict]:
+    """Index arrays of `rows` batch rows: the calls' rows, then `rows − len(calls)` dummy rows. `fixed`: the
+    widths that do not depend on the rows' histories (module doc)."""
     fcfg, pc, n, pad = pool.fcfg, pool.pcfg, len(slots), rows - len(slots)
     la, stride = fcfg.pre_lookahead_len, fcfg.up_stride
     last = np.array([c.last for c in calls] + [False] * pad)
@@ -72,7 +89,7 @@ def _plan(pool: FlowPool, slots: Sequence[SlotState], calls: Sequence[PendingCal
     t_new = m - la * ~last
     frames = stride * t_new
     n_in = m + la * last                                                    # a last row gets 3 pad frames
-    tokens = np.zeros((rows, round_up(int(n_in.max()), pc.token_bucket)), np.int64)
+    tokens = np.zeros((rows, _token_width(pool, int(n_in.max()), fixed)), np.int64)
     for i, c in enumerate(calls):
         tokens[i, : m[i]] = c.tokens
     fm = stride * (tokens.shape[1] - la)
@@ -81,7 +98,7 @@ def _plan(pool: FlowPool, slots: Sequence[SlotState], calls: Sequence[PendingCal
     est_pos = [s.free_est(int(f)) for s, f in zip(slots, frames, strict=False)]
     empty = np.zeros(0, np.int64)
     used = max(int(max(s.est.max(initial=0), p.max(initial=0))) for s, p in zip(slots, est_pos, strict=True))
-    tg = min(round_up(used + 2, pc.cache_bucket), pool.est_width)     # column tg − 1: trash for padded frames
+    tg = pool.est_width if fixed else min(round_up(used + 2, pc.cache_bucket), pool.est_width)   # tg − 1: trash column
     est_hist = [s.est for s in slots] + [empty] * pad
     est_rows = est_pos + [np.full(stride, tg - 1)] * pad                   # a dummy's only key: the trash column
     est_len = np.array([h.shape[0] for h in est_hist])
@@ -91,8 +108,10 @@ def _plan(pool: FlowPool, slots: Sequence[SlotState], calls: Sequence[PendingCal
     for i, (h, p) in enumerate(zip(est_hist, est_rows, strict=True)):
         key_mask[i, h] = key_mask[i, p] = True
         wpos[i, : frames[i]] = p
-    tok_idx, tok_valid = _left_padded([s.tok for s in slots] + [empty] * pad, pc.cache_bucket)
-    mel_idx, mel_valid = _left_padded([s.mel for s in slots] + [empty] * pad, pc.cache_bucket)
+    tok_idx, tok_valid = _left_padded([s.tok for s in slots] + [empty] * pad, pc.cache_bucket,
+                                      round_up(pool.tok_cap, pc.cache_bucket) if fixed else 0)
+    mel_idx, mel_valid = _left_padded([s.mel for s in slots] + [empty] * pad, pc.cache_bucket,
+                                      round_up(pool.mel_cap, pc.cache_bucket) if fixed else 0)
     slot = np.array([s.slot for s in slots] + [slots[0].slot] * pad)        # dummies gather row 0's slot, masked
     (tr, tc), (mr, mc) = _rows_cols(tok_pos), _rows_cols(mel_pos)
     arrays = dict(slot=slot, m=m, t_new=t_new, frames=frames, tokens=tokens, key_mask=key_mask, wpos=wpos,
@@ -115,7 +134,7 @@ def run_flow_pooled(models: Token2WavModels, pool: FlowPool, sessions: Sequence[
     assert len({s.slot for s in slots}) == len(slots), "run_flow_pooled: one call per session per batch"   # type: ignore[union-attr]
     solver = solver or RaggedSolver(flow.decoder.estimator, enabled=False)
     n, b = len(slots), solver.rows(len(slots))                             # real rows, batch rows (bucket)
-    arrays, host = _plan(pool, slots, calls, b)   # type: ignore[arg-type]
+    arrays, host = _plan(pool, slots, calls, b, fixed=solver.enabled)   # type: ignore[arg-type]
     d = to_device(arrays, pool.device)
     n_ts = pool.scfg.n_timesteps
 

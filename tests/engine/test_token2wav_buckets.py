@@ -196,17 +196,38 @@ def test_warm_up_covers_a_turn_whose_units_arrive_one_at_a_time(
     assert eng.misses.counts() == {}
 
 
-@pytest.mark.parametrize("first, last", [(19, 25), (25, 17), (4, 9)])
-def test_warm_up_covers_turns_that_start_or_end_with_any_number_of_codes(
-        models: Any, monkeypatch: pytest.MonkeyPatch, first: int, last: int) -> None:  # noqa: F811 - the fixture
-    """A served TTS unit may start or end a turn with fewer codes than a uniform warm-up turn: the vocoder
-    shapes of such first and last calls were built at warm-up (on the H200 two were captured live, stop 26).
-    The flow's ragged encode / solve shapes of such calls are not all built (this harness counts misses of
-    both for them; the H200 runs logged none): not covered here."""
+@pytest.mark.parametrize("plan", [[19, 25, 25], [25, 25, 17], [4, 9], [25], [25, 9], [25] * 6 + [3], [25, 1]])
+def test_warm_up_covers_every_shape_of_a_served_turn(
+        models: Any, monkeypatch: pytest.MonkeyPatch, plan: list[int]) -> None:  # noqa: F811 - the fixture
+    """A served turn has any number of units and may start or end with any number of codes, unlike the uniform
+    warm-up turns. Every shape such a turn meets was built at warm-up: the vocoder's (first and last call
+    lengths, stop 26) and the flow's encode and solve (fixed widths with graphs, pooled.py; on the H200 a
+    2-call turn's last call and a deeper steady call ran eager mid-load at 32 sessions, stop 30)."""
     eng = _engine(models, 2, monkeypatch, _KeyGraph)
     eng.warm_up("a")
-    _paced_turn(eng, Fence(4, first), 1, [first, 25, last])
-    assert "hift" not in eng.misses.counts()
+    for n in (1, 2):
+        _paced_turn(eng, Fence(4, n), n, plan)
+    assert eng.misses.counts() == {}
+
+
+def test_warm_up_covers_sessions_at_different_depths_of_their_turns(
+        models: Any, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811 - the fixture
+    """One batch holds a session deep in its turn beside one at its first or last call: still built shapes."""
+    eng = _engine(models, 4, monkeypatch, _KeyGraph)
+    eng.warm_up("a")
+    rng, fence = np.random.default_rng(7), Fence(5, 0)
+    plans = {"d0": [25] * 5 + [6], "d1": [9], "d2": [25, 25, 13], "d3": [25, 2]}
+    for i, sid in enumerate(plans):
+        eng.open(sid, fence, "a", seed=i)
+    for unit in range(6):
+        for i, (sid, plan) in enumerate(plans.items()):
+            at = unit - i   # session i starts i units late
+            if 0 <= at < len(plan):
+                eng.submit(sid, fence, at, rng.integers(0, TINY_FLOW.vocab_size, plan[at]).tolist(),
+                           end_of_turn=at == len(plan) - 1)
+        while eng.pending():
+            eng.step()
+    assert eng.misses.counts() == {}
 
 
 def _paced_turn(eng: Token2WavEngine, fence: Fence, sessions: int, codes_per_unit: list[int]) -> None:
