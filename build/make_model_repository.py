@@ -58,9 +58,6 @@ class DeployProfile:
     # the gateway's unit alignment period in seconds (passed to it as DUPLEX_UNIT_ALIGN_S; 0: off): after each
     # commit the next unit is cut short on a shared tick, so the sessions' units reach the stages together
     unit_align_s: float = 0.0
-    # with unit_align_s: a unit on the tick grid leaves the gateway at its grid end + this (DUPLEX_UNIT_ALIGN_HOLD_S;
-    # 0: each unit as soon as the client's audio completes it)
-    unit_align_hold_s: float = 0.0
     stage0_instances: int = 1
     tts_instances: int = 1
     token2wav_instances: int = 1
@@ -94,7 +91,6 @@ class DeployProfile:
             "sequence_idle_timeout_s": _positive_number(self.sequence_idle_timeout_s)
             and self.sequence_idle_timeout_s >= self.session_idle_ttl_s,
             "unit_align_s": _non_negative_number(self.unit_align_s),
-            "unit_align_hold_s": _non_negative_number(self.unit_align_hold_s),
             **{f"{s}_instances": _positive_int(getattr(self, f"{s}_instances")) for s in (*STAGES, "pipeline")},
         }
         for name, ok in checks.items():
@@ -126,7 +122,6 @@ _HINTS = {
     "dtype": " (float32, bfloat16 or float16)",
     "sequence_idle_timeout_s": " (must be a number >= session_idle_ttl_s)",
     "unit_align_s": " (a number of seconds >= 0; 0: off)",
-    "unit_align_hold_s": " (a number of seconds >= 0; 0: off)",
     "mps": f" ({', '.join(MPS_MODES)}; on needs device: cuda)",
     "gpus": f" (a mapping of {', '.join(MODELS)} to non-empty lists of distinct GPU ids >= 0; needs device: cuda)",
 }

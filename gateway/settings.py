@@ -73,10 +73,6 @@ class GatewaySettings(BaseModel):
     # sessions' units reach the stages together (gateway/session/units.py); 0 = off. A deploy profile's
     # `unit_align_s` sets it (served A/B: bench/RESULTS.md "Stop 30")
     unit_align_s: float = Field(0.0, ge=0)
-    # DUPLEX_UNIT_ALIGN_HOLD_S > 0 (with unit_align_s): a unit on the tick grid leaves at its grid end + this, so
-    # the sessions' units leave together instead of each when its client's chunk passing the end arrives (measured
-    # worse served at 0.25 s: bench/RESULTS.md stop 30 item 3)
-    unit_align_hold_s: float = Field(0.0, ge=0)
     # admission, auth, VAD, web demo
     cleanup_retry_base_s: float = Field(0.5, gt=0)
     bind_host: str = "127.0.0.1"

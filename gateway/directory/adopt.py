@@ -140,8 +140,7 @@ def _session(gw: GatewayState, entry: Entry, config: Any, host: AdoptableHost) -
                          key=SessionKey(entry.session_id, entry.correlation_id), outbox=host.outbox,
                          post_lane=host.post_lane, clock=time.monotonic,
                          geometry=UnitGeometry(deadline_grace_s=s.unit_deadline_grace_s,
-                                               align_period_s=s.unit_align_s,
-                                               align_hold_s=s.unit_align_hold_s),
+                                               align_period_s=s.unit_align_s),
                          runtime_defaults=RuntimeDefaults(), capabilities=gw.capabilities, limits_json=s.limits_json())
 
 

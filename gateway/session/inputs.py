@@ -129,10 +129,8 @@ class InputTrack:
             self._on_vad_events(prep.vad)
 
     def on_tick(self, now: float) -> None:
-        """U-3: complete the unit with silence at its deadline while a response or a commit awaits the model; held
-        units (unit alignment) leave on time whatever the session is doing."""
-        if self.core.state != "open" or (self.responses.active is None and self.awaiting_unit is None
-                                         and not self.feed.holding):
+        """U-3: complete the unit with silence at its deadline while a response or a commit awaits the model."""
+        if self.core.state != "open" or (self.responses.active is None and self.awaiting_unit is None):
             return
         self.feed.tick(now)
 

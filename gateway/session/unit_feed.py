@@ -58,7 +58,7 @@ class UnitFeed:
     def flush_residual(self, commit_ids: tuple[int, ...] = ()) -> int | None:
         """Pad and submit the partial unit (final / commit). Returns the unit index, if one was submitted."""
         tail = self._resampler.flush()
-        for unit in self.cutter.push(tail, self.core.clock()) + self.cutter.release_all():
+        for unit in self.cutter.push(tail, self.core.clock()):
             self._submit(unit)
         unit = self.cutter.pad(allow_empty=False)
         if unit is None:
@@ -68,26 +68,18 @@ class UnitFeed:
         return unit.index
 
     def drop_partial(self) -> None:
-        """Drop the audio not yet in a unit (clear, non-speech commit); a held unit is whole: it goes now."""
-        for unit in self.cutter.release_all():
-            self._submit(unit)
+        """Drop the audio not yet in a submitted unit (clear, non-speech commit)."""
         self.cutter.drop_partial()
         self._resampler.flush()
         self._unsubmitted_bytes = 0
 
-    @property
-    def holding(self) -> bool:
-        return self.cutter.holding
-
     def tick(self, now: float) -> None:
-        """Held units whose time has come; the shared tick's short unit when no audio reached it; U-3: complete
-        the unit with silence at its deadline."""
-        for unit in self.cutter.release(now) + self.cutter.cut_if_tick(now):
+        """The shared tick's short unit when no audio reached it; U-3: complete the unit with silence at its
+        deadline."""
+        for unit in self.cutter.cut_if_tick(now):
             self._submit(unit)
         deadline = self.cutter.deadline()
         if deadline is not None and now >= deadline:
-            for unit in self.cutter.release_all():  # the padded unit must not overtake them
-                self._submit(unit)
             unit = self.cutter.pad(allow_empty=True)
             if unit is not None:
                 self._submit(unit, synthetic=True)

@@ -10,8 +10,8 @@ period on the gateway clock), padded with silence like the commit's own unit, an
 1 s apart from that tick: every session's units then reach the stages at the same moments of the second, so
 each stage step batches them together instead of each session's unit arriving at its own phase. A unit on
 that grid is complete when the client's chunk that passes its end arrives, up to one chunk period after the
-end (200 ms for the load generator's chunks), at each session's own phase; with `align_hold_s` > 0 it is held
-until its grid end + `align_hold_s`, so the sessions' units leave together (`release`).
+end (200 ms for the load generator's chunks), at each session's own phase, and leaves then: holding it until
+its grid end + 0.25 s was measured worse on the H200 (bench/RESULTS.md "Stop 30" item 3) and removed.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ class UnitGeometry:
     unit_samples: int = 16000
     deadline_grace_s: float = 0.25  # NOTE: slack for client jitter before silence is injected
     align_period_s: float = 0.0  # > 0: units put on a shared tick after each commit (module docstring); 0: off
-    align_hold_s: float = 0.0  # > 0 (with align_period_s): units on the tick grid leave at grid end + this
 
     def length(self, k: int) -> int:
         return self.first_unit_samples if k == 0 else self.unit_samples
@@ -56,8 +55,6 @@ class UnitCutter:
         self._client_in_buf = 0
         self._anchor: float | None = None
         self._tick_at: float | None = None  # the shared tick the partial unit is cut on (armed by a commit)
-        self._on_grid = False  # the anchor comes from a shared tick (units may be held, `align_hold_s`)
-        self._held: list[tuple[float, CutUnit]] = []  # (release time, unit), in unit order
 
     @property
     def residual(self) -> int:
@@ -67,39 +64,13 @@ class UnitCutter:
     def model_clock_ms(self) -> int:
         return (self.geometry.start(self.next_index) + len(self._buf)) * 1000 // MODEL_RATE_HZ
 
-    @property
-    def holding(self) -> bool:
-        return bool(self._held)
-
     def push(self, samples: np.ndarray, now: float) -> list[CutUnit]:
-        """Append client audio; returns the units it completes (held ones later, from `release`). A chunk that
-        reaches past an armed tick is split there: the audio up to the tick ends the short unit, the rest starts
-        the next one."""
+        """Append client audio; returns the units it completes. A chunk that reaches past an armed tick is split
+        there: the audio up to the tick ends the short unit, the rest starts the next one."""
         if self._tick_at is not None and now >= self._tick_at:
             head = max(0, len(samples) - round((now - self._tick_at) * MODEL_RATE_HZ))
-            units = self._push(samples[:head], now) + self._cut_on_tick() + self._push(samples[head:], now)
-        else:
-            units = self._push(samples, now)
-        return self._hold(units, now)
-
-    def release(self, now: float) -> list[CutUnit]:
-        """The held units whose release time has come, in order."""
-        n = next((i for i, (at, _) in enumerate(self._held) if at > now), len(self._held))
-        out, self._held = [u for _, u in self._held[:n]], self._held[n:]
-        return out
-
-    def release_all(self) -> list[CutUnit]:
-        """Every held unit now (a commit, clear or final: what follows must not overtake them)."""
-        out, self._held = [u for _, u in self._held], []
-        return out
-
-    def _hold(self, units: list[CutUnit], now: float) -> list[CutUnit]:
-        hold = self.geometry.align_hold_s
-        if not units or hold <= 0 or not (self._on_grid or self._held):
-            return units
-        assert self._anchor is not None
-        self._held += [(self._anchor + self.geometry.end_s(u.index) + hold, u) for u in units]
-        return self.release(now)
+            return self._push(samples[:head], now) + self._cut_on_tick() + self._push(samples[head:], now)
+        return self._push(samples, now)
 
     def arm_tick(self, now: float) -> None:
         """After a commit: the partial unit will end on the next shared tick (no-op when alignment is off)."""
@@ -112,14 +83,13 @@ class UnitCutter:
         chunk that passes the tick normally arrives first and is split there by `push`; cutting at the tick itself
         would end the unit at the last chunk before it, a whole chunk early.)"""
         due = self._tick_at is not None and now >= self._tick_at + self.geometry.deadline_grace_s
-        return self._hold(self._cut_on_tick(), now) if due else []
+        return self._cut_on_tick() if due else []
 
     def _cut_on_tick(self) -> list[CutUnit]:
         tick, self._tick_at = self._tick_at, None
         assert tick is not None
         unit = self.pad(allow_empty=False)  # nothing since the last cut: the next unit already starts on the tick
         self._anchor = tick - self.geometry.start(self.next_index) / MODEL_RATE_HZ  # deadlines from the tick
-        self._on_grid = True
         return [unit] if unit is not None else []
 
     def _push(self, samples: np.ndarray, now: float) -> list[CutUnit]:
@@ -155,7 +125,6 @@ class UnitCutter:
         d = self.deadline()
         if d is None or d < now:
             self._anchor = now - (self.geometry.start(self.next_index) + len(self._buf)) / MODEL_RATE_HZ
-            self._on_grid = False
 
     def _cut(self, n: int) -> CutUnit:
         unit, self._buf = self._buf[:n], self._buf[n:]

@@ -93,8 +93,7 @@ async def open_session(state: GatewayState, params: ConnectionParams, session_pa
                                 key=SessionKey(session_id, ids.correlation_id()), outbox=outbox,
                                 post_lane=post_lane, clock=clock,
                                 geometry=UnitGeometry(deadline_grace_s=s.unit_deadline_grace_s,
-                                                      align_period_s=s.unit_align_s,
-                                                      align_hold_s=s.unit_align_hold_s),
+                                                      align_period_s=s.unit_align_s),
                                 runtime_defaults=RuntimeDefaults(), capabilities=state.capabilities,
                                 limits_json=s.limits_json())
         await session.open()

@@ -11,19 +11,14 @@ from gateway.settings import GatewaySettings
 from serve.launcher import gateway_env, load_profile
 
 PROFILES = Path(__file__).resolve().parents[2] / "deploy" / "profiles"
-PROFILE: dict[str, object] = {"max_sessions": 48, "session_idle_ttl_s": 120, "unit_align_s": 1.0,
-                               "unit_align_hold_s": 0.25}
+PROFILE: dict[str, object] = {"max_sessions": 48, "session_idle_ttl_s": 120, "unit_align_s": 1.0}
 
 
 def test_the_gateway_gets_the_profiles_values(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("DUPLEX_UNIT_ALIGN_S", raising=False)
-    monkeypatch.delenv("DUPLEX_UNIT_ALIGN_HOLD_S", raising=False)
     env = gateway_env("triton:8001", PROFILE)
     assert (env["DUPLEX_MAX_SESSIONS"], env["DUPLEX_IDLE_TTL_S"], env["DUPLEX_UNIT_ALIGN_S"]) == ("48", "120", "1.0")
-    settings = GatewaySettings.from_env(env)
-    assert (settings.unit_align_s, settings.unit_align_hold_s) == (1.0, 0.25)
-    monkeypatch.setenv("DUPLEX_UNIT_ALIGN_HOLD_S", "0")  # the operator's A/B
-    assert GatewaySettings.from_env(gateway_env("triton:8001", PROFILE)).unit_align_hold_s == 0.0
+    assert GatewaySettings.from_env(env).unit_align_s == 1.0
 
 
 @pytest.mark.parametrize("operator", ["0", "0.5"])

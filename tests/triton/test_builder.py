@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.mark.parametrize("field,value", [("max_sessions", 0), ("device", "tpu"), ("dtype", "int8"),
                                          ("engine", "magic"), ("kv_window", -5), ("stage0_instances", True),
                                          ("unit_align_s", -0.5), ("unit_align_s", "1s"), ("unit_align_s", True),
-                                         ("unit_align_s", float("inf")), ("unit_align_hold_s", -0.1)])
+                                         ("unit_align_s", float("inf"))])
 def test_bad_profile_value_names_the_field(field: str, value: object) -> None:
     with pytest.raises(ProfileError, match=repr(field)):
         DeployProfile(**{field: value})
