@@ -48,8 +48,8 @@ from engine.warmup import GraphMisses, Progress
 
 WARMUP_SESSION = "__warmup_{}"
 WARMUP_UNITS = 4  # a turn of 4 units: first call, calls while the kept cache grows, steady call, last call
-# Turns per batch size, at most: a slot's physical cache positions (hence the estimator window Tg) depend on
-# its earlier turns, so turns repeat until one builds no new graph.
+# Turns per batch size, at most: turns repeat until one builds no new graph (with the pooled path's fixed widths,
+# pooled.py, the second turn builds none; the exact-shape path's shapes follow each session's history).
 WARMUP_TURNS = 8
 
 

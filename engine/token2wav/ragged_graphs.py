@@ -2,8 +2,9 @@
 and the conformer encoder (`encode_ragged`; eager, its few hundred small kernels made batch 1
 launch-bound: 35 ms per chunk against 19 ms of GPU work on the H200).
 
-A graph is keyed by the batch's bucketed shapes (rows, frames, estimator window Tg, steps); the rows
-are bucketed too (`rows`, buckets.py), so graphs exist per row bucket, not per batch size. The
+A graph is keyed by the batch's shapes (rows, frames, estimator window Tg, steps); the rows are bucketed
+(`rows`, buckets.py) and the caller fixes the other widths (pooled.py), so graphs exist per row bucket and
+token input width, not per batch size or history. The
 estimator K/V is by far the largest state ([S, n_ts, depth, 2, H, W, 2hd], pool.py: n_ts · 128 KiB per
 frame and slot in float32, 210 MiB per slot at float16 and the full W = 672). Every solve graph reads
 and writes the pool tensor itself, in place (its pointer never changes): per Euler step it gathers the
