@@ -175,10 +175,10 @@ class Token2WavEngine:
         """The solver's shared conformer-history inputs at their largest first (a later growth would leave
         the graphs captured before it their own copy)."""
         assert self.pool is not None
-        p, bucket = self.pool, self.cfg.pool.cache_bucket
-        for position, cache in ((TOK_INPUT, p.tok_att), (MEL_INPUT, p.mel_att)):   # [S, L, H, T, 2dk]
-            s, layers, heads, cap, dk2 = cache.shape
-            self.solver.reserve("encode", position, layers * rows * heads * -(-cap // bucket) * bucket * dk2, cache)
+        p = self.pool
+        for position, cache, width in ((TOK_INPUT, p.tok_att, p.tok_width), (MEL_INPUT, p.mel_att, p.mel_width)):
+            _, layers, heads, _, dk2 = cache.shape   # [S, L, H, T, 2dk]
+            self.solver.reserve("encode", position, layers * rows * heads * width * dk2, cache)
 
     def _warm_turn(self, voice_id: str, b: int, rng: np.random.Generator) -> None:
         fence, vocab = Fence(0, 0), self.models.flow_cfg.vocab_size

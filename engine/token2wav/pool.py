@@ -58,8 +58,12 @@ class FlowPool:
         new_max = fcfg.up_stride * scfg.chunk_call               # most mel frames one call adds
         self.mel_cap = pcfg.max_prompt_frames + scfg.cache_keep_frames + new_max
         self.tok_cap = self.mel_cap // fcfg.up_stride + 1
+        up = lambda n: pcfg.cache_bucket * -(-n // pcfg.cache_bucket)  # noqa: E731
         # +1: a trash column past every used position takes the K/V of padded query frames
-        self.est_width = pcfg.cache_bucket * -(-(self.mel_cap + 1) // pcfg.cache_bucket)
+        self.est_width = up(self.mel_cap + 1)
+        # the conformer histories gathered at the caps: a graph batch's fixed widths (pooled.py), what the solver
+        # reserves for their static inputs
+        self.tok_width, self.mel_width = up(self.tok_cap), up(self.mel_cap)
         hd2, dk2 = 2 * fcfg.dit_head_dim, 2 * (fcfg.enc_dim // fcfg.enc_heads)
         z = lambda *shape: torch.zeros(shape, device=device, dtype=dtype)  # noqa: E731
         self.est_att = z(s, n_ts, fcfg.dit_depth, 2, fcfg.dit_heads, self.est_width, hd2)

@@ -109,9 +109,9 @@ def _plan(pool: FlowPool, slots: Sequence[SlotState], calls: Sequence[PendingCal
         key_mask[i, h] = key_mask[i, p] = True
         wpos[i, : frames[i]] = p
     tok_idx, tok_valid = _left_padded([s.tok for s in slots] + [empty] * pad, pc.cache_bucket,
-                                      round_up(pool.tok_cap, pc.cache_bucket) if fixed else 0)
+                                      pool.tok_width if fixed else 0)
     mel_idx, mel_valid = _left_padded([s.mel for s in slots] + [empty] * pad, pc.cache_bucket,
-                                      round_up(pool.mel_cap, pc.cache_bucket) if fixed else 0)
+                                      pool.mel_width if fixed else 0)
     slot = np.array([s.slot for s in slots] + [slots[0].slot] * pad)        # dummies gather row 0's slot, masked
     (tr, tc), (mr, mc) = _rows_cols(tok_pos), _rows_cols(mel_pos)
     arrays = dict(slot=slot, m=m, t_new=t_new, frames=frames, tokens=tokens, key_mask=key_mask, wpos=wpos,
