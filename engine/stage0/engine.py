@@ -26,6 +26,7 @@ from engine.stage0.loop import StepScheduler
 from engine.stage0.parts import PrefixEncoder, SessionTable
 from engine.stage0.penalty import HistoryRing
 from engine.stage0.runner import ModelRunner
+from engine.stage0.sampler_graphs import SamplerGraphs
 from engine.stage0.sampling import SamplerIds, SamplingParams, UniformStream
 from engine.stage0.script import DecisionScript
 from engine.stage0.session import Phase, Session, UnitJob
@@ -78,10 +79,14 @@ class Stage0Engine:
                                    p.device)
         script = DecisionScript(ids, tokenizer.decode, model.cfg.vocab_size, config.script_plan) \
             if config.scripted_decisions else None
+        sampler_graphs = SamplerGraphs.create(
+            history_ring, sampler_ids, model.cfg.vocab_size, p.dtype,
+            tuple(b for b in config.decode_batch_buckets if b < config.max_sessions) + (config.max_sessions,),
+            enabled=how["enabled"], eager_replay=config.eager_replay_graphs)
         self.scheduler = StepScheduler(
             model=model, tokenizer=tokenizer, frontend=frontend, config=config, ids=ids, runner=self.runner,
             table=self.table, prefix=self.prefix, sampler_ids=sampler_ids, history_ring=history_ring,
-            script=script, lock=self.lock, emit=on_event)
+            script=script, lock=self.lock, emit=on_event, sampler_graphs=sampler_graphs)
 
     # ---- what tests, metrics and the Triton bridge read -------------------------------------------
     @property

@@ -32,7 +32,8 @@ from engine.stage0.parts import PrefixEncoder, SessionTable
 from engine.stage0.penalty import HistoryRing
 from engine.stage0.recovery import StepRecovery
 from engine.stage0.runner import ModelRunner, Row
-from engine.stage0.sampling import SamplerIds, SamplingBatch, sample
+from engine.stage0.sampler_graphs import SamplerGraphs
+from engine.stage0.sampling import SamplerIds, SamplingBatch, sample, table_rows
 from engine.stage0.script import DecisionScript
 from engine.stage0.session import Phase, Session, UnitRecord, UnitRun
 from engine.stage0.slots import compact, evict_span
@@ -45,11 +46,13 @@ class StepScheduler:
     def __init__(self, *, model: Qwen3LLM, tokenizer: TextTokenizer, frontend: UnitFrontEnd, config: Stage0Config,
                  ids: SpecialIds, runner: ModelRunner, table: SessionTable, prefix: PrefixEncoder,
                  sampler_ids: SamplerIds, history_ring: HistoryRing, script: DecisionScript | None,
-                 lock: threading.RLock, emit: Callable[[Event], None]) -> None:
+                 lock: threading.RLock, emit: Callable[[Event], None],
+                 sampler_graphs: SamplerGraphs | None = None) -> None:
         self.model, self.tokenizer, self.frontend, self.config = model, tokenizer, frontend, config
         self.ids, self.runner, self.table, self.prefix = ids, runner, table, prefix
         # the sampler's state: B2's history on the device (one ring per slot), the §9.5 script
         self.sampler_ids, self.history_ring, self.script = sampler_ids, history_ring, script
+        self.sampler_graphs = sampler_graphs  # the candidate rule captured per batch bucket (CUDA), else eager
         self.lock, self.emit = lock, emit  # the engine's lock: the requests change sessions under it too
         self.recovery = StepRecovery(runner, table, ids, emit)
         self.audio_worker: AudioWorker | None = None  # the front end on its own thread, else in the step
@@ -285,22 +288,31 @@ class StepScheduler:
         return False
 
     def _sample(self, rows: list[Session], logits: torch.Tensor) -> None:
-        params, ring = [s.unit_params for s in rows], self.history_ring
+        params, ring, graphs = [s.unit_params for s in rows], self.history_ring, self.sampler_graphs
         ring.sync([(s.slot, s, s.history, p.repetition_window) for s, p in zip(rows, params, strict=True)])
-        batch = SamplingBatch.from_ring(params, [s.stream.peek(2) for s in rows], ring, [s.slot for s in rows],
-                                        logits.device)
-        out = sample(logits, batch, self.sampler_ids)
-        token, draws, appended, exact = read_back(torch.stack(out).long())  # the sync
+        uniforms, slots = [s.stream.peek(2) for s in rows], [s.slot for s in rows]
+        batch = None
+        if graphs is not None and graphs.covers(len(rows)):
+            out, ring_slots, count = graphs.run(logits, table_rows(params, uniforms, slots,
+                                                                   [ring.count[s] for s in slots]))
+        else:
+            batch = SamplingBatch.from_ring(params, uniforms, ring, slots, logits.device)
+            out = torch.stack(sample(logits, batch, self.sampler_ids)).long()
+            ring_slots, count = batch.slots, batch.count
+        token, draws, appended, exact = read_back(out)  # the sync
         if not all(exact):  # a row's top-k did not fit the candidates (rare): the full-vocabulary rule
-            out = sample(logits, batch, self.sampler_ids, candidates=None)
-            token, draws, appended, _ = read_back(torch.stack(out).long())
+            batch = batch or SamplingBatch.from_ring(params, uniforms, ring, slots, logits.device)
+            out = torch.stack(sample(logits, batch, self.sampler_ids, candidates=None)).long()
+            token, draws, appended, _ = read_back(out)
+        ids = out[0]
         if self.script is not None:  # §9.5 benchmark mode: the kernels ran, only the id is replaced
             token = [self.script.choose(s.params.seed, s.unit.index, s.unit.decoder.j, t)  # type: ignore[union-attr]
                      for s, t in zip(rows, token, strict=True)]
-            out = (to_device(torch.tensor(token, dtype=torch.long), logits.device), *out[1:])
-        assert batch.slots is not None and batch.count is not None
-        # B7 on the device, from the ids still there; the host history below takes the same ids
-        ring.append(batch.slots, batch.count, out[0], out[2], [s.slot for s in rows])
+            ids = to_device(torch.tensor(token, dtype=torch.long), logits.device)
+        assert ring_slots is not None and count is not None
+        # B7 on the device, from the ids still there (before the graphs' next replay overwrites them); the host
+        # history below takes the same ids
+        ring.append(ring_slots, count, ids, out[2].bool(), slots)
         for s, t, d, a in zip(rows, token, draws, appended, strict=True):
             assert s.unit is not None and s.unit.decoder is not None
             s.stream.consume(d)

@@ -23,7 +23,7 @@ from engine.sampling_draw import draw, draw_uniforms, session_generator
 from engine.stage0.penalty import MAX_REPETITION_WINDOW, HistoryRing
 from engine.stage0.topkp import candidate_draw, full_draw
 
-__all__ = ["SamplerIds", "SamplingBatch", "SamplingParams", "UniformStream", "draw", "sample"]
+__all__ = ["SamplerIds", "SamplingBatch", "SamplingParams", "UniformStream", "draw", "sample", "table_rows"]
 
 # Logits per row that top-k and top-p run on (`candidate_draw`); a row needing more is drawn over the vocabulary
 TOP_CANDIDATES = 64
@@ -130,14 +130,20 @@ class SamplingBatch:
         if cols:
             pairs = to_device(torch.tensor([rows, cols], dtype=torch.long), device)  # [2, n]
             hist[pairs[0], pairs[1]] = True
-        table = _table(params, uniforms, [0] * b, [0] * b, device)
+        table = to_device(table_rows(params, uniforms, [0] * b, [0] * b), device).T
         return cls(**_fields(table), history=hist)
 
     @classmethod
     def from_ring(cls, params: list[SamplingParams], uniforms: list[list[float]], ring: HistoryRing,
                   slots: list[int], device: torch.device | str) -> SamplingBatch:
         """From the device history ring (synced by the caller): the mask is built on the device."""
-        table = _table(params, uniforms, slots, [ring.count[s] for s in slots], device)
+        return cls.from_table(to_device(table_rows(params, uniforms, slots, [ring.count[s] for s in slots]),
+                                        device), ring)
+
+    @classmethod
+    def from_table(cls, rows: torch.Tensor, ring: HistoryRing) -> SamplingBatch:
+        """From `table_rows` already on the device ([B, 13]) and the ring: device work only (graph-safe)."""
+        table = rows.T
         slot_t, count = table[10].long(), table[11].long()
         hist = ring.mask(slot_t, count, table[12].long())
         return cls(**_fields(table), history=hist, slots=slot_t, count=count)
@@ -149,14 +155,15 @@ def _masked_index(masked: tuple[int, ...], device: torch.device) -> torch.Tensor
     return to_device(torch.tensor(masked, dtype=torch.long), device)
 
 
-def _table(params: list[SamplingParams], uniforms: list[list[float]], slots: list[int], counts: list[int],
-           device: torch.device | str) -> torch.Tensor:
-    """Every per-row scalar in one fp64 block [13, B], one copy (exact for these ints, bools and fp32s)."""
-    return to_device(torch.tensor(
+def table_rows(params: list[SamplingParams], uniforms: list[list[float]], slots: list[int], counts: list[int]
+               ) -> torch.Tensor:
+    """Every per-row scalar in one host fp64 block [B, 13], copied in one go (exact for these ints, bools and
+    fp32s): the parameters, the row's two uniforms, its ring slot, history length and window."""
+    return torch.tensor(
         [[p.greedy, p.temperature, p.top_k, p.top_p, p.repetition_penalty, p.turn_eos_length_penalty,
           p.listen_prob_scale, p.listen_top_k, u[0], u[1], slot, n, p.repetition_window]
          for p, u, slot, n in zip(params, uniforms, slots, counts, strict=True)],
-        dtype=torch.float64), device).T
+        dtype=torch.float64)
 
 
 def _fields(table: torch.Tensor) -> dict[str, torch.Tensor]:
