@@ -45,7 +45,7 @@ def _ids() -> SamplerIds:
 def test_replay_equals_the_eager_sampler_at_every_batch_size(device: str) -> None:
     ids, dev = _ids(), torch.device(device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    ring = HistoryRing(8, 16, V, dev)
+    ring = HistoryRing(8, SamplingParams().repetition_window, V, dev)  # as the engine's: no row's window grows it
     graphs = SamplerGraphs.create(ring, ids, V, dtype, (2, 4, 8), eager_replay=dev.type != "cuda")
     assert graphs is not None and sorted(graphs.steps) == [2, 4, 8]
     g = torch.Generator().manual_seed(0)
@@ -64,6 +64,7 @@ def test_replay_equals_the_eager_sampler_at_every_batch_size(device: str) -> Non
             logits[::3, ids.chunk_eos] = 9.0  # Step A ends some rows
             want = torch.stack(sample(logits, SamplingBatch.from_ring(params, uniforms, ring, slots, dev), ids)).long()
             counts = [ring.count[s] for s in slots]
+            assert graphs.covers(n)
             got, ring_slots, count = graphs.run(logits, table_rows(params, uniforms, slots, counts))
             assert torch.equal(got, want), (n, trial)
             assert ring_slots.tolist() == slots and count.tolist() == counts
