@@ -301,7 +301,8 @@ class StepScheduler:
             ring_slots, count = batch.slots, batch.count
         token, draws, appended, exact = read_back(out)  # the sync
         if not all(exact):  # a row's top-k did not fit the candidates (rare): the full-vocabulary rule
-            batch = batch or SamplingBatch.from_ring(params, uniforms, ring, slots, logits.device)
+            if batch is None:
+                batch = SamplingBatch.from_ring(params, uniforms, ring, slots, logits.device)
             out = torch.stack(sample(logits, batch, self.sampler_ids, candidates=None)).long()
             token, draws, appended, _ = read_back(out)
         ids = out[0]

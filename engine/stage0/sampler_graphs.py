@@ -1,9 +1,10 @@
 """The Stage0 sampler in CUDA graphs (STYLE.md practice 5): the penalty mask and `sample`, one graph per batch bucket.
 
 The sampler is some sixty small kernels over [B, V] (the B2 mask from the history ring, Step A, B1-B6 with the
-candidate rule). Launched one by one they took 2.6-3.4 ms of every decode step on the H200 at any batch (stop 31,
-bench/RESULTS.md), as long as half a one-session forward; a replay launches them at once. Only the candidate
-rule is captured: a row whose top-k does not fit the candidates (rare) is drawn again eagerly by the caller.
+candidate rule), timed at 2.6-3.4 ms a step on the H200 when launched one by one (stop 31, device synchronised
+around them); a replay launches them at once. Served, the graphs shortened a stage0 step by 1.3-2.8 ms at 32-64
+sessions (bench/RESULTS.md, stop 32 item 3). Only the candidate rule is captured: a row whose top-k does not fit
+the candidates (rare) is drawn again eagerly by the caller.
 
 Rows past the live ones are greedy dummies at ring slot 0 with an empty history. Every sampler op works within
 its row, so they change no live row. The graph reads the ring's ids tensor where it lies: a ring that grows (a
