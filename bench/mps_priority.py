@@ -99,6 +99,7 @@ def run_case(args: argparse.Namespace, busy_priority: int | None, busy_threads: 
         if load is not None:
             load.kill()
             load.wait()
+            time.sleep(3.0)  # the MPS server refuses a new client while it still tears a killed one down
     return json.loads(out.strip().splitlines()[-1])
 
 
