@@ -79,10 +79,10 @@ class Stage0Engine:
                                    p.device)
         script = DecisionScript(ids, tokenizer.decode, model.cfg.vocab_size, config.script_plan) \
             if config.scripted_decisions else None
-        sampler_graphs = SamplerGraphs.create(
-            history_ring, sampler_ids, model.cfg.vocab_size, p.dtype,
-            tuple(b for b in config.decode_batch_buckets if b < config.max_sessions) + (config.max_sessions,),
-            enabled=how["enabled"], eager_replay=config.eager_replay_graphs)
+        # with the decode graphs, at their batch buckets (a step samples at most one row per slot)
+        sampler_graphs = None if graphs is None else SamplerGraphs.create(
+            history_ring, sampler_ids, model.cfg.vocab_size, p.dtype, graphs.batch_buckets,
+            eager_replay=config.eager_replay_graphs)
         self.scheduler = StepScheduler(
             model=model, tokenizer=tokenizer, frontend=frontend, config=config, ids=ids, runner=self.runner,
             table=self.table, prefix=self.prefix, sampler_ids=sampler_ids, history_ring=history_ring,

@@ -24,10 +24,11 @@ from engine.cuda_graph import capture
 from engine.hostio import to_device
 from engine.stage0.graphs import bucket
 from engine.stage0.penalty import HistoryRing
-from engine.stage0.sampling import SamplerIds, SamplingBatch, sample
+from engine.stage0.sampling import SamplerIds, SamplingBatch, SamplingParams, sample, table_rows
 
-# A dummy row of `table_rows`: greedy, neutral parameters, ring slot 0 with no history, window 1
-PAD_ROW = (1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.5, 0.5, 0.0, 0.0, 1.0)
+# A dummy row of `table_rows` [1, 13]: greedy, neutral parameters, ring slot 0 with no history, window 1
+PAD_ROW = table_rows([SamplingParams(greedy=True, temperature=1.0, top_k=1, top_p=1.0, repetition_penalty=1.0,
+                                     turn_eos_length_penalty=1.0, repetition_window=1)], [[0.5, 0.5]], [0], [0])
 
 
 @dataclass
@@ -50,7 +51,7 @@ class SamplerGraphs:
         pool = None
         for b in sorted(self.buckets, reverse=True):  # largest first: it sizes the shared pool
             st = StaticSample(logits=torch.zeros(b, vocab, dtype=dtype, device=self.device),
-                              table=to_device(torch.tensor([PAD_ROW] * b, dtype=torch.float64), self.device))
+                              table=to_device(PAD_ROW.repeat(b, 1), self.device))
             if self.eager_replay:
                 st.out = self._call(st).clone()
                 st.replay = lambda st=st: st.out.copy_(self._call(st))  # type: ignore[union-attr]
@@ -81,9 +82,7 @@ class SamplerGraphs:
         lengths [n]), views of the static buffers: read them before the next `run`."""
         n = logits.shape[0]
         st = self.steps[bucket(n, self.buckets)]
-        host = torch.tensor([PAD_ROW] * st.table.shape[0], dtype=torch.float64)
-        host[:n] = rows
-        st.table.copy_(to_device(host, self.device))
+        st.table.copy_(to_device(torch.cat([rows, PAD_ROW.expand(st.table.shape[0] - n, -1)]), self.device))
         st.logits[:n].copy_(logits)
         st.replay()
         assert st.out is not None
