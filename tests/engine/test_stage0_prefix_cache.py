@@ -1,21 +1,28 @@
-"""System prefixes kept per (prompt, reference audio) (engine/stage0/parts.py PrefixEncoder): sessions that share
-a voice encode it once, a different voice or prompt is encoded anew, the kept prefix is the one a fresh build
-gives, and a session's output does not depend on whether its prefix came from the cache."""
+"""System prefixes kept per (prompt, reference audio) (engine/stage0/parts.py PrefixEncoder), with the real tiny
+audio front end: sessions that share a voice encode it once, a different voice or prompt is encoded anew, the kept
+prefix is the one a fresh build gives, and a session's output does not depend on whether its prefix came from the
+cache."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from engine.audio import AudioFrontEnd
 from engine.stage0 import DecodeRules, Fence, Stage0Config, Stage0Engine, TokenEvent
+from engine.stage0.frontend import AudioFrontEndAdapter
 from engine.stage0.parts import PrefixEncoder
-from tests.engine.test_stage0_engine import by_session, make_engine, params
-from tests.engine.test_stage0_helpers import FakeFrontEnd, tiny_llm, tiny_tokenizer, unit_pcm
+from tests.engine.test_audio_encoder import build, tiny_audio
+from tests.engine.test_stage0_engine import by_session, params
+from tests.engine.test_stage0_helpers import tiny_llm, tiny_tokenizer, unit_pcm
 
 
-class CountingFrontEnd(FakeFrontEnd):
+class CountingFrontEnd(AudioFrontEndAdapter):
+    """The real tiny audio front end, counting the reference encodes."""
+
     def __init__(self) -> None:
-        super().__init__()
+        enc, proj = build(1500, seed=3)
+        super().__init__(AudioFrontEnd(enc, proj, tiny_audio(1500), kv_slots=4))
         self.references = 0
 
     def encode_reference(self, pcm: torch.Tensor) -> torch.Tensor:
@@ -72,7 +79,9 @@ def test_output_is_the_same_with_a_shared_prefix(monkeypatch: pytest.MonkeyPatch
     runs = []
     for keep in (PrefixEncoder.CACHED, 0):
         monkeypatch.setattr(PrefixEncoder, "CACHED", keep)
-        engine, events = make_engine(tiny_llm(), sessions=2, rules=DecodeRules(force_listen_count=1))
+        events: list = []
+        engine = Stage0Engine(tiny_llm(), tiny_tokenizer(), CountingFrontEnd(), events.append,
+                              Stage0Config(max_sessions=2, use_cuda_graphs=False), DecodeRules(force_listen_count=1))
         for i in range(2):
             engine.open(f"s{i}", Fence(1, 0), ref_audio=_voice(4), params=params(i))
         shared = engine.session("s0").prefix_rows is engine.session("s1").prefix_rows
