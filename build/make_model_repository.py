@@ -72,6 +72,10 @@ class DeployProfile:
     # CUDA MPS for the stage processes (serve/mps.py): auto (a private daemon where several share a GPU), on, off.
     # YAML reads a bare on/off as true/false; both spellings are accepted.
     mps: str = "auto"
+    # stage -> the share of the GPU's SMs (1..100 %) its processes may use under MPS
+    # (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, set in the stage process before CUDA starts), e.g. {"stage0": 70}: a cap
+    # on stage0's large kernels leaves SMs free for the TTS and Token2Wav steps. A stage left out is not capped.
+    mps_thread_percentage: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if isinstance(self.mps, bool):
@@ -84,6 +88,8 @@ class DeployProfile:
             "device": self.device.split(":")[0] in ("cpu", "cuda"),
             "gpus": _gpu_lists(self.gpus) and (not self.gpus or self.device == "cuda"),
             "mps": self.mps in MPS_MODES and (self.mps != "on" or self.device.startswith("cuda")),
+            "mps_thread_percentage": _percentages(self.mps_thread_percentage)
+            and (not self.mps_thread_percentage or self.device.startswith("cuda")),
             "dtype": self.dtype in ("float32", "bfloat16", "float16"),
             "max_sessions": _positive_int(self.max_sessions),
             "kv_window": _positive_int(self.kv_window),
@@ -123,6 +129,7 @@ _HINTS = {
     "sequence_idle_timeout_s": " (must be a number >= session_idle_ttl_s)",
     "unit_align_s": " (a number of seconds >= 0; 0: off)",
     "mps": f" ({', '.join(MPS_MODES)}; on needs device: cuda)",
+    "mps_thread_percentage": f" (a mapping of {', '.join(STAGES)} to integers 1..100; needs device: cuda)",
     "gpus": f" (a mapping of {', '.join(MODELS)} to non-empty lists of distinct GPU ids >= 0; needs device: cuda)",
 }
 
@@ -147,6 +154,11 @@ def _script_plan_ok(options: dict[str, Any]) -> bool:
     return isinstance(plan, dict) and set(plan) <= set(SCRIPT_PLAN_KEYS) and all(
         isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in plan.values()) \
         and plan.get("speak_units", 1) >= 1
+
+
+def _percentages(caps: Any) -> bool:
+    return isinstance(caps, dict) and set(caps) <= set(STAGES) and all(
+        isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 100 for v in caps.values())
 
 
 def _gpu_lists(gpus: Any) -> bool:
@@ -196,6 +208,8 @@ def render_config(model: str, profile: DeployProfile, checkpoint: str) -> str:
               "session_idle_ttl_s": str(profile.session_idle_ttl_s)}
     params["engine_factory"] = f"{ENGINE_MODULES.get(profile.engine, profile.engine)}:{model}" \
         if model != PIPELINE else PIPELINE_FACTORY
+    if profile.mps_thread_percentage.get(model):
+        params["mps_thread_percentage"] = str(profile.mps_thread_percentage[model])
     if profile.engine_options.get(model):
         params["engine_options"] = json.dumps(profile.engine_options[model], sort_keys=True).replace('"', '\\"')
     param_text = ",\n".join(f'  {{ key: "{k}" value: {{ string_value: "{v}" }} }}' for k, v in params.items())

@@ -34,7 +34,7 @@ from .codec import (
 )
 from .occupancy import SessionGauge
 from .sessions import SessionTable
-from .settings import StageSettings, instance_device, load_factory, session_expiry_s
+from .settings import StageSettings, cap_mps_threads, instance_device, load_factory, session_expiry_s
 from .workarounds import pin_object_dtype, report_fatal_signals
 
 _SENTINEL = object()
@@ -94,6 +94,7 @@ def decoupled_setup(args: dict[str, Any]) -> tuple[StageSettings, SessionTable]:
         raise pb_utils.TritonModelException(f"{args['model_name']}: must be decoupled (model_transaction_policy)")
     settings = StageSettings.from_model_config(model_config)
     settings = dataclasses.replace(settings, device=instance_device(settings.device, args))
+    cap_mps_threads(settings)  # before the engine creates the CUDA context
     return settings, SessionTable(settings.max_sessions, session_expiry_s(settings, model_config))
 
 
@@ -104,6 +105,8 @@ class DecoupledStageModel:
         self.settings, self.sessions = decoupled_setup(args)
         self.gauge = SessionGauge(self.settings.stage, self.settings.max_sessions)  # replica routing reads it
         self.engine: StageEngine = load_factory(self.settings.engine_factory)(self.settings)
+        if self.settings.mps_thread_percentage:
+            _log_sm_share(self.settings)
         warm_up(self.engine, self.settings.stage)
         self._outbox: queue.Queue[Any] = queue.Queue()
         self._live: set[ResponseSink] = set()
@@ -167,6 +170,15 @@ class DecoupledStageModel:
                 sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=flags)
             except Exception:  # noqa: BLE001 - a dead stream must not stop other sessions' responses
                 pb_utils.Logger.log_error(traceback.format_exc())
+
+
+def _log_sm_share(settings: StageSettings) -> None:
+    """The SMs this process may use, as CUDA reports them under the MPS cap (all of them: the cap came too late)."""
+    import torch  # only a cuda profile caps MPS threads, and a cuda stage runs torch
+
+    sms = torch.cuda.get_device_properties(torch.device(settings.device)).multi_processor_count
+    pb_utils.Logger.log_info(f"{settings.stage}: MPS thread percentage {settings.mps_thread_percentage}: "
+                             f"this process may use {sms} SMs")
 
 
 def warm_up(engine: Any, stage: str) -> None:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+import os
+from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
 DEVICES = ("cpu", "cuda")
 DTYPES = ("float32", "bfloat16", "float16")
+MPS_THREADS_ENV = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
 
 
 class ConfigError(ValueError):
@@ -26,8 +28,12 @@ class StageSettings:
     kv_window: int
     session_idle_ttl_s: float
     engine_options: str = "{}"  # JSON object of engine-specific options (deploy profile `engine_options`)
+    mps_thread_percentage: int = 0  # share of the GPU's SMs under MPS (deploy profile); 0: not capped
 
     def __post_init__(self) -> None:
+        if not 0 <= self.mps_thread_percentage <= 100:
+            raise ConfigError(f"parameter mps_thread_percentage must be in 1..100 (0: not capped), got "
+                              f"{self.mps_thread_percentage}")
         if self.device.split(":")[0] not in DEVICES:
             raise ConfigError(f"parameter device={self.device!r} must be one of {DEVICES} (optionally cuda:N)")
         if self.dtype not in DTYPES:
@@ -60,7 +66,17 @@ class StageSettings:
             device=need("device"), dtype=need("dtype"), max_sessions=number("max_sessions", int),
             kv_window=number("kv_window", int), session_idle_ttl_s=number("session_idle_ttl_s", float),
             engine_options=params.get("engine_options") or "{}",
+            mps_thread_percentage=number("mps_thread_percentage", int) if params.get("mps_thread_percentage") else 0,
         )
+
+
+def cap_mps_threads(settings: StageSettings, environ: MutableMapping[str, str] = os.environ) -> int | None:
+    """Set this process's MPS share of the GPU's SMs (`mps_thread_percentage`) in its environment; CUDA reads it
+    when the process creates its context, so call this before anything touches the GPU. Returns the share set."""
+    if not settings.mps_thread_percentage:
+        return None
+    environ[MPS_THREADS_ENV] = str(settings.mps_thread_percentage)
+    return settings.mps_thread_percentage
 
 
 def session_expiry_s(settings: StageSettings, model_config: dict[str, Any]) -> float:
