@@ -48,6 +48,7 @@ from gateway.runtime.triton_wire import STAGE_OUTPUTS, build_request, typed_even
 STAGE0, TTS, TOKEN2WAV = "stage0", "tts", "token2wav"
 STAGES = (STAGE0, TTS, TOKEN2WAV)
 TURN_KEYS = ("is_turn_eos", "end_of_turn", "turn_start")  # the tts_input fields the tts stage needs
+PART_KEYS = ("part", "unit_codes")  # an audio_tokens event's unit part (a turn's first codes sent early) for token2wav
 MS_PER_S = 1000.0
 
 OnEvent = Callable[[dict[str, Any], Any], None]  # (event, result) for each response carrying an EVENT
@@ -384,8 +385,7 @@ class StagedTritonRuntime:
             flow.firsts.setdefault("talker", _ms_since(flow.started))
             flow.speech_calls += 1
             s.stream.send(TOKEN2WAV, "append", s.stage_fence(fence, TOKEN2WAV), on_audio, ended,
-                          tokens=_array(res, "TOKENS", np.int64),
-                          config={"unit": flow.index, "end_of_turn": bool(ev.get("end_of_turn", False))})
+                          tokens=_array(res, "TOKENS", np.int64), config=speech_config(flow.index, ev, out))
 
         def on_audio(out: dict[str, Any], res: Any) -> None:
             if out.get("type") != "audio":
@@ -452,6 +452,13 @@ class StagedTritonRuntime:
         self._sessions.clear()
         if self._client is not None:
             await self._client.close()
+
+
+def speech_config(unit: int, tts_input: Mapping[str, Any], codes: Mapping[str, Any]) -> dict[str, Any]:
+    """token2wav's CONFIG for one `audio_tokens` event: the unit, its turn end (from stage0's `tts_input`) and,
+    where the TTS sent the unit in two parts, which part and how many codes the whole unit has."""
+    return {"unit": unit, "end_of_turn": bool(tts_input.get("end_of_turn", False)) and codes.get("part") != "head",
+            **{k: codes[k] for k in PART_KEYS if k in codes}}
 
 
 def _ms_since(t0: float) -> float:

@@ -43,6 +43,7 @@ from .workarounds import Graveyard
 STAGE0, TTS, TOKEN2WAV = "stage0", "tts", "token2wav"
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 TURN_KEYS = ("is_turn_eos", "end_of_turn", "turn_start")  # tts_input fields the tts stage needs
+PART_KEYS = ("part", "unit_codes")  # an audio_tokens event's unit part, passed on to token2wav
 MS_PER_S = 1000.0
 
 
@@ -192,8 +193,10 @@ class PipelineModel:
             if tts_out.event.get("dropped"):
                 continue  # cancelled inside tts: nothing to render
             firsts.setdefault("talker", _ms_since(started))
+            part = {k: tts_out.event[k] for k in PART_KEYS if k in tts_out.event}  # a turn's first codes, sent early
+            end = bool(ev.get("end_of_turn", False)) and part.get("part") != "head"
             for wav in self._call(TOKEN2WAV, sub, self._next_fence(req, TOKEN2WAV), tokens=tts_out.tokens,
-                             config={"unit": unit, "end_of_turn": bool(ev.get("end_of_turn", False))}):
+                                  config={"unit": unit, "end_of_turn": end, **part}):
                 if wav.event.get("type") == "audio":
                     firsts.setdefault("code2wav", _ms_since(started))
                 client.emit(StageOutput(wav.event, audio=wav.audio))

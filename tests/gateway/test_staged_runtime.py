@@ -8,6 +8,7 @@ tests/e2e/test_staged_serving.py.
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import numpy as np
@@ -25,7 +26,7 @@ from gateway.runtime.base import (
     UnitDone,
     UnitSubmission,
 )
-from gateway.runtime.stages import StagedTritonRuntime
+from gateway.runtime.stages import StagedTritonRuntime, speech_config
 from tests.gateway.triton_results import Result
 
 HIDDEN_DIM = 4
@@ -42,6 +43,7 @@ class StageClient:
         self.log: list[str] = []  # "<model>:<op>:<unit> start|end", in the order the fake ran them
         self.close_error: str | None = None
         self.stage0_units = -1
+        self.tts_parts = False  # answer as the TTS does at a turn's start with first_codes: a head, then the rest
 
     async def stream_infer(self, it):  # noqa: ANN001, ANN201
         out: asyncio.Queue[tuple[Any, Any] | None] = asyncio.Queue()
@@ -78,8 +80,14 @@ class StageClient:
         elif op == "append" and model == "tts":
             self.log.append("tts start")
             await self.tts_gate.wait()
-            out.put_nowait((Result(rid, {"type": "audio_tokens", "count": 2}, TOKENS=np.array([[1, 2]], np.int64)),
-                            None))
+            if self.tts_parts:
+                out.put_nowait((Result(rid, {"type": "audio_tokens", "count": 1, "part": "head", "unit_codes": 2},
+                                       TOKENS=np.array([[1]], np.int64)), None))
+                out.put_nowait((Result(rid, {"type": "audio_tokens", "count": 1, "part": "rest"},
+                                       TOKENS=np.array([[2]], np.int64)), None))
+            else:
+                out.put_nowait((Result(rid, {"type": "audio_tokens", "count": 2},
+                                       TOKENS=np.array([[1, 2]], np.int64)), None))
             self.log.append("tts end")
         elif op == "append" and model == "token2wav":
             out.put_nowait((Result(rid, {"type": "audio", "unit": 0, "seq": 0},
@@ -128,6 +136,35 @@ async def test_a_speak_unit_flows_through_the_three_stages_in_order() -> None:
     assert {"TOKENS", "HIDDEN", "CONFIG"} <= names
     await rt.close(KEY, Fence(1, 0))
     assert sum(r["sequence_end"] for r in client.requests) == 3
+    await rt.aclose()
+
+
+def _config(req: dict[str, Any]) -> dict[str, Any]:
+    """A request's CONFIG, as build_request serialised it (one BYTES element: 4-byte length, then JSON)."""
+    raw = next(i for i in req["inputs"] if i.name() == "CONFIG")._raw_content
+    return json.loads(raw[4:])
+
+
+@pytest.mark.parametrize("end_of_turn", [False, True])
+async def test_a_unit_the_tts_sends_in_two_parts_reaches_token2wav_as_two_appends(end_of_turn: bool) -> None:
+    """A turn's first codes sent early (TTS `first_codes`): each part goes on to token2wav as it comes, with its part
+    and the whole unit's code count; only the rest may end the turn."""
+    client = StageClient()
+    client.tts_parts = True
+    rt = StagedTritonRuntime("unused:1", client=client)
+    await rt.open(KEY, Fence(1, 0), {"instructions": "x"})
+    events = rt.events(KEY)
+    await rt.append(KEY, Fence(1, 0, 1), _unit(0))
+    got = await _take(events, 5)
+    assert [type(e) for e in got] == [Decision, TextPiece, AudioPiece, AudioPiece, UnitDone]
+    calls = [r for r in client.requests if r["request_id"].startswith("token2wav:append")]
+    assert [_config(r) for r in calls] == [{"unit": 0, "end_of_turn": False, "part": "head", "unit_codes": 2},
+                                           {"unit": 0, "end_of_turn": False, "part": "rest"}]
+    assert speech_config(4, {"end_of_turn": end_of_turn}, {"part": "head", "unit_codes": 24})["end_of_turn"] is False
+    assert speech_config(4, {"end_of_turn": end_of_turn}, {"part": "rest"}) == {
+        "unit": 4, "end_of_turn": end_of_turn, "part": "rest"}
+    assert speech_config(4, {"end_of_turn": end_of_turn}, {"count": 3}) == {"unit": 4, "end_of_turn": end_of_turn}
+    await rt.close(KEY, Fence(1, 0))
     await rt.aclose()
 
 
