@@ -34,6 +34,9 @@ class TTSEngineConfig:
     min_kv_bucket: int = 256
     # false reproduces the reference: a Stage0 turn start does not reset a TTS turn left open (Q13)
     turn_start_resets_kv: bool = False
+    # codes of a turn's first unit sent as soon as they are sampled (the "head"), before the unit ends: the
+    # vocoder starts that much earlier after the user stops (targets.md P7). 0 = off: each unit sent whole.
+    first_codes: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_sessions", "max_batch", "max_turn_positions", "repetition_window",
@@ -44,6 +47,9 @@ class TTSEngineConfig:
             raise ValueError("TTSEngineConfig: temperature and repetition_penalty must be > 0")
         if list(self.batch_buckets) != sorted(self.batch_buckets) or self.batch_buckets[-1] < self.max_batch:
             raise ValueError("TTSEngineConfig.batch_buckets: must be ascending and reach max_batch")
+        if not 0 <= self.first_codes <= self.max_new_tokens - 2:  # a full unit keeps at least one code for the rest
+            raise ValueError(f"TTSEngineConfig.first_codes: must be in [0, max_new_tokens - 2 = "
+                             f"{self.max_new_tokens - 2}]")
 
     def batch_bucket(self, b: int) -> int:
         return next(x for x in self.batch_buckets if x >= b)

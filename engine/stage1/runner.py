@@ -4,7 +4,8 @@
 that draws sample 0, then `max_new_tokens - 1` single-code steps, each reading its inputs from a
 static `UnitState` at a device step counter and sampling in place from per-row uniforms. EOS rows keep
 stepping (their extra KV lies past the unit's end and is overwritten before it is ever attended); the
-engine trims after the single copy-out.
+engine trims after the single copy-out. With a `head`, the unit's first samples also come back early, behind
+an event, so a turn's first codes can leave before its last are drawn (`TTSEngineConfig.first_codes`).
 
 On CUDA the step replays a graph per (batch bucket, kv bucket) and the prefill one per (batch bucket,
 row bucket, kv bucket), padded with scratch-slot rows; with `compile_step` the step's decoder layers
@@ -202,7 +203,8 @@ class TTSRunner:
     @torch.inference_mode()
     def run_unit(self, cond: torch.Tensor, n_rows: list[int], start_pos: list[int], slots: list[int],
                  eos_allowed: list[bool], u: torch.Tensor, *, use_graphs: bool | None = None,
-                 temperature: list[float] | None = None, penalty: list[float] | None = None) -> torch.Tensor:
+                 temperature: list[float] | None = None, penalty: list[float] | None = None, head: int = 0,
+                 on_head: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
         """All samples of one unit for B sessions, on the device, with no host sync.
 
         cond [B, T, H] condition rows on the device with `audio_bos` at row n_b (rows past it are
@@ -210,9 +212,15 @@ class TTSRunner:
         u [B, S] fp64 with S = max_new_tokens; per-row temperature / penalty (default: the config's).
         Returns samples [B, S] int64; sample t is fed at
         start_pos + n + 1 + t for t < S - 1, the last one never.
+
+        head > 0 (< S): samples 0 .. head-1 are copied out as soon as they are drawn, and `on_head` gets
+        them [B, head] int64 on the host, on this thread, once that copy is done: on CUDA while the rest of
+        the unit's steps, already launched, still run. The samples themselves are the same either way.
         """
         b, t_max = cond.shape[0], cond.shape[1]
         steps, w = self.cfg.max_new_tokens, self.cfg.repetition_window
+        if not 0 <= head < steps:
+            raise ValueError(f"run_unit: head {head} must be in [0, max_new_tokens {steps})")
         code0 = max(s + n + 1 for s, n in zip(start_pos, n_rows, strict=True))  # highest position of sample 0
         prefill_limit, step_limit = self.cfg.kv_bucket(code0), self.cfg.kv_bucket(code0 + steps - 1)
         graphs = self.use_graphs if use_graphs is None else (use_graphs and self.use_graphs)
@@ -232,9 +240,30 @@ class TTSRunner:
         else:
             padded = cond if st.size == b else torch.cat([cond, cond.new_zeros(st.size - b, *cond.shape[1:])])
             self._prefill(padded, st, prefill_limit)
-        for _ in range(1, steps):
+        early: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
+        for t in range(1, steps):
+            if t == head and on_head is not None:  # samples 0 .. head-1 are drawn: queue their copy before
+                # the steps still to come, so the host can wait for it alone
+                early = _start_copy_out(st.samples[:b, w:w + head])
             if step is not None:
                 step.graph.replay()
             else:
                 self._step(st, step_limit)
+        if early is not None and on_head is not None:
+            host, done = early  # [B, head]
+            if done is not None:
+                done.synchronize()  # waits for the head's copy only; the later steps keep running
+            on_head(host)
         return st.samples[:b, w:].clone()
+
+
+def _start_copy_out(t: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """Queue a device → host copy of `t` now: (host tensor, the event to wait on before reading it; None
+    off CUDA, where the copy is done on return)."""
+    if t.device.type != "cuda":
+        return t.clone(), None
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    return host, done

@@ -4,13 +4,19 @@ Owner: one engine thread calls every method (other threads post messages to it).
 to bottom: collect (one queued unit per session) → prepare (condition rows, per-row uniforms) → run
 (one prefill + single-code steps for the whole batch, `TTSRunner`) → postprocess (trim at EOS, commit
 draws, advance or reset the turn) → emit (results whose fence is still live).
+
+With `first_codes` = K > 0 and an `on_head` callback, a unit that starts a TTS turn also sends its first K
+codes (`TTSHeadCodes`) during the run, as soon as they are sampled, unless one of them is EOS; its result
+then says so (`TTSUnitResult.head`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +35,7 @@ from engine.stage1.types import (
     StaleFenceError,
     TokenIdError,
     TTSCancelResult,
+    TTSHeadCodes,
     TTSUnitRequest,
     TTSUnitResult,
     TurnCapacityError,
@@ -165,17 +172,25 @@ class TTSEngine:
     def pending(self) -> int:
         return sum(len(s.queue) for s in self.sessions.values())
 
-    def step(self, *, use_graphs: bool | None = None) -> list[TTSUnitResult]:
+    def step(self, *, use_graphs: bool | None = None,
+             on_head: Callable[[list[TTSHeadCodes]], None] | None = None) -> list[TTSUnitResult]:
+        """One batch of units. `on_head` (with `first_codes` > 0) gets the turn-start units' first codes
+        during the run, on this thread, before this returns their results."""
         work = self._collect()
         if not work:
             return []
         cond = self._condition_rows(work)
         u = torch.stack([w.u for w in work])  # [B, S]
+        heads: dict[int, TTSHeadCodes] = {}  # batch row -> the head sent for it
+        send = None
+        if on_head is not None and self.cfg.first_codes > 0 and any(w.start_pos == 0 for w in work):
+            send = functools.partial(self._send_heads, work, heads, on_head)
         samples = self.runner.run_unit(
             cond, [w.req.n_rows for w in work], [w.start_pos for w in work],
             [w.session.slot for w in work], [w.eos_allowed for w in work], u, use_graphs=use_graphs,
-            temperature=[w.session.temperature for w in work], penalty=[w.session.repetition_penalty for w in work])
-        return self._postprocess(work, samples.cpu().tolist())  # the step's one host sync
+            temperature=[w.session.temperature for w in work], penalty=[w.session.repetition_penalty for w in work],
+            head=self.cfg.first_codes if send is not None else 0, on_head=send)
+        return self._postprocess(work, samples.cpu().tolist(), heads)  # the step's one host sync (but a head's)
 
     def _collect(self) -> list[_Work]:
         work: list[_Work] = []
@@ -208,9 +223,25 @@ class TTSEngine:
         is_bos = torch.arange(t_max, device=dev)[None] == n_rows[:, None]  # [B, T]
         return torch.where(is_bos[..., None], self.model.audio_bos_row(), cond)
 
-    def _postprocess(self, work: list[_Work], samples: list[list[int]]) -> list[TTSUnitResult]:
+    def _send_heads(self, work: list[_Work], heads: dict[int, TTSHeadCodes],
+                    on_head: Callable[[list[TTSHeadCodes]], None], host: torch.Tensor) -> None:
+        """host [B, K] int64: every row's first K samples, read back while the unit still runs. A row that
+        starts its turn sends them, unless they hold EOS (the unit then goes out whole, at the end)."""
+        eos, unit_codes = self.mcfg.eos_code, self.cfg.max_new_tokens - 1  # the last sample is never fed (Q16)
+        for b, (w, row) in enumerate(zip(work, host.tolist(), strict=True)):
+            if w.start_pos == 0 and eos not in row and self._live(w):
+                heads[b] = TTSHeadCodes(w.session.session_id, w.req.fence, w.req.unit_index, tuple(row), unit_codes)
+        if heads:
+            on_head(list(heads.values()))
+
+    @staticmethod
+    def _live(w: _Work) -> bool:
+        return w.req.fence.epoch >= w.session.fence.epoch  # a cancel may have fenced it off meanwhile
+
+    def _postprocess(self, work: list[_Work], samples: list[list[int]],
+                     heads: dict[int, TTSHeadCodes]) -> list[TTSUnitResult]:
         eos, out = self.mcfg.eos_code, []
-        for w, row in zip(work, samples, strict=True):
+        for b, (w, row) in enumerate(zip(work, samples, strict=True)):
             e = row.index(eos) if eos in row else None
             codes = row[:e] if e is not None else row[:-1]  # the last sample is never fed (Q16)
             draws = e + 1 if e is not None else len(row)
@@ -220,7 +251,8 @@ class TTSEngine:
             w.session.units_done += 1
             result = TTSUnitResult(session_id=w.session.session_id, fence=w.req.fence, unit_index=w.req.unit_index,
                                    codes=tuple(codes), eos=e is not None, draws=draws, start_pos=w.start_pos,
-                                   end_pos=end_pos, turn_closed=w.req.end_of_turn)
-            if w.req.fence.epoch >= w.session.fence.epoch:  # a cancel may have fenced it off meanwhile
+                                   end_pos=end_pos, turn_closed=w.req.end_of_turn,
+                                   head=len(heads[b].codes) if b in heads else 0)
+            if self._live(w):
                 out.append(result)
         return out

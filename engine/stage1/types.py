@@ -50,7 +50,8 @@ class TTSUnitResult:
 
     `eos`: the unit stopped on EOS (codes before it are returned). `draws`: TTS-generator draws used
     (26 for a 25-code unit, e + 1 when EOS was drawn at step e). `start_pos` / `end_pos`: the turn
-    positions before and after the unit; `turn_closed`: the KV was reset after this unit.
+    positions before and after the unit; `turn_closed`: the KV was reset after this unit. `head`: how many
+    of `codes` were already sent early as a `TTSHeadCodes` (0: none; `codes` is always the whole unit).
     """
 
     session_id: str
@@ -62,6 +63,22 @@ class TTSUnitResult:
     start_pos: int
     end_pos: int
     turn_closed: bool
+    head: int = 0
+
+
+@dataclass(frozen=True)
+class TTSHeadCodes:
+    """The first codes of a turn-start unit, sent while the unit is still running (`first_codes`).
+
+    `codes` never holds EOS, so they are exactly the first `len(codes)` of the unit's `TTSUnitResult.codes`;
+    `unit_codes`: the codes a full unit has (max_new_tokens - 1), so a consumer knows the most that follows.
+    """
+
+    session_id: str
+    fence: Fence
+    unit_index: int
+    codes: tuple[int, ...]
+    unit_codes: int
 
 
 @dataclass(frozen=True)

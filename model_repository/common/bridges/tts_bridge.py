@@ -1,6 +1,12 @@
 """TTS bridge: one `tts_input` per append (TOKENS = text ids, HIDDEN = LLM states [n * llm_dim],
 CONFIG = {"unit", "is_turn_eos", "end_of_turn", "turn_start"}) -> engine.stage1.TTSEngine -> one
 `audio_tokens` event (TOKENS = the unit's codes), then FINAL.
+
+With `engine_options.tts.first_codes` = K > 0, a unit that starts a TTS turn goes out in two parts, so
+Token2Wav can start on it early (targets.md P7): `audio_tokens {"part": "head", "unit_codes"}` with its first
+K codes as soon as they are sampled (`unit_codes`: the codes a full unit has), then `audio_tokens {"part":
+"rest", "eos", "end_of_turn"}` with the others when the unit ends, then FINAL. A unit whose first K codes hold
+EOS, and every other unit, is sent whole as above (no "part").
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ from engine.loader import load_checkpoint
 from engine.loader.checkpoint import TTS_COMPONENTS
 from engine.stage1.config import TTSEngineConfig
 from engine.stage1.tts_engine import TTSEngine
-from engine.stage1.types import Fence, TTSUnitRequest
+from engine.stage1.types import Fence, TTSHeadCodes, TTSUnitRequest, TTSUnitResult
 
 from ..codec import RequestError, StageOutput, StageRequest
 from ..settings import ConfigError, StageSettings
@@ -23,8 +29,9 @@ from .base import EngineBridge, configure_torch, control_event, engine_options, 
 from .options import check_config, seed_of, talker_sampling
 
 # deploy profile `engine_options.tts` keys; max_turn_positions: the TTS KV slot per session (model.md §5.2; a
-# longer turn goes on in a fresh TTS context), the engine default 8192 when absent
-OPTIONS = ("compile_step", "cuda_graphs", "max_turn_positions")
+# longer turn goes on in a fresh TTS context), the engine default 8192 when absent; first_codes: a turn's first
+# codes sent early (module docstring), 0 (off) when absent
+OPTIONS = ("compile_step", "cuda_graphs", "max_turn_positions", "first_codes")
 
 
 class TTSBridge(EngineBridge):
@@ -35,11 +42,15 @@ class TTSBridge(EngineBridge):
         turn = opts.get("max_turn_positions", TTSEngineConfig.max_turn_positions)
         if isinstance(turn, bool) or not isinstance(turn, int) or turn <= 0:  # before the checkpoint loads
             raise ConfigError(f"engine option max_turn_positions={turn!r} must be a positive integer")
+        first, most = opts.get("first_codes", 0), TTSEngineConfig.max_new_tokens - 2
+        if isinstance(first, bool) or not isinstance(first, int) or not 0 <= first <= most:
+            raise ConfigError(f"engine option first_codes={first!r} must be an integer in [0, {most}]")
         ck = load_checkpoint(settings.checkpoint_dir, device=settings.device, dtype=torch_dtype(settings),
                              with_vision=False, with_token2wav=False, components=TTS_COMPONENTS)
         cfg = TTSEngineConfig(max_sessions=settings.max_sessions, max_batch=settings.max_sessions,
                               use_cuda_graphs=settings.device.startswith("cuda") and opts.get("cuda_graphs", True),
-                              compile_step=bool(opts.get("compile_step", False)), max_turn_positions=turn)
+                              compile_step=bool(opts.get("compile_step", False)), max_turn_positions=turn,
+                              first_codes=first)
         self.llm_dim = ck.config.tts.llm_dim
         self.engine = TTSEngine(ck.model.tts, cfg)  # the process holds only the TTS weights
         self.pending: dict[str, list[tuple[TTSUnitRequest, Any]]] = {}
@@ -113,20 +124,41 @@ class TTSBridge(EngineBridge):
 
     def step(self) -> bool:
         self.step_rows = min(self.engine.cfg.max_batch, sum(1 for s in self.engine.sessions.values() if s.queue))
-        results = self.engine.step()
+        results = self.engine.step(on_head=self._heads)
         for res in results:
-            waiting = self.pending.get(res.session_id, [])
-            for k, (unit, sink) in enumerate(waiting):
-                if unit.unit_index == res.unit_index and unit.fence == res.fence:
-                    del waiting[k]
-                    sink.emit(StageOutput({"type": "audio_tokens", "unit": res.unit_index, "count": len(res.codes),
-                                           "eos": res.eos, "end_of_turn": res.turn_closed},
-                                          tokens=np.array(res.codes, dtype=np.int64)))
-                    sink.close()
-                    break
+            k = self._waiting(res.session_id, res.unit_index, res.fence)
+            if k is not None:
+                _, sink = self.pending[res.session_id].pop(k)
+                sink.emit(self._codes(res))
+                sink.close()
         for sid in list(self.pending):
             self._sweep(sid)
         return bool(results)
+
+    def _heads(self, heads: list[TTSHeadCodes]) -> None:
+        """A turn's first codes, sent while the engine step still runs; the request stays open for the rest."""
+        for h in heads:
+            k = self._waiting(h.session_id, h.unit_index, h.fence)
+            if k is not None:
+                self.pending[h.session_id][k][1].emit(StageOutput(
+                    {"type": "audio_tokens", "unit": h.unit_index, "count": len(h.codes), "part": "head",
+                     "unit_codes": h.unit_codes}, tokens=np.array(h.codes, dtype=np.int64)))
+
+    def _waiting(self, sid: str, unit_index: int, fence: Fence) -> int | None:
+        """Index of the unit's (request, sink) in `pending[sid]`, None when it has none."""
+        for k, (unit, _) in enumerate(self.pending.get(sid, [])):
+            if unit.unit_index == unit_index and unit.fence == fence:
+                return k
+        return None
+
+    @staticmethod
+    def _codes(res: TTSUnitResult) -> StageOutput:
+        """The unit's codes: all of them, or the rest after a head already sent."""
+        event = {"type": "audio_tokens", "unit": res.unit_index, "count": len(res.codes) - res.head,
+                 "eos": res.eos, "end_of_turn": res.turn_closed}
+        if res.head:
+            event["part"] = "rest"
+        return StageOutput(event, tokens=np.array(res.codes[res.head:], dtype=np.int64))
 
     def _sweep(self, sid: str, everything: bool = False) -> None:
         """End requests whose unit left the engine without a result (cancelled or fenced off)."""
