@@ -5,7 +5,9 @@ prefix, 25 + 3 codes per call, flush rules, last-chunk flush at turn end); `step
 call per session: collect → one ragged flow batch (any mix of code counts, `last` flags and prompt
 / cache lengths; caches live in a slot-indexed pool, pool.py) → HiFT batches per mel length → finish
 → emit. Chunks are emitted as soon as their call finishes; the §6.6 left pad of a short unit goes out
-first. Per-voice base caches are built once and copied into the session's slot per turn (§6.8).
+first. A unit may come in two parts: a head (its first codes, sent early so that a turn's first audio is
+rendered while the TTS still makes the rest) and the rest (stream.py `plan_head` / `plan_rest`). Per-voice
+base caches are built once and copied into the session's slot per turn (§6.8).
 `ragged=False` keeps the exact-shape buckets with per-session cache tensors (and the DiT graphs).
 `warm_up` builds the graphs at load by running synthetic turns through the engine itself. With graphs
 the flow batch and each HiFT batch run at a row bucket (buckets.py: 1 2 4 8 16 24 32 48 64 …, padded
@@ -34,6 +36,7 @@ from engine.token2wav.errors import (  # noqa: F401 - re-exported: the engine's 
     SessionExistsError,
     StaleFenceError,
     Token2WavError,
+    UnitPartError,
     UnknownSessionError,
     UnknownVoiceError,
 )
@@ -47,6 +50,7 @@ from engine.token2wav.voice import VoiceCache, build_voice_cache
 from engine.warmup import GraphMisses, Progress
 
 WARMUP_SESSION = "__warmup_{}"
+PARTS = (None, "head", "rest")  # a whole unit, or its two parts
 WARMUP_UNITS = 4  # a turn of 4 units: first call, calls while the kept cache grows, steady call, last call
 # Turns per batch size, at most: turns repeat until one builds no new graph (with the pooled path's fixed widths,
 # pooled.py, the second turn builds none; the exact-shape path's shapes follow each session's history).
@@ -66,13 +70,15 @@ class Token2WavEngineConfig:
 
 @dataclass(frozen=True, kw_only=True)  # keywords: `unit_final` and `end_of_turn` are two flags side by side
 class PcmChunk:
-    """24 kHz mono PCM16 of one session; `unit_final` marks the unit's last chunk."""
+    """24 kHz mono PCM16 of one session; `unit_final` marks the unit's last chunk, `part_final` the last chunk
+    of its submit (a head's last chunk is part_final, not unit_final; otherwise the two are equal)."""
 
     session_id: str
     fence: Fence
     unit_index: int
     pcm: np.ndarray            # int16 [n]
     unit_final: bool
+    part_final: bool
     end_of_turn: bool
 
 
@@ -93,6 +99,7 @@ class _Item:
     call: PendingCall | None = None   # None: emit `zeros` samples of silence (pad or listen unit)
     zeros: int = 0
     reset_after: bool = False         # end of turn: reset the execution state after this item
+    part_final: bool = False          # the last item of its submit
 
 
 @dataclass
@@ -100,6 +107,7 @@ class _Session:
     stream: SessionStream
     fence: Fence
     queue: deque[_Item] = field(default_factory=deque)
+    head_unit: int | None = None      # the unit whose head waits for its rest
 
 
 class Token2WavEngine:
@@ -250,30 +258,52 @@ class Token2WavEngine:
         return s
 
     # -- inputs -------------------------------------------------------------------------------------
-    def submit(self, session_id: str, fence: Fence, unit_index: int, codes: Sequence[int],
-               end_of_turn: bool) -> int:
-        """Queue one speak unit's codes; returns the samples the unit will emit (pad included)."""
+    def submit(self, session_id: str, fence: Fence, unit_index: int, codes: Sequence[int], end_of_turn: bool,
+               part: str | None = None, unit_codes: int | None = None) -> int:
+        """Queue one speak unit's codes, or one part of it: `part="head"`, its first codes (`unit_codes`: the
+        codes the whole unit has, for its pad), then `part="rest"`. A rest without its head is a whole unit.
+        Returns the samples this submit will emit (pads included)."""
         s = self._session(session_id, fence)
+        head_unit = s.head_unit if fence.epoch == s.fence.epoch else None   # a newer epoch drops the head
+        self._check_part(part, unit_index, end_of_turn, head_unit)
         try:
             s.stream.check_codes(codes)
         except StreamInputError as exc:
             raise CodeRangeError(str(exc)) from None
         if fence.epoch > s.fence.epoch:       # a newer epoch implies the older one was cancelled
             self._drop_older(s, fence)
-        plan = s.stream.plan_unit(codes, end_of_turn)
-        items = [_Item(unit_index, fence, end_of_turn, False, zeros=plan.pad)] if plan.pad else []
-        items += [_Item(unit_index, fence, end_of_turn, False, call=c) for c in plan.calls]
-        if not items:                          # end of turn with an empty buffer: nothing to emit
+        if part == "head":
+            plan, s.head_unit = s.stream.plan_head(codes, unit_codes), unit_index
+        elif head_unit is not None:
+            plan, s.head_unit = s.stream.plan_rest(codes, end_of_turn), None
+        else:
+            plan = s.stream.plan_unit(codes, end_of_turn)
+        items = [_Item(unit_index, fence, end_of_turn, False, call=c) for c in plan.calls]
+        if plan.pad:
+            pad = _Item(unit_index, fence, end_of_turn, False, zeros=plan.pad)
+            items = [*items, pad] if plan.pad_after else [pad, *items]
+        if not items:                          # nothing to emit (end of turn, a head only buffered): mark the end
             items = [_Item(unit_index, fence, end_of_turn, False)]
-        items[-1].unit_final = True
+        items[-1].unit_final = part != "head"
+        items[-1].part_final = True
         items[-1].reset_after = end_of_turn
         s.queue.extend(items)
         return plan.samples + plan.pad
 
+    @staticmethod
+    def _check_part(part: str | None, unit_index: int, end_of_turn: bool, head_unit: int | None) -> None:
+        if part not in PARTS:
+            raise UnitPartError(f"part {part!r} is not one of {PARTS[1:]}")
+        if part == "head" and end_of_turn:
+            raise UnitPartError("a head cannot end a turn: its rest does")
+        if head_unit is not None and (part != "rest" or unit_index != head_unit):
+            raise UnitPartError(f"unit {head_unit}'s head waits for its rest; got {part or 'a whole unit'} "
+                                f"of unit {unit_index}")
+
     def submit_listen(self, session_id: str, fence: Fence, unit_index: int) -> None:
         """A listen unit: 1 s of zeros (§6.6), in order with the session's other output."""
         s = self._session(session_id, fence)
-        s.queue.append(_Item(unit_index, fence, False, True, zeros=self.cfg.stream.unit_samples))
+        s.queue.append(_Item(unit_index, fence, False, True, zeros=self.cfg.stream.unit_samples, part_final=True))
 
     def cancel(self, session_id: str, fence: Fence, next_fence: Fence) -> Token2WavCancelResult:
         """Adopt `next_fence` (epoch + 1 only; a late cancel is a no-op) and drop this session's queued
@@ -290,7 +320,7 @@ class Token2WavEngine:
         return Token2WavCancelResult(session_id, fence, self._drop_older(s, next_fence), noop=False)
 
     def _drop_older(self, s: _Session, fence: Fence) -> tuple[int, ...]:
-        s.fence = fence
+        s.fence, s.head_unit = fence, None
         dropped = tuple(sorted({i.unit_index for i in s.queue if i.fence.epoch < fence.epoch}))
         s.queue = deque(i for i in s.queue if i.fence.epoch >= fence.epoch)
         s.stream.reset_turn()
@@ -320,10 +350,10 @@ class Token2WavEngine:
     def _drain_silence(self, sid: str, s: _Session, out: list[PcmChunk]) -> None:
         while s.queue and s.queue[0].call is None:
             item = s.queue.popleft()
-            if item.zeros or item.unit_final:
+            if item.zeros or item.part_final:
                 out.append(PcmChunk(session_id=sid, fence=item.fence, unit_index=item.unit_index,
                                     pcm=np.zeros(item.zeros, np.int16), unit_final=item.unit_final,
-                                    end_of_turn=item.end_of_turn))
+                                    part_final=item.part_final, end_of_turn=item.end_of_turn))
             if item.reset_after:
                 s.stream.reset_exec()
 
@@ -355,6 +385,7 @@ class Token2WavEngine:
                 assert item.call is not None
                 pcm = s.stream.finish_phase(item.call, inputs[g][0], speech[row:row + 1], source[row:row + 1])
                 out.append(PcmChunk(session_id=sid, fence=item.fence, unit_index=item.unit_index, pcm=pcm,
-                                    unit_final=item.unit_final, end_of_turn=item.end_of_turn))
+                                    unit_final=item.unit_final, part_final=item.part_final,
+                                    end_of_turn=item.end_of_turn))
                 if item.reset_after:
                     s.stream.reset_exec()

@@ -29,3 +29,8 @@ class CodeRangeError(Token2WavError, ValueError):
 
 class CapacityError(Token2WavError):
     """No free cache slot, or a voice prompt longer than the pool allows."""
+
+
+class UnitPartError(Token2WavError, ValueError):
+    """A unit sent in parts out of order: a second head, a head that ends a turn, another unit while a head
+    waits for its rest, or a `part` other than "head" / "rest"."""

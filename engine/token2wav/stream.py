@@ -47,12 +47,21 @@ class HiFTCache:
 
 @dataclass
 class UnitPlan:
-    """The `stream` calls of one unit (§6.4), the samples they will emit and the §6.6 left pad."""
+    """The `stream` calls of one unit (§6.4), or of one part of it, the samples they will emit and the pad:
+    §6.6's left pad, or after the calls (`pad_after`) for the rest of a unit whose head already spoke."""
 
     calls: list[PendingCall]
     samples: int
     pad: int
     end_of_turn: bool
+    pad_after: bool = False
+
+
+@dataclass(frozen=True)
+class UnitHead:
+    """A unit's head planned ahead of its rest: the samples it emits, its pad included (0: only buffered)."""
+
+    emitted: int
 
 
 def _empty_hift(device: torch.device, mel_dim: int) -> HiFTCache:
@@ -75,6 +84,7 @@ class SessionStream:
     turn_units: int = field(init=False)
 
     plan_mel: int = field(init=False)     # HiFT mel-cache frames after every planned call
+    head: UnitHead | None = field(init=False)   # a planned head waiting for its rest
 
     def __post_init__(self) -> None:
         self.reset_turn()
@@ -89,6 +99,7 @@ class SessionStream:
         self.buffer = [self.scfg.silence_code] * self.scfg.prefix_len
         self.turn_units = 0
         self.plan_mel = 0
+        self.head = None
 
     def reset_exec(self) -> None:
         """Clone the voice's base cache (into the pool slot if pooled); empty HiFT caches. The base
@@ -120,10 +131,57 @@ class SessionStream:
         unit resets the planning state at once and the execution state after its last call.
         """
         self.check_codes(codes)
+        return self._close_unit(self._cut(codes, end_of_turn, first_hop=True), end_of_turn, emitted=0)
+
+    def plan_head(self, codes: Sequence[int], unit_codes: int | None) -> UnitPlan:
+        """A unit's first codes, sent ahead of the rest so that a turn's first audio need not wait for the
+        whole unit. In a turn's first unit they make one early call, silence prefix + head, as the
+        `first_hop` call does, led by the §6.6 left pad that a whole unit of `unit_codes` codes would get;
+        elsewhere (or with fewer than `min_call` codes buffered) they are only buffered. The unit is counted
+        by its rest (`plan_rest`)."""
+        self.check_codes(codes)
+        if self.head is not None:
+            raise StreamInputError("a head is already waiting for its rest")
+        s = self.scfg
+        calls: list[PendingCall] = []
+        pad = 0
+        if self.turn_units == 0 and len(self.buffer) + len(codes) >= self.min_call:
+            pad = self._whole_unit_pad(codes, unit_codes)
+            hop = min(len(codes), s.chunk_new)    # one call adds at most chunk_call codes (the pool's caps)
+            self.buffer.extend(int(c) for c in codes)
+            calls.append(PendingCall(self.buffer[:s.prefix_len + hop], False))
+            self.buffer = self.buffer[hop:]       # keeps the look-ahead, as the first hop does
+        else:
+            self.buffer.extend(int(c) for c in codes)
+        samples = self._plan_samples(calls)
+        self.head = UnitHead(pad + samples)
+        return UnitPlan(calls, samples, pad, False)
+
+    def plan_rest(self, codes: Sequence[int], end_of_turn: bool) -> UnitPlan:
+        """The rest of a unit whose head was planned: the flush rules go on from the head's buffer and the
+        unit counts once. A head that only buffered leaves exactly the whole unit's plan. After a head that
+        spoke, a short unit (not end of turn) is padded to `unit_samples` AFTER this part's calls
+        (`pad_after`), not before them as §6.6 pads: the head's audio is out already, and zeros in front
+        of the rest would cut a gap into the middle of the unit's speech."""
+        self.check_codes(codes)
+        if self.head is None:
+            raise StreamInputError("a rest without its head")
+        emitted, self.head = self.head.emitted, None
+        # a head that spoke was the turn's first hop already
+        plan = self._close_unit(self._cut(codes, end_of_turn, first_hop=not emitted), end_of_turn, emitted)
+        plan.pad_after = emitted > 0
+        return plan
+
+    @property
+    def min_call(self) -> int:
+        """Codes a non-last call needs: the look-ahead conv leaves >= 2 frames for its cache."""
+        return self.scfg.prefix_len + self.models.flow_cfg.pre_lookahead_conv2_kernel - 1
+
+    def _cut(self, codes: Sequence[int], end_of_turn: bool, first_hop: bool) -> list[PendingCall]:
         s = self.scfg
         self.buffer.extend(int(c) for c in codes)
         calls: list[PendingCall] = []
-        if self.turn_units == 0 and s.first_hop and len(self.buffer) >= s.prefix_len + s.first_hop:
+        if first_hop and self.turn_units == 0 and s.first_hop and len(self.buffer) >= s.prefix_len + s.first_hop:
             m = s.prefix_len + s.first_hop          # earlier first audio: a short first call
             calls.append(PendingCall(self.buffer[:m], False))
             self.buffer = self.buffer[s.first_hop:]
@@ -136,12 +194,30 @@ class SessionStream:
         if end_of_turn and self.buffer:
             calls.append(PendingCall(self.buffer, True))
             self.buffer = []
+        return calls
+
+    def _close_unit(self, calls: list[PendingCall], end_of_turn: bool, emitted: int) -> UnitPlan:
+        """Count the unit, size its pad (`emitted`: what its head put out already) and end the turn."""
         self.turn_units += 1
         samples = self._plan_samples(calls)
-        pad = 0 if end_of_turn else max(0, s.unit_samples - samples)
+        pad = 0 if end_of_turn else max(0, self.scfg.unit_samples - emitted - samples)
         if end_of_turn:
             self.reset_plan()
         return UnitPlan(calls, samples, pad, end_of_turn)
+
+    def _whole_unit_pad(self, head: Sequence[int], unit_codes: int | None) -> int:
+        """The left pad of a whole unit of `unit_codes` codes: a dry run of `plan_unit` on a copy of the
+        planning state, silence codes standing in for the codes still to come. 0 when the size is unknown,
+        and when that unit would make no call (§6.6 would render it all silence, so there is no
+        position of its audio to keep)."""
+        if unit_codes is None or unit_codes <= len(head):
+            return 0
+        saved = (list(self.buffer), self.turn_units, self.plan_mel)
+        try:
+            dry = self.plan_unit([*head, *[self.scfg.silence_code] * (unit_codes - len(head))], end_of_turn=False)
+        finally:
+            self.buffer, self.turn_units, self.plan_mel = saved
+        return dry.pad if dry.calls else 0
 
     def _plan_samples(self, calls: Sequence[PendingCall]) -> int:
         """Samples these calls will emit (§6.5 step 7), known before any of them runs."""
@@ -204,8 +280,7 @@ class SessionStream:
     def stream(self, tokens: Sequence[int], last: bool, estimator: EstimatorFn | None = None) -> np.ndarray:
         """One `stream(tokens, last)` call (§6.5) for this session alone; returns int16 PCM at 24 kHz."""
         self.check_codes(tokens)
-        # a non-last call must leave >= 2 frames for the look-ahead conv cache
-        min_len = 1 if last else self.scfg.prefix_len + self.models.flow_cfg.pre_lookahead_conv2_kernel - 1
+        min_len = 1 if last else self.min_call
         if len(tokens) < min_len:
             raise StreamInputError(f"stream: {len(tokens)} tokens are too few (last={last})")
         call = PendingCall([int(t) for t in tokens], last)

@@ -41,6 +41,7 @@ ERROR_CODES = {
     "NoFreeSlotError": "runtime_backpressure", "TurnCapacityError": "runtime_backpressure",
     "HiddenDimError": "invalid_request", "RowCountError": "invalid_request", "TokenIdError": "invalid_request",
     "CodeRangeError": "invalid_request", "UnknownVoiceError": "invalid_runtime_config",
+    "UnitPartError": "invalid_request",
 }
 
 

@@ -1,10 +1,13 @@
 """Token2Wav bridge: `audio_tokens` (TOKENS = one unit's codes, CONFIG = {"unit", "end_of_turn"}) ->
 engine.stage1.Token2WavEngine -> `audio` events (AUDIO = 24 kHz PCM16, `last` on the unit's last chunk) as
-chunks finish; the request ends (FINAL) after the unit's last chunk. Voices are the checkpoint's voice packs,
-built once at load, and the clips of sessions opened with `ref_audio` (model.md §6.1): a clip's voice pack is
-made by the checkpoint's S3 tokenizer and CAM++ (engine/token2wav/prompt.py) on a worker thread, not the engine
-thread; the engine thread builds its base cache once, shared by every session with the same clip (keyed by its
-hash) and dropped with the last of them. A checkpoint without the two ONNX models keeps the session's named voice (logged once at load).
+chunks finish; the request ends (FINAL) after the unit's last chunk. A unit may come in two requests, CONFIG
+`"part": "head"` (its first codes, with `"unit_codes"`: the codes of the whole unit) then `"part": "rest"`: each
+ends after its own last chunk, `last` still marks the unit's, and `seq` runs on across the two. Voices are the
+checkpoint's voice packs, built once at load, and the clips of sessions opened with `ref_audio` (model.md §6.1):
+a clip's voice pack is made by the checkpoint's S3 tokenizer and CAM++ (engine/token2wav/prompt.py) on a worker
+thread, not the engine thread; the engine thread builds its base cache once, shared by every session with the
+same clip (keyed by its hash) and dropped with the last of them. A checkpoint without the two ONNX models keeps
+the session's named voice (logged once at load).
 """
 
 from __future__ import annotations
@@ -77,6 +80,8 @@ class Token2WavBridge(EngineBridge):
             self.engine.add_voice(voice_id, ck.voice(voice_id))
         self.default_voice = DEFAULT_VOICE if DEFAULT_VOICE in self.voices else sorted(self.voices)[0]
         self.pending: dict[str, list[tuple[int, Fence, Any, list[int]]]] = {}  # sid -> (unit, fence, sink, [seq])
+        # sid -> (unit, fence) -> [next seq]: shared by a unit's head and rest requests, dropped with its last chunk
+        self.seqs: dict[str, dict[tuple[int, Fence], list[int]]] = {}
         self.opened: dict[str, tuple[str, int, bool]] = {}  # sid -> (voice, seed, a unit was submitted)
         self.prompt_models, why = load_prompt_models(ck.path / TOKEN2WAV_DIR)
         if self.prompt_models is None:
@@ -155,21 +160,26 @@ class Token2WavBridge(EngineBridge):
             self._reseed(sid, cfg)
         elif req.op == "append":
             unit = int(cfg.get("unit", 0))
+            part, unit_codes = _unit_part(cfg)
             codes = [] if req.tokens is None else [int(c) for c in req.tokens]
-            self.engine.submit(sid, fence, unit, codes, bool(cfg.get("end_of_turn", False)))
+            self.engine.submit(sid, fence, unit, codes, bool(cfg.get("end_of_turn", False)), part, unit_codes)
             if sid in self.opened:
                 self.opened[sid] = (*self.opened[sid][:2], True)  # the seed is in use from now on
-            self.pending.setdefault(sid, []).append((unit, fence, sink, [0]))
-            return  # the sink closes with the unit's last chunk
+            seq = self.seqs.setdefault(sid, {}).setdefault((unit, fence), [0])
+            self.pending.setdefault(sid, []).append((unit, fence, sink, seq))
+            return  # the sink closes with this request's last chunk (a head's, or the unit's)
         elif req.op == "cancel":
             assert req.next_fence is not None
             result = self.engine.cancel(sid, fence, Fence(req.next_fence[0], req.next_fence[1]))
             self._end(sid, lambda u, f: u in result.dropped_units or f.epoch < req.next_fence[1])
+            kept = self.seqs.get(sid, {}).items()
+            self.seqs[sid] = {(u, f): n for (u, f), n in kept if f.epoch >= req.next_fence[1]}
         elif req.op == "close":
             if self.engine.close(sid, fence):
                 self._release(self.opened.pop(sid, ("",))[0])
             self._end(sid, lambda u, f: True)
             self.pending.pop(sid, None)
+            self.seqs.pop(sid, None)
         sink.emit(control_event(req, "token2wav"))
         sink.close()
 
@@ -227,7 +237,10 @@ class Token2WavBridge(EngineBridge):
         chunks = self.engine.step()
         for chunk in chunks:
             waiting = self.pending.get(chunk.session_id, [])
+            # a unit's head request is queued (and served) before its rest's: the first match is the live one
             match = next((w for w in waiting if w[0] == chunk.unit_index and w[1] == chunk.fence), None)
+            if chunk.unit_final:
+                self.seqs.get(chunk.session_id, {}).pop((chunk.unit_index, chunk.fence), None)
             if match is None:
                 continue
             unit, _, sink, seq = match
@@ -236,7 +249,7 @@ class Token2WavBridge(EngineBridge):
                 sink.emit(StageOutput({"type": "audio", "unit": unit, "seq": seq[0], "samples": int(chunk.pcm.size),
                                        "last": bool(chunk.unit_final)}, audio=chunk.pcm))
                 seq[0] += 1
-            if chunk.unit_final:
+            if chunk.part_final:
                 waiting.remove(match)
                 sink.close()
         return bool(chunks) or self.engine.pending() > 0
@@ -257,6 +270,7 @@ class Token2WavBridge(EngineBridge):
             self.engine.close(sid, s.fence)
         self._end(sid, lambda u, f: True)
         self.pending.pop(sid, None)
+        self.seqs.pop(sid, None)
         self._release(self.opened.pop(sid, ("",))[0])
 
     def fail_all(self, out: StageOutput) -> None:
@@ -265,6 +279,16 @@ class Token2WavBridge(EngineBridge):
                 item[2].emit(out)
                 item[2].close()
             waiting.clear()
+
+
+def _unit_part(cfg: dict[str, Any]) -> tuple[str | None, int | None]:
+    """An append CONFIG's `part` (None: a whole unit) and `unit_codes` (the codes of the whole unit)."""
+    part, unit_codes = cfg.get("part"), cfg.get("unit_codes")
+    if part not in (None, "head", "rest"):
+        raise RequestError("invalid_request", f"CONFIG part={part!r} must be \"head\" or \"rest\"")
+    if unit_codes is not None and (isinstance(unit_codes, bool) or not isinstance(unit_codes, int) or unit_codes < 1):
+        raise RequestError("invalid_request", f"CONFIG unit_codes={unit_codes!r} must be a positive integer")
+    return part, unit_codes
 
 
 def _clip_key(encoded: str) -> str:
