@@ -1,0 +1,68 @@
+"""A turn's first codes sent early (TTS `first_codes`, Token2Wav's head / rest parts) through the real stack: tiny
+checkpoint on CPU, real tritonserver and gateway, real WebSockets (profile tests/e2e/profiles/scripted-first-codes.yaml).
+
+The turn's first unit then reaches the client as the head's audio (a first call of 3 silence + 8 codes: 16 mel
+frames, 7680 samples at 24 kHz) followed by the rest's, and still holds one second of audio; sent whole, its first
+delta is the whole second (one call of 3 + 25 codes).
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.e2e.stack import REPO_ROOT, Stack
+from tests.e2e.wire import (
+    assert_conformant,
+    cleanup,
+    close_session,
+    collect_until,
+    fit_units,
+    send_audio,
+    silence,
+)
+from tests.gateway_ops.wire import opened
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+PROFILE = REPO_ROOT / "tests" / "e2e" / "profiles" / "scripted-first-codes.yaml"
+UNITS = 6  # 3 forced listens, a listen, then a turn of 2 speaking units (units 4 and 5)
+OUT_RATE = 24000
+HEAD_SAMPLES = 2 * 8 * 480  # 8 codes past the 3 silence codes: 2 mel frames per code, 480 samples per frame
+
+
+@pytest.fixture(scope="module")
+def stack(e2e_cache: Path) -> Iterator[Stack]:
+    s = Stack(e2e_cache, profile=PROFILE, max_sessions=2)
+    s.start()
+    try:
+        yield s
+    finally:
+        s.stop_soon()
+
+
+def _samples(ev: dict[str, Any]) -> int:
+    return len(base64.b64decode(ev["delta"])) // 2
+
+
+async def test_a_turns_first_unit_arrives_head_first_and_whole(stack: Stack) -> None:
+    c, _ = await opened(stack.addr)
+    async with cleanup(c):
+        await send_audio(c, fit_units(silence(0), UNITS), pace=0)
+        done = await collect_until(c, lambda e: e["type"] == "response.done", wait_s=120)
+        events = await close_session(c)
+    assert done["response"]["status"] == "completed", done
+    deltas: dict[int, list[int]] = {}
+    for e in events:
+        if e["type"] == "response.output_audio.delta":
+            deltas.setdefault(e["metadata"]["model_unit_index"], []).append(_samples(e))
+    first, *later = sorted(deltas)
+    assert later, deltas  # the turn's second unit spoke too
+    head, *rest = deltas[first]
+    assert head == HEAD_SAMPLES and rest, deltas[first]  # the head's call alone, then the rest's audio
+    assert sum(deltas[first]) == OUT_RATE, deltas[first]  # one second, as a unit sent whole
+    assert not any(e["type"] == "error" for e in events), [e for e in events if e["type"] == "error"]
+    assert_conformant(events)
