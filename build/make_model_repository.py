@@ -210,8 +210,12 @@ def render_config(model: str, profile: DeployProfile, checkpoint: str) -> str:
         if model != PIPELINE else PIPELINE_FACTORY
     if profile.mps_thread_percentage.get(model):
         params["mps_thread_percentage"] = str(profile.mps_thread_percentage[model])
-    if profile.engine_options.get(model):
-        params["engine_options"] = json.dumps(profile.engine_options[model], sort_keys=True).replace('"', '\\"')
+    options = dict(profile.engine_options.get(model) or {})
+    head = (profile.engine_options.get("tts") or {}).get("first_codes")
+    if model == "token2wav" and head:  # the TTS sends a turn's first codes early: Token2Wav warms up their shapes
+        options["head_codes"] = head
+    if options:
+        params["engine_options"] = json.dumps(options, sort_keys=True).replace('"', '\\"')
     param_text = ",\n".join(f'  {{ key: "{k}" value: {{ string_value: "{v}" }} }}' for k, v in params.items())
     idle_us = int(profile.sequence_idle_timeout_s * US_PER_S)
     return (

@@ -66,6 +66,10 @@ class Token2WavEngineConfig:
     ragged: bool = True                     # one flow batch for ragged rows over the slot pool
     ragged_graphs: bool = True              # CUDA graphs of the ragged encoder and estimator solve
     pool: PoolConfig = PoolConfig()         # slots (max open sessions), prompt cap, bucket sizes
+    # the TTS's `first_codes` (0: none): a turn's first unit then comes as a head of this many codes and a rest, and
+    # warm-up turns alternate between that and whole units, so the head's and rest's call shapes are built too
+    # (served without them, every batch of heads ran its vocoder eagerly: bench/RESULTS.md, stop 33)
+    head_codes: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)  # keywords: `unit_final` and `end_of_turn` are two flags side by side
@@ -144,7 +148,7 @@ class Token2WavEngine:
                 turns, grew = 0, True
                 while grew and turns < WARMUP_TURNS:
                     before = self.graph_count()
-                    self._warm_turn(voice_id, b, rng)
+                    self._warm_turn(voice_id, b, rng, heads=turns % 2 == 0 and self.cfg.head_codes > 0)
                     turns, grew = turns + 1, self.graph_count() > before
                 progress.step(f"batch {b}: {turns} turns, {self.graph_count()} graphs")
             if self.graphs.enabled:
@@ -188,7 +192,9 @@ class Token2WavEngine:
             _, layers, heads, _, dk2 = cache.shape   # [S, L, H, T, 2dk]
             self.solver.reserve("encode", position, layers * rows * heads * width * dk2, cache)
 
-    def _warm_turn(self, voice_id: str, b: int, rng: np.random.Generator) -> None:
+    def _warm_turn(self, voice_id: str, b: int, rng: np.random.Generator, heads: bool = False) -> None:
+        """`b` sessions speak one turn in lock step; with `heads` each turn's first unit comes as a head of
+        `head_codes` codes and a rest, as the TTS sends it with `first_codes`."""
         fence, vocab = Fence(0, 0), self.models.flow_cfg.vocab_size
         sids = [WARMUP_SESSION.format(i) for i in range(b)]
         for i, sid in enumerate(sids):
@@ -197,7 +203,12 @@ class Token2WavEngine:
             for unit in range(WARMUP_UNITS):
                 for sid in sids:
                     codes = rng.integers(0, vocab, self.cfg.stream.chunk_new).tolist()
-                    self.submit(sid, fence, unit, codes, end_of_turn=unit == WARMUP_UNITS - 1)
+                    end, k = unit == WARMUP_UNITS - 1, self.cfg.head_codes
+                    if heads and unit == 0 and 0 < k < len(codes):
+                        self.submit(sid, fence, unit, codes[:k], False, part="head", unit_codes=len(codes))
+                        self.submit(sid, fence, unit, codes[k:], end, part="rest")
+                    else:
+                        self.submit(sid, fence, unit, codes, end_of_turn=end)
             while self.pending():
                 self.step()
         finally:

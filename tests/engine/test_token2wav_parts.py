@@ -8,7 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from engine.stage1.token2wav_engine import StaleFenceError, Token2WavEngine, UnitPartError
+from engine.stage1.token2wav_engine import (
+    StaleFenceError,
+    Token2WavEngine,
+    Token2WavEngineConfig,
+    UnitPartError,
+)
 from engine.stage1.types import Fence
 from engine.token2wav.assets import TINY_HIFT, Token2WavModels, build_tiny_modules
 from engine.token2wav.config import TINY_FLOW, StreamConfig
@@ -186,3 +191,25 @@ def test_cancel_drops_a_units_head_and_rest(models):
     # a newer epoch drops a waiting head too, without an explicit cancel
     assert eng.submit("s", Fence(1, 3), 4, unit, False) == 24000
     assert {c.unit_index for c in drain(eng)} == {4}
+
+
+# ---------------------------------------------------------------------------- warm-up with heads
+@pytest.mark.parametrize("heads", [True, False])
+def test_a_warm_up_turn_sends_its_first_unit_as_the_tts_does(models, monkeypatch, heads):
+    """With `head_codes` (the TTS's first_codes) a warm-up turn's first unit comes as head and rest, so the served
+    head and rest call shapes are built at warm-up; the other units, and turns without heads, come whole."""
+    eng = Token2WavEngine(models, Token2WavEngineConfig(stream=StreamConfig(n_timesteps=N_TS), head_codes=8))
+    eng.add_voice("a", make_voice(1))
+    sent: list[tuple[int, int, str | None, int | None]] = []
+    submit = eng.submit
+
+    def spy(sid, fence, unit, unit_codes_, end_of_turn, part=None, unit_codes=None):  # noqa: ANN001, ANN202
+        sent.append((unit, len(unit_codes_), part, unit_codes))
+        return submit(sid, fence, unit, unit_codes_, end_of_turn, part=part, unit_codes=unit_codes)
+
+    monkeypatch.setattr(eng, "submit", spy)
+    eng._warm_turn("a", 2, np.random.default_rng(0), heads=heads)
+    chunk = eng.cfg.stream.chunk_new
+    first = [(0, 8, "head", chunk), (0, chunk - 8, "rest", None)] if heads else [(0, chunk, None, None)]
+    assert sent == first * 2 + [(u, chunk, None, None) for u in range(1, 4) for _ in range(2)]
+    assert not eng.pending() and not eng.sessions

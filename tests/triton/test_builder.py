@@ -107,3 +107,12 @@ def test_engine_options_reach_only_their_stage() -> None:
     assert "engine_options" not in render_config("stage0", profile, "/c")
     with pytest.raises(ProfileError, match="'engine_options'"):
         DeployProfile(engine_options={"vocoder": {}})
+
+
+def test_the_tts_first_codes_reach_token2wav_as_its_head_codes() -> None:
+    """Token2Wav warms up the head and rest call shapes of the TTS's early first codes: one profile value for both."""
+    heads = DeployProfile(engine_options={"tts": {"first_codes": 8}, "token2wav": {"flow_dtype": "float16"}})
+    assert '{\\"flow_dtype\\": \\"float16\\", \\"head_codes\\": 8}' in render_config("token2wav", heads, "/c")
+    assert '{\\"first_codes\\": 8}' in render_config("tts", heads, "/c")
+    assert "head_codes" not in render_config("stage0", heads, "/c")
+    assert "head_codes" not in render_config("token2wav", DeployProfile(engine_options={"tts": {}}), "/c")

@@ -4,6 +4,7 @@ parts are typed `invalid_request` (tests/triton/test_bridges.py's in-process har
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from itertools import count
 from pathlib import Path
@@ -76,3 +77,16 @@ def test_second_head_is_invalid_request(t2w: Any, corrid: int) -> None:
     assert [o.event.get("code") for o in again.outs] == ["invalid_request"] and again.closes == 1
     rest = append(t2w, corrid, 0, CODES[K:UNIT_CODES], part="rest")     # the waiting head still takes its rest
     assert rest.outs[-1].event["last"] and samples(rest) > 0
+
+
+@pytest.mark.parametrize("value", [-1, True, "8", 2.5])
+def test_a_bad_head_codes_option_fails_the_load(tiny_checkpoint: Path, value: Any) -> None:
+    from model_repository.common.settings import ConfigError
+
+    with pytest.raises(ConfigError, match="head_codes"):
+        bridges.token2wav(settings("token2wav", tiny_checkpoint, engine_options=f'{{"head_codes": {json.dumps(value)}}}'))
+
+
+def test_head_codes_reach_the_engine(tiny_checkpoint: Path) -> None:
+    bridge = bridges.token2wav(settings("token2wav", tiny_checkpoint, engine_options='{"head_codes": 8}'))
+    assert bridge.engine.cfg.head_codes == 8

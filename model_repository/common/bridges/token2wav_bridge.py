@@ -52,8 +52,11 @@ MAX_CLIP_PACKS = 64  # clip voice packs kept for reuse (each a few hundred KiB; 
 # with its own graphs (a warm-up turn builds ~5 shapes per bucket and kind); room for twice that before a
 # shape runs eager (counted as a miss either way).
 GRAPHS_PER_BUCKET = 10
+HEAD_GRAPHS = 2  # with heads: a head's and a rest's vocoder shapes more per row bucket
 
-OPTIONS = ("flow_dtype", "cuda_graphs")  # deploy profile `engine_options.token2wav` keys
+# deploy profile `engine_options.token2wav` keys; head_codes: the TTS's first_codes, which the model repository
+# builder copies here (build/make_model_repository.py), so warm-up builds the head's and rest's call shapes
+OPTIONS = ("flow_dtype", "cuda_graphs", "head_codes")
 
 
 class Token2WavBridge(EngineBridge):
@@ -68,10 +71,14 @@ class Token2WavBridge(EngineBridge):
                              with_vision=False, flow_dtype=flow_dtype, components=())  # Token2Wav assets only
         if ck.token2wav is None:
             raise ConfigError(f"{settings.checkpoint_dir}: no Token2Wav assets")
+        head = opts.get("head_codes", 0)
+        if isinstance(head, bool) or not isinstance(head, int) or head < 0:
+            raise ConfigError(f"engine option head_codes={head!r} must be an integer >= 0")
         cuda = settings.device.startswith("cuda")
+        per_bucket = GRAPHS_PER_BUCKET + (HEAD_GRAPHS if head else 0)
         cfg = Token2WavEngineConfig(max_batch=settings.max_sessions, use_cuda_graphs=cuda and opts.get("cuda_graphs", True),
-                                    pool=PoolConfig(slots=settings.max_sessions),
-                                    max_graphs=GRAPHS_PER_BUCKET * len(row_buckets(settings.max_sessions)))
+                                    pool=PoolConfig(slots=settings.max_sessions), head_codes=head,
+                                    max_graphs=per_bucket * len(row_buckets(settings.max_sessions)))
         self.engine = Token2WavEngine(ck.token2wav, cfg)
         self.voices = ck.voices()
         if not self.voices:
