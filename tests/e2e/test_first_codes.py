@@ -3,7 +3,7 @@ checkpoint on CPU, real tritonserver and gateway, real WebSockets (profile tests
 
 The turn's first unit then reaches the client as the head's audio (a first call of 3 silence + 8 codes: 16 mel
 frames, 7680 samples at 24 kHz) followed by the rest's, and still holds one second of audio; sent whole, its first
-delta is the whole second (one call of 3 + 25 codes).
+delta is the whole second (one call of 3 + 25 codes). One-stream clients of the `duplex` BLS model get the same.
 """
 
 from __future__ import annotations
@@ -13,8 +13,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
+from clients.triton_example import FIRST_UNIT_SAMPLES, UNIT_SAMPLES
 from tests.e2e.stack import REPO_ROOT, Stack
 from tests.e2e.wire import (
     assert_conformant,
@@ -26,6 +28,7 @@ from tests.e2e.wire import (
     silence,
 )
 from tests.gateway_ops.wire import opened
+from tests.triton.talk import run_session
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 PROFILE = REPO_ROOT / "tests" / "e2e" / "profiles" / "scripted-first-codes.yaml"
@@ -66,3 +69,15 @@ async def test_a_turns_first_unit_arrives_head_first_and_whole(stack: Stack) -> 
     assert sum(deltas[first]) == OUT_RATE, deltas[first]  # one second, as a unit sent whole
     assert not any(e["type"] == "error" for e in events), [e for e in events if e["type"] == "error"]
     assert_conformant(events)
+
+
+def test_the_duplex_pipeline_chains_the_two_parts_too(stack: Stack) -> None:
+    """One-stream clients (the `duplex` BLS model, docs/triton.md) get the same: the turn's first speaking unit
+    answers with the head's audio first and one second of audio in all."""
+    pcm = np.zeros(FIRST_UNIT_SAMPLES + (UNITS - 1) * UNIT_SAMPLES, np.float32)
+    run = run_session(f"127.0.0.1:{stack.triton_ports[1]}", pcm, seed=0, timeout_s=120.0)
+    spoken = [(d, u) for d, u in zip(run.decisions(), run.units, strict=True) if d == "speak"]
+    assert len(spoken) >= 2, run.decisions()
+    first = [a.size for a in spoken[0][1].audio if a.size]
+    assert first[0] == HEAD_SAMPLES and len(first) > 1 and sum(first) == OUT_RATE, first
+    assert not any(u.of_type("error") for u in run.units), [u.of_type("error") for u in run.units]
