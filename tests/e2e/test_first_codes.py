@@ -38,7 +38,7 @@ HEAD_SAMPLES = 2 * 8 * 480  # 8 codes past the 3 silence codes: 2 mel frames per
 
 
 @pytest.fixture(scope="module")
-def stack(e2e_cache: Path) -> Iterator[Stack]:
+def codes_stack(e2e_cache: Path) -> Iterator[Stack]:
     s = Stack(e2e_cache, profile=PROFILE, max_sessions=2)
     s.start()
     try:
@@ -51,8 +51,8 @@ def _samples(ev: dict[str, Any]) -> int:
     return len(base64.b64decode(ev["delta"])) // 2
 
 
-async def test_a_turns_first_unit_arrives_head_first_and_whole(stack: Stack) -> None:
-    c, _ = await opened(stack.addr)
+async def test_a_turns_first_unit_arrives_head_first_and_whole(codes_stack: Stack) -> None:
+    c, _ = await opened(codes_stack.addr)
     async with cleanup(c):
         await send_audio(c, fit_units(silence(0), UNITS), pace=0)
         done = await collect_until(c, lambda e: e["type"] == "response.done", wait_s=120)
@@ -71,11 +71,11 @@ async def test_a_turns_first_unit_arrives_head_first_and_whole(stack: Stack) -> 
     assert_conformant(events)
 
 
-def test_the_duplex_pipeline_chains_the_two_parts_too(stack: Stack) -> None:
+def test_the_duplex_pipeline_chains_the_two_parts_too(codes_stack: Stack) -> None:
     """One-stream clients (the `duplex` BLS model, docs/triton.md) get the same: the turn's first speaking unit
     answers with the head's audio first and one second of audio in all."""
     pcm = np.zeros(FIRST_UNIT_SAMPLES + (UNITS - 1) * UNIT_SAMPLES, np.float32)
-    run = run_session(f"127.0.0.1:{stack.triton_ports[1]}", pcm, seed=0, timeout_s=120.0)
+    run = run_session(f"127.0.0.1:{codes_stack.triton_ports[1]}", pcm, seed=0, timeout_s=120.0)
     spoken = [(d, u) for d, u in zip(run.decisions(), run.units, strict=True) if d == "speak"]
     assert len(spoken) >= 2, run.decisions()
     first = [a.size for a in spoken[0][1].audio if a.size]
