@@ -55,7 +55,8 @@ def _stack_key(module: ModuleType) -> StackKey | None:
     mode = getattr(module, "STACK_MODE", "both")
     if mode != "both":
         return None
-    return str(profile_path()), tuple(sorted(getattr(module, "STACK_ENV", {}).items())), mode
+    profile = getattr(module, "STACK_PROFILE", None) or profile_path()  # a module may serve a profile of its own
+    return str(profile), tuple(sorted(getattr(module, "STACK_ENV", {}).items())), mode
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -108,7 +109,7 @@ class _SharedStacks:
         if s is not None:
             _idle(s)
             return s
-        s = Stack(self.cache, env=env)
+        s = Stack(self.cache, profile=Path(key[0]), env=env)
         s.start()  # stops what it started if it fails
         self.stacks[key] = s
         return s

@@ -9,8 +9,6 @@ delta is the whole second (one call of 3 + 25 codes). One-stream clients of the 
 from __future__ import annotations
 
 import base64
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -31,28 +29,18 @@ from tests.gateway_ops.wire import opened
 from tests.triton.talk import run_session
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
-PROFILE = REPO_ROOT / "tests" / "e2e" / "profiles" / "scripted-first-codes.yaml"
+STACK_PROFILE = REPO_ROOT / "tests" / "e2e" / "profiles" / "scripted-first-codes.yaml"  # conftest's `stack`
 UNITS = 6  # 3 forced listens, a listen, then a turn of 2 speaking units (units 4 and 5)
 OUT_RATE = 24000
 HEAD_SAMPLES = 2 * 8 * 480  # 8 codes past the 3 silence codes: 2 mel frames per code, 480 samples per frame
-
-
-@pytest.fixture(scope="module")
-def codes_stack(e2e_cache: Path) -> Iterator[Stack]:
-    s = Stack(e2e_cache, profile=PROFILE, max_sessions=2)
-    s.start()
-    try:
-        yield s
-    finally:
-        s.stop_soon()
 
 
 def _samples(ev: dict[str, Any]) -> int:
     return len(base64.b64decode(ev["delta"])) // 2
 
 
-async def test_a_turns_first_unit_arrives_head_first_and_whole(codes_stack: Stack) -> None:
-    c, _ = await opened(codes_stack.addr)
+async def test_a_turns_first_unit_arrives_head_first_and_whole(stack: Stack) -> None:
+    c, _ = await opened(stack.addr)
     async with cleanup(c):
         await send_audio(c, fit_units(silence(0), UNITS), pace=0)
         done = await collect_until(c, lambda e: e["type"] == "response.done", wait_s=120)
@@ -71,11 +59,11 @@ async def test_a_turns_first_unit_arrives_head_first_and_whole(codes_stack: Stac
     assert_conformant(events)
 
 
-def test_the_duplex_pipeline_chains_the_two_parts_too(codes_stack: Stack) -> None:
+def test_the_duplex_pipeline_chains_the_two_parts_too(stack: Stack) -> None:
     """One-stream clients (the `duplex` BLS model, docs/triton.md) get the same: the turn's first speaking unit
     answers with the head's audio first and one second of audio in all."""
     pcm = np.zeros(FIRST_UNIT_SAMPLES + (UNITS - 1) * UNIT_SAMPLES, np.float32)
-    run = run_session(f"127.0.0.1:{codes_stack.triton_ports[1]}", pcm, seed=0, timeout_s=120.0)
+    run = run_session(f"127.0.0.1:{stack.triton_ports[1]}", pcm, seed=0, timeout_s=120.0)
     spoken = [(d, u) for d, u in zip(run.decisions(), run.units, strict=True) if d == "speak"]
     assert len(spoken) >= 2, run.decisions()
     first = [a.size for a in spoken[0][1].audio if a.size]
