@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 from engine.stage1.token2wav_engine import (
     StaleFenceError,
@@ -15,12 +14,12 @@ from engine.stage1.token2wav_engine import (
     UnitPartError,
 )
 from engine.stage1.types import Fence
-from engine.token2wav.assets import TINY_HIFT, Token2WavModels, build_tiny_modules
-from engine.token2wav.config import TINY_FLOW, StreamConfig
+from engine.token2wav.assets import TINY_HIFT
+from engine.token2wav.config import StreamConfig
 from engine.token2wav.stream import StreamInputError, new_session
 from engine.token2wav.voice import build_voice_cache
+from tests.engine import test_token2wav_engine as whole_unit_tests
 from tests.engine.test_token2wav_engine import drain, make_engine, per_unit
-from tests.engine.test_token2wav_refutil import enlarge_flow_
 from tests.engine.test_token2wav_stream import N_TS, codes, make_voice
 
 F0 = Fence(1, 0)
@@ -30,13 +29,7 @@ LEAD_IN = 8 * SPF               # a turn's first call starts with 160 ms of zero
 WHOLE_PAD = 24000 - 2 * UNIT_CODES * SPF    # 960: the §6.6 left pad of a whole 24-code first unit
 
 
-@pytest.fixture(scope="module")
-def models() -> Token2WavModels:
-    flow, hift = build_tiny_modules(seed=0)
-    enlarge_flow_(flow)
-    with torch.no_grad():
-        hift.conv_post.bias.fill_(1.0)
-    return Token2WavModels(flow.eval(), hift.eval(), TINY_FLOW, TINY_HIFT, "A")
+models = whole_unit_tests.models  # the same tiny models fixture as the whole-unit engine tests
 
 
 def opened(models, **kw) -> Token2WavEngine:
