@@ -124,6 +124,12 @@ class Stage0Config:
     # alone (8 k: 6.46 vs 6.14 ms at batch 1, 16.47 vs 16.52 at 32) and worse served at 64 sessions (max gap
     # 2371 vs 1447 ms, commit->first audio p99 2101 vs 1045 ms, same commit, only this option changed).
     decode_attention: Literal["matmul", "sdpa", "flex"] = "matmul"
+    # A step with unit prefills (or closes) in the prefill graphs runs its single-token rows there too, as rows of
+    # one position, while all fit the largest prefill batch bucket: one pass over the weights instead of a
+    # decode pass plus a prefill pass (at batch 1-2 either forward reads all 16 GB of bf16 weights). A decode
+    # row's numbers then come from the prefill kernels when another session prefills in its step (same ids on
+    # CPU, tests/engine/test_stage0_prefill_graphs.py; the bf16 caveat of decode_batch_buckets applies).
+    merge_decode_rows: bool = False
     # torch.compile mode applied to the forward before graph capture ("default" or
     # "max-autotune-no-cudagraphs"); None = eager kernels. Only used where graphs are captured.
     compile_mode: str | None = None

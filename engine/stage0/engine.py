@@ -67,7 +67,8 @@ class Stage0Engine:
         flex = config.prefill_attention == "flex" or (config.prefill_attention == "auto" and p.device.type == "cuda")
         prefill = PrefillGraphs.create(model, kv, config.prefill_batch_buckets, config.prefill_lengths(),
                                        config.decode_kv_buckets, flex=flex, **how)
-        self.runner = ModelRunner(model, kv, graphs, prefill, decode_attention=decode)
+        self.runner = ModelRunner(model, kv, graphs, prefill, decode_attention=decode,
+                                  merge_decode_rows=config.merge_decode_rows)
         self.table = SessionTable(config.max_sessions)
         self.prefix = PrefixEncoder(tokenizer, frontend, self.runner, config, model.cfg.hidden_size)
         self.lock = threading.RLock()

@@ -5,7 +5,8 @@
 - single-token rows (decoded tokens, A1 `<|turn_eos|>`): one batched embedding lookup, then the dense slot
   layout (row = slot), through `DecodeGraphs` when captured;
 - multi-token rows that fit a prefill bucket (unit prefills, closes): through `PrefillGraphs` when
-  captured, in chunks of the largest batch bucket;
+  captured, in chunks of the largest batch bucket; with `merge_decode_rows` a step's single-token rows join
+  them as rows of one position while all fit one chunk (one pass over the weights instead of two);
 - everything else (system prefixes, or no graphs): one eager padded forward with gathered slots.
 
 Padding writes land in the scratch slot (gathered) or the reserved position (dense).
@@ -38,8 +39,10 @@ class Row:
 
 class ModelRunner:
     def __init__(self, model: Qwen3LLM, kv: SlotKVCache, graphs: DecodeGraphs | None = None,
-                 prefill_graphs: PrefillGraphs | None = None, decode_attention: str | None = None) -> None:
+                 prefill_graphs: PrefillGraphs | None = None, decode_attention: str | None = None,
+                 merge_decode_rows: bool = False) -> None:
         self.model = model
+        self.merge_decode_rows = merge_decode_rows
         self.decode_attention = decode_attention  # the eager decode rows' (None: the model's class default)
         self.kv = kv
         self.graphs = graphs  # decode
@@ -71,22 +74,31 @@ class ModelRunner:
         pg = self.prefill_graphs
         graphed = [i for i in multi if pg is not None and pg.covers(1, rows[i].length)]
         eager = [i for i in multi if i not in graphed]
+        if (single and graphed and pg is not None and self.merge_decode_rows
+                and len(graphed) + len(single) <= pg.batch_buckets[-1]):
+            graphed, single = graphed + single, []
         if single:
             for i, h in zip(single, self._decode([rows[i] for i in single]), strict=True):
                 out[i] = h[None]
         if graphed:
             assert pg is not None
             chunk = pg.batch_buckets[-1]
+            embeds = self._embeds_of([rows[i] for i in graphed])
             for c in range(0, len(graphed), chunk):
                 part = graphed[c:c + chunk]
-                hidden = pg.run([rows[i].slot for i in part], [rows[i].start for i in part],
-                                [self._embeds(rows[i]) for i in part])
+                hidden = pg.run([rows[i].slot for i in part], [rows[i].start for i in part], embeds[c:c + chunk])
                 for i, h in zip(part, hidden, strict=True):
                     out[i] = h
         if eager:
             for i, h in zip(eager, self._eager([rows[i] for i in eager]), strict=True):
                 out[i] = h
         return out  # type: ignore[return-value] - every index is filled above
+
+    def _embeds_of(self, rows: list[Row]) -> list[torch.Tensor]:
+        """Each row's [T, H] input; the token rows' in one lookup (one host → device copy)."""
+        tokens = [r.token for r in rows if r.embeds is None]
+        looked = iter(self.embed(tokens)[:, None]) if tokens else iter(())  # type: ignore[arg-type]
+        return [next(looked) if r.embeds is None else r.embeds.to(self.dtype) for r in rows]
 
     def _embeds(self, row: Row) -> torch.Tensor:
         return row.embeds.to(self.dtype) if row.embeds is not None else self.embed([row.token])  # type: ignore[list-item]

@@ -133,6 +133,69 @@ def test_runner_routes_rows_by_kind() -> None:
         torch.testing.assert_close(h, want, atol=ATOL, rtol=ATOL)
 
 
+def _count_replays(graphs: DecodeGraphs | PrefillGraphs) -> list[tuple[int, ...]]:
+    """Wraps every static step's replay to record its key: which graph ran, and how often."""
+    ran: list[tuple[int, ...]] = []
+    for key, st in graphs.steps.items():
+        def replay(key: tuple[int, ...] = key, inner: Callable[[], object] = st.replay) -> object:  # type: ignore[assignment]
+            ran.append(key)
+            return inner()
+        st.replay = replay
+    return ran
+
+
+def test_runner_merges_decode_rows_into_the_prefill_pass() -> None:
+    """merge_decode_rows: a step with unit rows runs its token rows in the same prefill graph (no decode replay),
+    each row's hidden state still the eager forward's; past the largest batch bucket the split stays."""
+    engine, _ = make_engine(eager_replay_graphs=True, prefill_batch_buckets=(2, 4), merge_decode_rows=True, **SMALL)
+    runner = engine.runner
+    assert runner.graphs is not None and runner.prefill_graphs is not None
+    decode_ran, prefill_ran = _count_replays(runner.graphs), _count_replays(runner.prefill_graphs)
+    gen = torch.Generator().manual_seed(5)
+    runner.forward([Row(s, 0, torch.randn(n, TINY.hidden_size, generator=gen)) for s, n in enumerate((30, 20, 25, 12))])
+    ref_kv = _copy(runner.kv)
+    step = [Row(0, 30, token=7), Row(1, 20, torch.randn(13, TINY.hidden_size, generator=gen)), Row(2, 25, token=9),
+            Row(3, 12, torch.randn(1, TINY.hidden_size, generator=gen))]
+    decode_ran.clear(), prefill_ran.clear()
+    got = runner.forward(step)
+    assert decode_ran == [] and [k[:2] for k in prefill_ran] == [(4, 13)]  # one pass, 4 rows of up to 13
+    for r, h in zip(step, got, strict=True):
+        x = runner.embed([r.token]) if r.embeds is None else r.embeds
+        with torch.no_grad():
+            want = engine.model(x[None], torch.arange(r.start, r.start + r.length)[None], torch.tensor([r.slot]),
+                                ref_kv)[0]
+        assert h.shape == want.shape
+        torch.testing.assert_close(h, want, atol=ATOL, rtol=ATOL)
+    for a, b in zip(runner.kv.k + runner.kv.v, ref_kv.k + ref_kv.v, strict=True):  # keys where eager puts them
+        torch.testing.assert_close(a[:-1], b[:-1], atol=ATOL, rtol=ATOL)  # every slot but scratch
+    decode_ran.clear(), prefill_ran.clear()  # 2 unit rows + 3 token rows > 4: decode graph + prefill graph
+    runner.forward([Row(0, 31, token=3), Row(2, 26, token=4), Row(4, 0, token=5),
+                    Row(1, 33, torch.randn(13, TINY.hidden_size, generator=gen)),
+                    Row(3, 13, torch.randn(13, TINY.hidden_size, generator=gen))])
+    assert len(decode_ran) == 1 and [k[:2] for k in prefill_ran] == [(2, 13)]
+    decode_ran.clear(), prefill_ran.clear()  # token rows alone: the decode graph
+    runner.forward([Row(0, 32, token=3), Row(2, 27, token=4)])
+    assert len(decode_ran) == 1 and prefill_ran == []
+
+
+@flex_unfused
+@pytest.mark.parametrize("prefill", ["gather", "flex"])
+def test_engine_merging_decode_rows_equals_engine_splitting_them(prefill: str) -> None:
+    """Same ids and hidden states, sessions staggered so that decode rows and unit prefills share steps."""
+    model, arrivals, runs, decode_replays = tiny_llm(), {f"s{i}": 3 * i for i in range(4)}, [], []
+    for merge in (False, True):
+        engine, events = make_engine(model, sessions=4, rules=DecodeRules(force_listen_count=1), **SMALL,
+                                     prefill_attention=prefill, eager_replay_graphs=True, merge_decode_rows=merge)
+        assert engine.runner.graphs is not None
+        ran = _count_replays(engine.runner.graphs)
+        run_schedule(engine, arrivals, units=4)
+        decode_replays.append(len(ran))
+        runs.append([by_session(events, sid) for sid in arrivals])
+    assert decode_replays[1] < decode_replays[0]  # some token rows rode in a prefill pass
+    for got, want in zip(runs[1], runs[0], strict=True):
+        _assert_same_events(got, want)
+
+
 def _engine_runs(model: Qwen3LLM, **cfg: object) -> list[list]:
     arrivals = {f"s{i}": 3 * i for i in range(4)}
     runs = []
@@ -246,15 +309,18 @@ def test_cuda_prefill_graph_equals_eager(compile_mode: str | None, flex: bool) -
 
 @cuda
 @tf32_advice
+@pytest.mark.parametrize("merge_decode_rows", [False, True])
 @pytest.mark.parametrize("compile_mode", [None, "default"])
-def test_cuda_engine_graphs_equal_eager_engine(compile_mode: str | None) -> None:
+def test_cuda_engine_graphs_equal_eager_engine(compile_mode: str | None, merge_decode_rows: bool) -> None:
+    """With merge_decode_rows the token rows of a step with unit prefills run in the (flex) prefill graph."""
     model = tiny_llm().cuda()
     arrivals = {f"s{i}": 3 * i for i in range(4)}
     runs = []
     for graphs in (True, False):
         engine, events = make_engine(model, sessions=4, rules=DecodeRules(force_listen_count=1), **SMALL,
                                      merge_unit_close=True, prefill_batch_buckets=(1, 4), use_cuda_graphs=graphs,
-                                     compile_mode=compile_mode if graphs else None)
+                                     compile_mode=compile_mode if graphs else None,
+                                     merge_decode_rows=merge_decode_rows and graphs)
         if graphs:
             assert engine.runner.graphs is not None and engine.runner.prefill_graphs is not None
         run_schedule(engine, arrivals, units=4)

@@ -234,6 +234,17 @@ def test_stage0_audio_worker_option(tiny_checkpoint: Path) -> None:
         assert bridge.engine.audio_worker is None
 
 
+def test_stage0_merge_decode_rows_option(tiny_checkpoint: Path) -> None:
+    """Off by default; `true` reaches the runner; anything but a bool fails the load."""
+    from model_repository.common.settings import ConfigError
+
+    with pytest.raises(ConfigError, match="merge_decode_rows"):
+        bridges.stage0(settings("stage0", tiny_checkpoint, engine_options='{"merge_decode_rows": 1}'))
+    for options, merged in (("{}", False), ('{"merge_decode_rows": true}', True)):
+        bridge = bridges.stage0(settings("stage0", tiny_checkpoint, engine_options=options))
+        assert bridge.engine.runner.merge_decode_rows is merged
+
+
 def test_stage0_session_warm_up_leaves_no_trace(tiny_checkpoint: Path) -> None:
     """The warm-up's sessions (k at once, two units each, for k up to max_sessions) close again: every slot is
     free, and a session served afterwards decides and says exactly what an engine that never warmed up does."""
