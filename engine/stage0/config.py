@@ -128,8 +128,10 @@ class Stage0Config:
     # one position, while all fit the largest prefill batch bucket: one pass over the weights instead of a
     # decode pass plus a prefill pass (at batch 1-2 either forward reads all 16 GB of bf16 weights). A decode
     # row's numbers then come from the prefill kernels when another session prefills in its step (same ids on
-    # CPU, tests/engine/test_stage0_prefill_graphs.py; the bf16 caveat of decode_batch_buckets applies).
-    merge_decode_rows: bool = False
+    # CPU, tests/engine/test_stage0_prefill_graphs.py; the bf16 caveat of decode_batch_buckets applies). Served on
+    # the H200 at 16 / 32 sessions, A/B in one call: commit->first audio p50 291 -> 260 / 466 -> 398 ms, the stage0
+    # step 16.4 -> 15.0 / 23.7 -> 19.4 ms (bench/RESULTS.md, stop 35).
+    merge_decode_rows: bool = True
     # torch.compile mode applied to the forward before graph capture ("default" or
     # "max-autotune-no-cudagraphs"); None = eager kernels. Only used where graphs are captured.
     compile_mode: str | None = None

@@ -74,9 +74,9 @@ class _Session:
     in_turn: bool = False  # a speak unit opened a turn that no `end_of_turn` has closed yet
 
 
-def _flag(opts: dict[str, Any], name: str) -> bool:
-    """A boolean engine option (default false); anything but a bool fails the load."""
-    value = opts.get(name, False)
+def _flag(opts: dict[str, Any], name: str, default: bool = False) -> bool:
+    """A boolean engine option; anything but a bool fails the load."""
+    value = opts.get(name, default)
     if not isinstance(value, bool):
         raise ConfigError(f"engine_options.stage0.{name} must be true or false, not {value!r}")
     return value
@@ -104,7 +104,7 @@ class Stage0Bridge(EngineBridge):
                            use_cuda_graphs=settings.device.startswith("cuda") and opts.get("cuda_graphs", True),
                            compile_mode=opts.get("compile_mode"),
                            merge_unit_close=bool(opts.get("merge_unit_close", True)),
-                           merge_decode_rows=_flag(opts, "merge_decode_rows"),
+                           merge_decode_rows=_flag(opts, "merge_decode_rows", default=True),
                            prefill_attention=opts.get("prefill_attention", "auto"),
                            decode_attention=opts.get("decode_attention", "matmul"),
                            **scripted_decisions(opts.get("scripted_decisions")))
