@@ -126,12 +126,12 @@ class Stage0Config:
     decode_attention: Literal["matmul", "sdpa", "flex"] = "matmul"
     # A step with unit prefills (or closes) in the prefill graphs runs its single-token rows there too, as rows of
     # one position, while all fit the largest prefill batch bucket: one pass over the weights instead of a
-    # decode pass plus a prefill pass (at batch 1-2 either forward reads all 16 GB of bf16 weights). A decode
-    # row's numbers then come from the prefill kernels when another session prefills in its step (same ids on
-    # CPU, tests/engine/test_stage0_prefill_graphs.py; the bf16 caveat of decode_batch_buckets applies). Served on
-    # the H200 at 16 / 32 sessions, A/B in one call: commit->first audio p50 291 -> 260 / 466 -> 398 ms, the stage0
-    # step 16.4 -> 15.0 / 23.7 -> 19.4 ms (bench/RESULTS.md, stop 35).
-    merge_decode_rows: bool = True
+    # decode pass plus a prefill pass (at batch 1-2 either forward reads all 16 GB of bf16 weights). Served on the
+    # H200 at 16 / 32 sessions, A/B in one call: commit->first audio p50 291 -> 260 / 466 -> 398 ms (bench/RESULTS.md,
+    # stop 35). Off: a token row's numbers then come from the prefill kernels (other attention, other GEMM shapes)
+    # whenever another session prefills in its step, and in bf16 that changes the ids a session draws (the H200 and
+    # CPU: tests/engine/test_stage0_bf16_batch.py), against "a session's output does not depend on its batch".
+    merge_decode_rows: bool = False
     # torch.compile mode applied to the forward before graph capture ("default" or
     # "max-autotune-no-cudagraphs"); None = eager kernels. Only used where graphs are captured.
     compile_mode: str | None = None

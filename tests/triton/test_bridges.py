@@ -235,12 +235,12 @@ def test_stage0_audio_worker_option(tiny_checkpoint: Path) -> None:
 
 
 def test_stage0_merge_decode_rows_option(tiny_checkpoint: Path) -> None:
-    """On by default (Stage0Config's); `false` reaches the runner; anything but a bool fails the load."""
+    """Off by default (Stage0Config's); `true` reaches the runner; anything but a bool fails the load."""
     from model_repository.common.settings import ConfigError
 
     with pytest.raises(ConfigError, match="merge_decode_rows"):
         bridges.stage0(settings("stage0", tiny_checkpoint, engine_options='{"merge_decode_rows": 1}'))
-    for options, merged in (("{}", True), ('{"merge_decode_rows": false}', False)):
+    for options, merged in (("{}", False), ('{"merge_decode_rows": true}', True)):
         bridge = bridges.stage0(settings("stage0", tiny_checkpoint, engine_options=options))
         assert bridge.engine.runner.merge_decode_rows is merged
 

@@ -104,7 +104,7 @@ class Stage0Bridge(EngineBridge):
                            use_cuda_graphs=settings.device.startswith("cuda") and opts.get("cuda_graphs", True),
                            compile_mode=opts.get("compile_mode"),
                            merge_unit_close=bool(opts.get("merge_unit_close", True)),
-                           merge_decode_rows=_flag(opts, "merge_decode_rows", default=True),
+                           merge_decode_rows=_flag(opts, "merge_decode_rows"),
                            prefill_attention=opts.get("prefill_attention", "auto"),
                            decode_attention=opts.get("decode_attention", "matmul"),
                            **scripted_decisions(opts.get("scripted_decisions")))
