@@ -12,6 +12,10 @@ export DURATION="${DURATION:-20}" SESSIONS="${SESSIONS:-1,8,16,32}" OUT="${OUT:-
 export PROFILE="${PROFILE:-deploy/profiles/h200-scripted.yaml}" READY_TIMEOUT="${READY_TIMEOUT:-240}"
 unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY  # duplex serve starts its own MPS daemon (mps: auto)
 R=bench/h200/run_served.sh
+# the background jobs below (top, dmon, the py-spy sleeper) end with this script, also when `timeout` stops it: a
+# sleeper left behind profiled the next serve of an A/B call into this run's OUT (stop 35)
+trap 'kill $(jobs -p) 2>/dev/null' EXIT
+trap 'exit 143' TERM INT
 export COMMIT="${COMMIT:-$(cat COMMIT 2>/dev/null || true)}"  # written by the snapshot step
 bash $R setup ckpt serve || exit 1
 grep -h "MPS" /tmp/duplex-serve/serve.log | head -3
