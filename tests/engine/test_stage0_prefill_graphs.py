@@ -14,7 +14,7 @@ import torch
 from engine.model.llm import Qwen3LLM, SlotKVCache
 from engine.stage0 import DecodeRules, Stage0Config, TokenEvent, UnitDone
 from engine.stage0.graphs import DecodeGraphs, GraphShapeError, PrefillGraphs
-from engine.stage0.runner import Row
+from engine.stage0.runner import ModelRunner, Row
 from tests.engine.test_stage0_engine import by_session, make_engine, run_schedule
 from tests.engine.test_stage0_helpers import TINY, tiny_llm
 
@@ -109,6 +109,17 @@ def test_shape_drift_fails_loudly() -> None:
     assert not prefill.covers(1, 14) and not prefill.covers(3, 2) and prefill.covers(2, 13)
 
 
+def _assert_rows_eager(runner: ModelRunner, step: list[Row], got: list[torch.Tensor], ref_kv: SlotKVCache) -> None:
+    """Each row's hidden states = the eager forward of that row alone on `ref_kv` (which it advances)."""
+    for r, h in zip(step, got, strict=True):
+        x = runner.embed([r.token]) if r.embeds is None else r.embeds
+        with torch.no_grad():
+            want = runner.model(x[None], torch.arange(r.start, r.start + r.length)[None], torch.tensor([r.slot]),
+                                ref_kv)[0]
+        assert h.shape == want.shape
+        torch.testing.assert_close(h, want, atol=ATOL, rtol=ATOL)
+
+
 def test_runner_routes_rows_by_kind() -> None:
     """Decode rows, graphed unit rows (in chunks) and an eager prefix row in one call = each row eager."""
     engine, _ = make_engine(eager_replay_graphs=True, prefill_batch_buckets=(1, 2), **SMALL)
@@ -124,13 +135,7 @@ def test_runner_routes_rows_by_kind() -> None:
             Row(3, 12, torch.randn(11, TINY.hidden_size, generator=gen)),
             Row(4, 0, torch.randn(40, TINY.hidden_size, generator=gen))]
     got = runner.forward(step)
-    for r, h in zip(step, got, strict=True):
-        x = runner.embed([r.token]) if r.embeds is None else r.embeds
-        with torch.no_grad():
-            want = engine.model(x[None], torch.arange(r.start, r.start + r.length)[None], torch.tensor([r.slot]),
-                                ref_kv)[0]
-        assert h.shape == want.shape
-        torch.testing.assert_close(h, want, atol=ATOL, rtol=ATOL)
+    _assert_rows_eager(runner, step, got, ref_kv)
 
 
 def _count_replays(graphs: DecodeGraphs | PrefillGraphs) -> list[tuple[int, ...]]:
@@ -159,13 +164,7 @@ def test_runner_merges_decode_rows_into_the_prefill_pass() -> None:
     decode_ran.clear(), prefill_ran.clear()
     got = runner.forward(step)
     assert decode_ran == [] and [k[:2] for k in prefill_ran] == [(4, 13)]  # one pass, 4 rows of up to 13
-    for r, h in zip(step, got, strict=True):
-        x = runner.embed([r.token]) if r.embeds is None else r.embeds
-        with torch.no_grad():
-            want = engine.model(x[None], torch.arange(r.start, r.start + r.length)[None], torch.tensor([r.slot]),
-                                ref_kv)[0]
-        assert h.shape == want.shape
-        torch.testing.assert_close(h, want, atol=ATOL, rtol=ATOL)
+    _assert_rows_eager(runner, step, got, ref_kv)
     for a, b in zip(runner.kv.k + runner.kv.v, ref_kv.k + ref_kv.v, strict=True):  # keys where eager puts them
         torch.testing.assert_close(a[:-1], b[:-1], atol=ATOL, rtol=ATOL)  # every slot but scratch
     decode_ran.clear(), prefill_ran.clear()  # 2 unit rows + 3 token rows > 4: decode graph + prefill graph
