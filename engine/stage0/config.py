@@ -128,7 +128,7 @@ class Stage0Config:
     # one position, while all fit the largest prefill batch bucket: one pass over the weights instead of a
     # decode pass plus a prefill pass (at batch 1-2 either forward reads all 16 GB of bf16 weights). Served on the
     # H200 at 16 / 32 sessions, A/B in one call: commit->first audio p50 291 -> 260 / 466 -> 398 ms (bench/RESULTS.md,
-    # stop 35). Off: a token row's numbers then come from the prefill kernels (other attention, other GEMM shapes)
+    # stop 35). Off by default, because a token row's numbers then come from the prefill kernels (other attention, other GEMM shapes)
     # whenever another session prefills in its step, and in bf16 that changes the ids a session draws (the H200 and
     # CPU: tests/engine/test_stage0_bf16_batch.py), against "a session's output does not depend on its batch".
     merge_decode_rows: bool = False

@@ -74,9 +74,9 @@ class _Session:
     in_turn: bool = False  # a speak unit opened a turn that no `end_of_turn` has closed yet
 
 
-def _flag(opts: dict[str, Any], name: str, default: bool = False) -> bool:
-    """A boolean engine option; anything but a bool fails the load."""
-    value = opts.get(name, default)
+def _flag(opts: dict[str, Any], name: str) -> bool:
+    """A boolean engine option (default false); anything but a bool fails the load."""
+    value = opts.get(name, False)
     if not isinstance(value, bool):
         raise ConfigError(f"engine_options.stage0.{name} must be true or false, not {value!r}")
     return value
