@@ -211,9 +211,23 @@ class SlotAttention(nn.Module):
                 v_cache: torch.Tensor, write_slot: torch.Tensor, write_pos: torch.Tensor,
                 slot_ids: torch.Tensor | None, mask: torch.Tensor, kv_limit: int, mode: str = "sdpa") -> torch.Tensor:
         """k_cache, v_cache: this layer's `SlotKVCache` tensors. Passed in rather than looked up by
-        `self.layer`, so every layer runs the same code with no per-layer constant (`run_layer`)."""
+        `self.layer`, so every layer runs the same code with no per-layer constant (`run_layer`).
+
+        A tuple `mode` is a shared pass (`Qwen3LLM.forward_shared`): x [1, M, H] holds the Bu x Tu queries of
+        gathered rows, then the Bd rows of the dense layout; every tuple argument is (gathered, dense). The
+        projections see all M rows at once, each part attends as it would alone."""
+        if isinstance(mode, tuple):
+            return self._shared(x, cos, sin, k_cache, v_cache, write_slot, write_pos, slot_ids, mask, kv_limit, mode)
         b, t, _ = x.shape
         q, k, v = self.project(x)
+        out = self._attend_rows(q, k, v, cos, sin, k_cache, v_cache, write_slot, write_pos, slot_ids, mask,
+                                kv_limit, mode)
+        return self.o_proj(out.reshape(b, t, self.n_heads * self.head_dim))
+
+    def _attend_rows(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     k_cache: torch.Tensor, v_cache: torch.Tensor, write_slot: torch.Tensor, write_pos: torch.Tensor,
+                     slot_ids: torch.Tensor | None, mask: torch.Tensor, kv_limit: int, mode: str) -> torch.Tensor:
+        """q [B, T, heads, D], k, v [B, T, kvh, D] → [B, T, heads, D]; the rows' K/V written first."""
         q = apply_rope(q.transpose(1, 2), cos, sin)  # [B, heads, T, D]
         k = apply_rope(k.transpose(1, 2), cos, sin)  # [B, kvh, T, D]
         if mode == "flex":  # over the caches themselves, no gathered copy (mask: the forward's SlotBlocks)
@@ -222,7 +236,21 @@ class SlotAttention(nn.Module):
         else:
             keys, values = write_and_read_kv(k_cache, v_cache, k, v, write_slot, write_pos, slot_ids, kv_limit)
             out = self.attend(q, keys.to(q.dtype), values.to(q.dtype), mask, mode)  # [B, heads, T, D]
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+        return out.transpose(1, 2)
+
+    def _shared(self, x: torch.Tensor, cos: tuple, sin: tuple, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                write_slot: tuple, write_pos: tuple, slot_ids: torch.Tensor | None, mask: tuple, kv_limit: tuple,
+                mode: tuple) -> torch.Tensor:
+        bu, tu, bd = cos[0].shape[0], cos[0].shape[2], cos[1].shape[0]
+        n = bu * tu
+        q, k, v = self.project(x)  # [1, M, heads | kvh, D]
+        parts = []
+        for lo, hi, b, t, i, slots in ((0, n, bu, tu, 0, slot_ids), (n, n + bd, bd, 1, 1, None)):
+            out = self._attend_rows(q[0, lo:hi].reshape(b, t, *q.shape[2:]), k[0, lo:hi].reshape(b, t, *k.shape[2:]),
+                                    v[0, lo:hi].reshape(b, t, *v.shape[2:]), cos[i], sin[i], k_cache, v_cache,
+                                    write_slot[i], write_pos[i], slots, mask[i], kv_limit[i], mode[i])
+            parts.append(out.reshape(b * t, self.n_heads * self.head_dim))
+        return self.o_proj(torch.cat(parts)[None])
 
 
 # ---------------------------------------------------------------- MLP and the decoder layer

@@ -152,19 +152,59 @@ class Qwen3LLM(nn.Module):
                 h = run(layer, h, cos, sin, kv.k[i], kv.v[i], lay.write_slot, lay.write_pos, slot_ids, blocks,
                         lay.kv_limit, "flex")
             return self.model.norm(h)
-        visible = lay.visible  # [B, 1, T, L]
-        assert visible is not None
         mode = "matmul" if t == 1 and decode_attention == "matmul" else "fold" if self.fold_gqa else "gqa"
-        if mode != "gqa":  # rows of a kv head are (group, query): the same causal row repeats per group
-            g = self.cfg.num_attention_heads // self.cfg.num_key_value_heads
-            visible = visible.expand(b, g, t, lay.kv_limit).reshape(b, 1, g * t, lay.kv_limit)  # [B, 1, g T, L]
-        # additive bias built once, not converted from bool by every layer's attention call
-        mask = torch.zeros(visible.shape, dtype=torch.float32 if mode == "matmul" else x.dtype,
-                           device=x.device).masked_fill_(~visible, float("-inf"))
+        mask = self._mask(lay.visible, mode, x.dtype)
         for i, layer in enumerate(self.model.layers):
             h = run(layer, h, cos, sin, kv.k[i], kv.v[i], lay.write_slot, lay.write_pos, slot_ids, mask,
                     lay.kv_limit, mode)
         return self.model.norm(h)
+
+    def _mask(self, visible: torch.Tensor | None, mode: str, dtype: torch.dtype) -> torch.Tensor:
+        """The additive attention bias of `visible` [B, 1, T, L], built once per forward (not converted from
+        bool by every layer's attention call)."""
+        assert visible is not None
+        b, _, t, limit = visible.shape
+        if mode != "gqa":  # rows of a kv head are (group, query): the same causal row repeats per group
+            g = self.cfg.num_attention_heads // self.cfg.num_key_value_heads
+            visible = visible.expand(b, g, t, limit).reshape(b, 1, g * t, limit)  # [B, 1, g T, L]
+        return torch.zeros(visible.shape, dtype=torch.float32 if mode == "matmul" else dtype,
+                           device=visible.device).masked_fill_(~visible, float("-inf"))
+
+    def forward_shared(self, xu: torch.Tensor, pos_u: torch.Tensor, slots_u: torch.Tensor, valid_u: torch.Tensor,
+                       xd: torch.Tensor, pos_d: torch.Tensor, kv: SlotKVCache, *, limit_u: int | None = None,
+                       limit_d: int | None = None, layer_fn: LayerFn | None = None, flex: bool = False,
+                       decode_attention: str | None = None) -> torch.Tensor:
+        """One pass over the weights for gathered rows (xu [Bu, Tu, H] at pos_u of slots_u, valid_u: unit
+        prefills) and dense single-token rows (xd [Bd, 1, H], row i = slot i, pos_d [Bd, 1]: decoded tokens):
+        the projections and the MLP take all rows in one matmul, and each part attends exactly as `forward` does
+        for it alone (the prefill rows with flex or the gathered copy, the token rows with the decode attention
+        over the same span). So a token row's attention does not depend on whether unit rows share its pass.
+        Returns the final-norm hidden states [Bu·Tu + Bd, H]: the gathered rows' queries, then the dense rows."""
+        bu, tu, _ = xu.shape
+        bd = xd.shape[0]
+        decode_attention = decode_attention or self.decode_attention
+        lay_u = slot_layout(pos_u, slots_u, kv, valid_u, limit_u, with_visible=not flex)
+        if flex:
+            mode_u, ctx_u = "flex", slot_blocks(lay_u.write_pos, lay_u.write_slot != kv.scratch, slots_u,
+                                                kv.slots + 1, kv.max_len)
+        else:
+            mode_u = "fold" if self.fold_gqa else "gqa"
+            ctx_u = self._mask(lay_u.visible, mode_u, xu.dtype)
+        dense_flex = decode_attention == "flex"
+        lay_d = slot_layout(pos_d, None, kv, None, limit_d, with_visible=not dense_flex)
+        if dense_flex:
+            mode_d, ctx_d = "flex", dense_blocks(lay_d.write_pos, kv.reserved_pos, kv.slots + 1, kv.max_len)
+        else:
+            mode_d = "matmul" if decode_attention == "matmul" else "fold" if self.fold_gqa else "gqa"
+            ctx_d = self._mask(lay_d.visible, mode_d, xd.dtype)
+        cos_u, sin_u = self.rope(lay_u.write_pos, xu.dtype)
+        cos_d, sin_d = self.rope(lay_d.write_pos, xd.dtype)
+        h, run = torch.cat([xu.reshape(bu * tu, -1), xd.reshape(bd, -1)])[None], layer_fn or run_layer
+        for i, layer in enumerate(self.model.layers):
+            h = run(layer, h, (cos_u, cos_d), (sin_u, sin_d), kv.k[i], kv.v[i], (lay_u.write_slot, lay_d.write_slot),
+                    (lay_u.write_pos, lay_d.write_pos), slots_u, (ctx_u, ctx_d), (lay_u.kv_limit, lay_d.kv_limit),
+                    (mode_u, mode_d))
+        return self.model.norm(h)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """lm_head on selected final-norm hidden states [..., H] → [..., V] in the model dtype."""

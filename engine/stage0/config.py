@@ -124,14 +124,24 @@ class Stage0Config:
     # alone (8 k: 6.46 vs 6.14 ms at batch 1, 16.47 vs 16.52 at 32) and worse served at 64 sessions (max gap
     # 2371 vs 1447 ms, commit->first audio p99 2101 vs 1045 ms, same commit, only this option changed).
     decode_attention: Literal["matmul", "sdpa", "flex"] = "matmul"
-    # A step with unit prefills (or closes) in the prefill graphs runs its single-token rows there too, as rows of
-    # one position, while all fit the largest prefill batch bucket: one pass over the weights instead of a
-    # decode pass plus a prefill pass (at batch 1-2 either forward reads all 16 GB of bf16 weights). Served on the
-    # H200 at 16 / 32 sessions, A/B in one call: commit->first audio p50 291 -> 260 / 466 -> 398 ms (bench/RESULTS.md,
-    # stop 35). Off by default, because a token row's numbers then come from the prefill kernels (other attention, other GEMM shapes)
-    # whenever another session prefills in its step, and in bf16 that changes the ids a session draws (the H200 and
-    # CPU: tests/engine/test_stage0_bf16_batch.py), against "a session's output does not depend on its batch".
-    merge_decode_rows: bool = False
+    # A step with both decoded tokens and unit prefills (or closes):
+    # "split": the decode graph, then the prefill graph: two passes over the weights (at batch 1-2 either reads
+    #   all 16 GB of bf16 weights).
+    # "merge": the token rows ride in the prefill graph as rows of one position, while all fit its largest batch
+    #   bucket. Served on the H200 at 16 / 32 sessions, A/B in one call: commit->first audio p50 291 -> 260 /
+    #   466 -> 398 ms (bench/RESULTS.md, stop 35). But a token row's numbers then come from the prefill kernels
+    #   whenever another session prefills in its step, and in bf16 that changed the ids a session draws (the
+    #   H200 and CPU: tests/engine/test_stage0_bf16_batch.py), against "a session's output does not depend on
+    #   its batch".
+    # "shared": one pass (`SharedGraphs`, `Qwen3LLM.forward_shared`): the projections and MLP take all rows, the
+    #   token rows attend as in their decode graph (same dense bucket, span and kernel), the unit rows as in the
+    #   prefill graph. Hidden states bitwise equal to "split" on CPU in fp32 and bf16 (tests/engine/
+    #   test_stage0_shared_pass.py); on the GPU the GEMMs see more rows than the decode graph's, and whether that
+    #   moves a row's bf16 numbers is for the staggered check on the H200 to say: not yet run, nor served. With
+    #   graphs only; steps with token rows past slot max(shared_decode_buckets) - 1, units with frames, or more
+    #   units than the largest prefill bucket stay split.
+    mixed_step: Literal["split", "merge", "shared"] = "split"
+    shared_decode_buckets: tuple[int, ...] = (2, 4, 8, 16)  # "shared": the dense buckets captured (x 5 spans)
     # torch.compile mode applied to the forward before graph capture ("default" or
     # "max-autotune-no-cudagraphs"); None = eager kernels. Only used where graphs are captured.
     compile_mode: str | None = None
@@ -163,6 +173,8 @@ class Stage0Config:
             raise ValueError(f"compile_mode {self.compile_mode!r}: use one of {COMPILE_MODES} or None")
         if self.prefill_attention not in ("auto", "gather", "flex"):
             raise ValueError(f"prefill_attention {self.prefill_attention!r}: use auto, gather or flex")
+        if self.mixed_step not in ("split", "merge", "shared"):
+            raise ValueError(f"mixed_step {self.mixed_step!r}: use split, merge or shared")
         if self.decode_attention not in ("matmul", "sdpa", "flex"):
             raise ValueError(f"decode_attention {self.decode_attention!r}: use matmul, sdpa or flex")
         if self.scripted_decisions and not self.benchmark_mode:

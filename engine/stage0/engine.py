@@ -21,7 +21,7 @@ from engine.model.llm import Qwen3LLM, SlotKVCache
 from engine.stage0.audio_worker import AudioWorker
 from engine.stage0.config import DecodeRules, SpecialIds, Stage0Config, TextTokenizer
 from engine.stage0.frontend import UnitFrontEnd
-from engine.stage0.graphs import DecodeGraphs, PrefillGraphs
+from engine.stage0.graphs import DecodeGraphs, PrefillGraphs, SharedGraphs
 from engine.stage0.loop import StepScheduler
 from engine.stage0.parts import PrefixEncoder, SessionTable
 from engine.stage0.penalty import HistoryRing
@@ -67,8 +67,14 @@ class Stage0Engine:
         flex = config.prefill_attention == "flex" or (config.prefill_attention == "auto" and p.device.type == "cuda")
         prefill = PrefillGraphs.create(model, kv, config.prefill_batch_buckets, config.prefill_lengths(),
                                        config.decode_kv_buckets, flex=flex, **how)
-        self.runner = ModelRunner(model, kv, graphs, prefill, decode_attention=decode,
-                                  merge_decode_rows=config.merge_decode_rows)
+        shared = None
+        if config.mixed_step == "shared" and graphs is not None and prefill is not None:
+            top = max(config.shared_decode_buckets)
+            shared = SharedGraphs.create(model, kv, config.prefill_batch_buckets, config.prefill_lengths()[1:2],
+                                         tuple(b for b in graphs.batch_buckets if b <= top), config.decode_kv_buckets,
+                                         flex=flex, decode_attention=decode, **how)
+        self.runner = ModelRunner(model, kv, graphs, prefill, decode_attention=decode, mixed_step=config.mixed_step,
+                                  shared_graphs=shared)
         self.table = SessionTable(config.max_sessions)
         self.prefix = PrefixEncoder(tokenizer, frontend, self.runner, config, model.cfg.hidden_size)
         self.lock = threading.RLock()

@@ -12,6 +12,9 @@ the static output). All graphs of one set share a memory pool.
   (batch bucket, length bucket, span bucket). Dummy rows and padded positions write to the scratch slot.
   With `flex` the rows up to `FLEX_MAX_POSITIONS` long (every unit, frames included) attend over the cache
   itself (FlexAttention, engine/model/flex.py): no KV copy, one span bucket.
+- `SharedGraphs`: a step with both kinds in one pass over the weights (`Qwen3LLM.forward_shared`): unit rows
+  as in the prefill graphs, single-token rows as in the decode graphs (same dense bucket, same span, same
+  attention), one graph per (unit batch bucket, length, dense batch bucket, decode span, unit span).
 
 Off CUDA (or with `eager_replay=True`) `replay` calls the step function on the same static buffers, so CPU
 tests exercise the bucketing and copy-in/copy-out logic. `compile_mode` runs the forward's decoder layers
@@ -259,3 +262,124 @@ class PrefillGraphs(StepGraphs):
         assert st.out is not None
         out = st.out[:n].clone()  # [n, t, H], owned by the caller
         return [out[i, :k] for i, k in enumerate(lengths)]
+
+
+@dataclass
+class SharedStep:
+    """The static buffers of one shared pass: gathered unit rows, then dense token rows."""
+
+    xu: torch.Tensor  # [bu, t, H]
+    pos_u: torch.Tensor  # [bu, t]
+    slots_u: torch.Tensor  # [bu]
+    valid_u: torch.Tensor  # [bu, t]
+    xd: torch.Tensor  # [bd, 1, H]
+    pos_d: torch.Tensor  # [bd, 1]
+    span_u: int
+    span_d: int
+    flex: bool
+    out: torch.Tensor | None = None  # [bu t + bd, H]
+    replay: Callable[[], object] | None = None
+
+
+class SharedGraphs(StepGraphs):
+    """Steps with unit rows of up to `lengths` positions and single-token rows, in one pass over the weights. The
+    token rows take the decode graphs' dense bucket, span and attention, so their numbers are the decode graphs';
+    the unit rows take the prefill graphs' layout and attention. Dense buckets up to `decode_batch_buckets`."""
+
+    def __init__(self, model: Qwen3LLM, kv: SlotKVCache, unit_buckets: tuple[int, ...], lengths: tuple[int, ...],
+                 decode_buckets: tuple[int, ...], kv_buckets: tuple[int, ...], compile_mode: str | None = None,
+                 eager_replay: bool = False, compile_dynamic: bool | None = True, flex: bool = False,
+                 decode_attention: str | None = None) -> None:
+        super().__init__(model, kv, compile_mode, eager_replay, compile_dynamic, decode_attention)
+        self.unit_buckets = tuple(sorted({min(b, kv.slots) for b in unit_buckets}))
+        self.lengths = tuple(sorted(set(lengths)))
+        self.decode_buckets = tuple(sorted({min(b, kv.slots) for b in decode_buckets}))
+        self.kv_buckets = top_span_buckets(kv, kv_buckets)
+        self.decode_spans = self.kv_buckets[-1:] if (decode_attention or model.decode_attention) == "flex" \
+            else self.kv_buckets
+        self.flex = flex and max(self.lengths) <= FLEX_MAX_POSITIONS
+
+    def unit_spans(self) -> tuple[int, ...]:
+        return self.kv_buckets[-1:] if self.flex else self.kv_buckets
+
+    @classmethod
+    def create(cls, model: Qwen3LLM, kv: SlotKVCache, unit_buckets: tuple[int, ...], lengths: tuple[int, ...],
+               decode_buckets: tuple[int, ...], kv_buckets: tuple[int, ...] = (), enabled: bool = True,
+               compile_mode: str | None = None, eager_replay: bool = False, compile_dynamic: bool | None = True,
+               flex: bool = False, decode_attention: str | None = None) -> SharedGraphs | None:
+        if not enabled or not unit_buckets or not lengths or not decode_buckets or (
+                kv.k[0].device.type != "cuda" and not eager_replay):
+            return None
+        graphs = cls(model, kv, unit_buckets, lengths, decode_buckets, kv_buckets, compile_mode, eager_replay,
+                     compile_dynamic, flex, decode_attention)
+        graphs.capture()
+        return graphs
+
+    def capture(self) -> None:
+        h, dev, dt = self.model.cfg.hidden_size, self.device, self.dtype
+        for bu in sorted(self.unit_buckets, reverse=True):
+            for t in sorted(self.lengths, reverse=True):
+                for bd in sorted(self.decode_buckets, reverse=True):
+                    for span_d in sorted(self.decode_spans, reverse=True):
+                        for span_u in sorted(self.unit_spans(), reverse=True):
+                            st = SharedStep(
+                                xu=torch.zeros(bu, t, h, dtype=dt, device=dev),
+                                pos_u=torch.zeros(bu, t, dtype=torch.long, device=dev),
+                                slots_u=torch.full((bu,), self.kv.scratch, dtype=torch.long, device=dev),
+                                valid_u=torch.zeros(bu, t, dtype=torch.bool, device=dev),
+                                xd=torch.zeros(bd, 1, h, dtype=dt, device=dev),
+                                pos_d=torch.full((bd, 1), self.kv.reserved_pos, dtype=torch.long, device=dev),
+                                span_u=span_u, span_d=span_d, flex=self.flex)
+                            self._capture((bu, t, bd, span_d, span_u), st)  # type: ignore[arg-type]
+
+    def _call(self, st: SharedStep) -> torch.Tensor:  # type: ignore[override]
+        return self.model.forward_shared(st.xu, st.pos_u, st.slots_u, st.valid_u, st.xd, st.pos_d, self.kv,
+                                         limit_u=st.span_u, limit_d=st.span_d, layer_fn=self.layer_fn, flex=st.flex,
+                                         decode_attention=self.decode_attention)
+
+    def covers(self, units: int, length: int, top_token_slot: int) -> bool:
+        """Whether `units` unit rows of at most `length` positions and token rows up to slot `top_token_slot` fit."""
+        return (units <= self.unit_buckets[-1] and length <= self.lengths[-1]
+                and top_token_slot + 1 <= self.decode_buckets[-1])
+
+    @torch.no_grad()
+    def run(self, slots: list[int], starts: list[int], embeds: list[torch.Tensor], x: torch.Tensor,
+            pos: torch.Tensor, token_slots: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """Unit row i: `embeds[i]` [T_i, H] at starts[i]… of slot slots[i] (as `PrefillGraphs.run`); token rows:
+        x [N, H] (device) at pos [N] of token_slots [N] (host, distinct; as `DecodeGraphs.run`) → (each unit row's
+        hidden [T_i, H], the token rows' hidden [N, H]), owned."""
+        n, lengths = len(slots), [e.shape[0] for e in embeds]
+        bu, t = bucket(n, self.unit_buckets), bucket(max(lengths), self.lengths)
+        span_u = bucket(max(s + k for s, k in zip(starts, lengths, strict=True)), self.unit_spans())
+        bd = bucket(int(token_slots.max()) + 1, self.decode_buckets)
+        span_d = bucket(int(pos.max()) + 1, self.decode_spans)  # the decode graphs' reach rule
+        st = self.steps.get((bu, t, bd, span_d, span_u))
+        if st is None:
+            raise GraphShapeError(f"no shared step was captured for shape {(bu, t, bd, span_d, span_u)}")
+        if n > st.xu.shape[0] or max(lengths) > t or embeds[0].dtype != st.xu.dtype or x.dtype != st.xd.dtype:
+            raise GraphShapeError(f"{n} unit rows x {max(lengths)} positions do not fit {tuple(st.xu.shape)}")
+        host = torch.zeros(bu, 2 * t + 1, dtype=torch.long)  # [pos | valid | slot] per unit row
+        host[:, -1] = self.kv.scratch
+        for i, (slot, start, k) in enumerate(zip(slots, starts, lengths, strict=True)):
+            host[i, :k] = torch.arange(start, start + k)
+            host[i, t:t + k] = 1
+            host[i, -1] = slot
+        dense_pos = torch.full((bd,), self.kv.reserved_pos, dtype=torch.long)
+        dense_pos[token_slots] = pos
+        packed = to_device(torch.cat([host.flatten(), dense_pos, token_slots]), self.device)  # one copy
+        units, rest = packed[:bu * (2 * t + 1)].view(bu, 2 * t + 1), packed[bu * (2 * t + 1):]
+        dev_slots = rest[bd:]
+        st.xu.zero_()
+        for i, e in enumerate(embeds):
+            st.xu[i, :lengths[i]] = e
+        st.pos_u.copy_(units[:, :t])
+        st.valid_u.copy_(units[:, t:2 * t].bool())
+        st.slots_u.copy_(units[:, -1])
+        st.xd.zero_()
+        st.xd[dev_slots, 0] = x
+        st.pos_d.copy_(rest[:bd, None])
+        assert st.replay is not None
+        st.replay()
+        assert st.out is not None
+        hu = st.out[:n * t].reshape(n, t, -1).clone()
+        return [hu[i, :k] for i, k in enumerate(lengths)], st.out[bu * t:][dev_slots]

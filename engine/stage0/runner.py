@@ -5,8 +5,10 @@
 - single-token rows (decoded tokens, A1 `<|turn_eos|>`): one batched embedding lookup, then the dense slot
   layout (row = slot), through `DecodeGraphs` when captured;
 - multi-token rows that fit a prefill bucket (unit prefills, closes): through `PrefillGraphs` when
-  captured, in chunks of the largest batch bucket; with `merge_decode_rows` a step's single-token rows join
-  them as rows of one position while all fit one chunk (one pass over the weights instead of two);
+  captured, in chunks of the largest batch bucket;
+- both kinds in one step (`Stage0Config.mixed_step`): "split" runs the two above; "merge" has the single-token
+  rows join the prefill graph as rows of one position while all fit one chunk; "shared" runs both kinds in one
+  `SharedGraphs` pass when it covers them (one pass over the weights instead of two);
 - everything else (system prefixes, or no graphs): one eager padded forward with gathered slots.
 
 Padding writes land in the scratch slot (gathered) or the reserved position (dense).
@@ -20,7 +22,7 @@ import torch
 
 from engine.hostio import to_device
 from engine.model.llm import Qwen3LLM, SlotKVCache
-from engine.stage0.graphs import DecodeGraphs, PrefillGraphs
+from engine.stage0.graphs import DecodeGraphs, PrefillGraphs, SharedGraphs
 
 KV_LIMIT_QUANTUM = 256  # eager attention spans a multiple of this many positions (fewer shapes)
 
@@ -40,9 +42,10 @@ class Row:
 class ModelRunner:
     def __init__(self, model: Qwen3LLM, kv: SlotKVCache, graphs: DecodeGraphs | None = None,
                  prefill_graphs: PrefillGraphs | None = None, decode_attention: str | None = None,
-                 merge_decode_rows: bool = False) -> None:
+                 mixed_step: str = "split", shared_graphs: SharedGraphs | None = None) -> None:
         self.model = model
-        self.merge_decode_rows = merge_decode_rows
+        self.mixed_step = mixed_step
+        self.shared_graphs = shared_graphs  # "shared": both kinds of rows in one pass
         self.decode_attention = decode_attention  # the eager decode rows' (None: the model's class default)
         self.kv = kv
         self.graphs = graphs  # decode
@@ -74,9 +77,18 @@ class ModelRunner:
         pg = self.prefill_graphs
         graphed = [i for i in multi if pg is not None and pg.covers(1, rows[i].length)]
         eager = [i for i in multi if i not in graphed]
-        if (single and graphed and pg is not None and self.merge_decode_rows
-                and len(graphed) + len(single) <= pg.batch_buckets[-1]):
-            graphed, single = graphed + single, []
+        if single and graphed and pg is not None:
+            sg = self.shared_graphs
+            if self.mixed_step == "merge" and len(graphed) + len(single) <= pg.batch_buckets[-1]:
+                graphed, single = graphed + single, []
+            elif sg is not None and sg.covers(len(graphed), max(rows[i].length for i in graphed),
+                                              max(rows[i].slot for i in single)):
+                units, tokens = self._shared([rows[i] for i in graphed], [rows[i] for i in single])
+                for i, h in zip(graphed, units, strict=True):
+                    out[i] = h
+                for i, h in zip(single, tokens, strict=True):
+                    out[i] = h[None]
+                graphed, single = [], []
         if single:
             for i, h in zip(single, self._decode([rows[i] for i in single]), strict=True):
                 out[i] = h[None]
@@ -94,6 +106,18 @@ class ModelRunner:
                 out[i] = h
         return out  # type: ignore[return-value] - every index is filled above
 
+    def _shared(self, units: list[Row], tokens: list[Row]) -> tuple[list[torch.Tensor], torch.Tensor]:
+        assert self.shared_graphs is not None
+        return self.shared_graphs.run([r.slot for r in units], [r.start for r in units], self._embeds_of(units),
+                                      self._token_inputs(tokens), torch.tensor([r.start for r in tokens]),
+                                      torch.tensor([r.slot for r in tokens]))
+
+    def _token_inputs(self, rows: list[Row]) -> torch.Tensor:
+        """Single-token rows → [N, H]: one lookup in the usual case (one host → device copy)."""
+        if all(r.embeds is None for r in rows):
+            return self.embed([r.token for r in rows])  # type: ignore[misc]
+        return torch.cat([self._embeds(r) for r in rows])
+
     def _embeds_of(self, rows: list[Row]) -> list[torch.Tensor]:
         """Each row's [T, H] input; the token rows' in one lookup (one host → device copy)."""
         tokens = [r.token for r in rows if r.embeds is None]
@@ -105,10 +129,7 @@ class ModelRunner:
 
     def _decode(self, rows: list[Row]) -> torch.Tensor:
         """Single-token rows → [N, H]: dense layout (row = slot), no KV gather; CUDA graph when captured."""
-        if all(r.embeds is None for r in rows):  # the usual case: one lookup, one host → device copy
-            x = self.embed([r.token for r in rows])  # type: ignore[misc]  # [N, H]
-        else:
-            x = torch.cat([self._embeds(r) for r in rows])  # [N, H]
+        x = self._token_inputs(rows)  # [N, H]
         pos = torch.tensor([r.start for r in rows], dtype=torch.long)
         slots = torch.tensor([r.slot for r in rows], dtype=torch.long)
         reach = int(pos.max()) + 1

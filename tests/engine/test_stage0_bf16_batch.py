@@ -16,30 +16,31 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 SESSIONS, UNITS, WATCHED = 32, 4, 5
 
 
-def _tokens(sids: list[int], compile_mode: str | None, stagger: bool = False, merge: bool = False,
+def _tokens(sids: list[int], compile_mode: str | None, stagger: bool = False, mode: str = "split",
             device: str = "cuda") -> tuple[dict[int, list[int]], int]:
-    """Each session's ids, and how many prefill-graph runs held token rows beside unit rows (merge_decode_rows).
-    With `stagger` the watched session's unit starts one step before the others', so its next token rides
-    in their prefill pass when they are there, and in a decode pass when it is alone."""
+    """Each session's ids, and how many passes held token rows beside unit rows (`mixed_step` merge or shared).
+    With `stagger` the watched session's unit starts one step before the others', so its next token shares a step
+    with their unit prefills when they are there, and has a decode pass alone when it is alone."""
     model = tiny_llm().to(device).to(torch.bfloat16)
     # the default decode buckets (none of 1 row: a compiled batch-1 graph is specialised, and its kernels made
     # the watched session's ids differ from position 11 on the H200); prefill up to 32 rows in one graph
     config = Stage0Config(max_sessions=SESSIONS, compile_mode=compile_mode, decode_kv_buckets=(512,),
-                          prefill_batch_buckets=(2, 8, 32), merge_decode_rows=merge,
+                          prefill_batch_buckets=(2, 8, 32), mixed_step=mode, shared_decode_buckets=(SESSIONS,),
                           eager_replay_graphs=device == "cpu")
     events: list = []
     engine = Stage0Engine(model, tiny_tokenizer(), FakeFrontEnd(), events.append, config,
                           DecodeRules(force_listen_count=0))
-    pg, merged = engine.runner.prefill_graphs, [0]
-    assert pg is not None
-    run = pg.run
+    both, runner = [0], engine.runner
+    graphs = runner.shared_graphs if mode == "shared" else runner.prefill_graphs
+    assert graphs is not None
+    run = graphs.run
 
-    def counting(slots: list[int], starts: list[int], embeds: list[torch.Tensor]) -> list[torch.Tensor]:
-        lengths = {e.shape[0] == 1 for e in embeds}
-        merged[0] += lengths == {True, False}
-        return run(slots, starts, embeds)
+    def counting(*args: object) -> object:
+        embeds = args[2]  # both graph sets take (slots, starts, embeds, ...)
+        both[0] += mode == "shared" or {e.shape[0] == 1 for e in embeds} == {True, False}  # type: ignore[union-attr]
+        return run(*args)
 
-    pg.run = counting  # type: ignore[method-assign]
+    graphs.run = counting  # type: ignore[method-assign]
     for i in sids:
         engine.open(f"s{i}", Fence(1, 0), params=SamplingParams(temperature=1.5, seed=i))
     engine.run_until_idle()  # the prefixes
@@ -54,7 +55,7 @@ def _tokens(sids: list[int], compile_mode: str | None, stagger: bool = False, me
                     engine.append(f"s{i}", Fence(1, 0, seq=k), unit_pcm(i, k))
         engine.run_until_idle()
     ids = {i: [e.token_id for e in events if isinstance(e, TokenEvent) and e.session_id == f"s{i}"] for i in sids}
-    return ids, merged[0]
+    return ids, both[0]
 
 
 @pytest.mark.filterwarnings("ignore:TensorFloat32 tensor cores")
@@ -65,18 +66,18 @@ def test_bf16_session_alone_equals_among_31_others(compile_mode: str | None) -> 
     assert len(alone[WATCHED]) > UNITS and alone[WATCHED] == crowd[WATCHED]
 
 
-MERGED_DIFFERS = pytest.mark.xfail(strict=True, reason="merge_decode_rows: a token row in a prefill pass gets other "
+MERGED_DIFFERS = pytest.mark.xfail(strict=True, reason="mixed_step merge: a token row in a prefill pass gets other "
                                    "bf16 numbers (attention, GEMM shapes), so its ids change (H200, c906d61)")
 
 
 @pytest.mark.filterwarnings("ignore:TensorFloat32 tensor cores")
-@pytest.mark.parametrize("merge", [False, pytest.param(True, marks=MERGED_DIFFERS)])
+@pytest.mark.parametrize("mode", ["split", "shared", pytest.param("merge", marks=MERGED_DIFFERS)])
 @pytest.mark.parametrize("compile_mode", [None, "default"])
-def test_bf16_staggered_session_alone_equals_among_31_others(compile_mode: str | None, merge: bool) -> None:
-    """The watched session's unit starts a step before the 31 others': its next token rides beside their unit
-    prefills. Split (the default) its ids are those it draws alone; with merge_decode_rows its token rows run in
-    their prefill pass, and the ids differ (strict xfail: if they stop differing, the option may become the default)."""
-    crowd, merged = _tokens(list(range(SESSIONS)), compile_mode, stagger=True, merge=merge)
-    alone, alone_merged = _tokens([WATCHED], compile_mode, stagger=True, merge=merge)
-    assert merged >= (UNITS if merge else 0) and alone_merged == 0 and (merged > 0) is merge
+def test_bf16_staggered_session_alone_equals_among_31_others(compile_mode: str | None, mode: str) -> None:
+    """The watched session's unit starts a step before the 31 others': its next token shares a step with their
+    unit prefills. Split (the default) and shared, its ids are those it draws alone; merged, its token rows run
+    in their prefill pass and the ids differ (strict xfail: if they stop differing, merge may become a default)."""
+    crowd, both = _tokens(list(range(SESSIONS)), compile_mode, stagger=True, mode=mode)
+    alone, alone_both = _tokens([WATCHED], compile_mode, stagger=True, mode=mode)
+    assert alone_both == 0 and (both >= UNITS if mode != "split" else both == 0)
     assert len(alone[WATCHED]) > UNITS and alone[WATCHED] == crowd[WATCHED]

@@ -150,9 +150,9 @@ def _count_replays(graphs: DecodeGraphs | PrefillGraphs) -> list[tuple[int, ...]
 
 
 def test_runner_merges_decode_rows_into_the_prefill_pass() -> None:
-    """merge_decode_rows: a step with unit rows runs its token rows in the same prefill graph (no decode replay),
+    """mixed_step "merge": a step with unit rows runs its token rows in the same prefill graph (no decode replay),
     each row's hidden state still the eager forward's; past the largest batch bucket the split stays."""
-    engine, _ = make_engine(eager_replay_graphs=True, prefill_batch_buckets=(2, 4), merge_decode_rows=True, **SMALL)
+    engine, _ = make_engine(eager_replay_graphs=True, prefill_batch_buckets=(2, 4), mixed_step="merge", **SMALL)
     runner = engine.runner
     assert runner.graphs is not None and runner.prefill_graphs is not None
     decode_ran, prefill_ran = _count_replays(runner.graphs), _count_replays(runner.prefill_graphs)
@@ -184,7 +184,8 @@ def test_engine_merging_decode_rows_equals_engine_splitting_them(prefill: str) -
     model, arrivals, runs, decode_replays = tiny_llm(), {f"s{i}": 3 * i for i in range(4)}, [], []
     for merge in (False, True):
         engine, events = make_engine(model, sessions=4, rules=DecodeRules(force_listen_count=1), **SMALL,
-                                     prefill_attention=prefill, eager_replay_graphs=True, merge_decode_rows=merge)
+                                     prefill_attention=prefill, eager_replay_graphs=True,
+                                     mixed_step="merge" if merge else "split")
         assert engine.runner.graphs is not None
         ran = _count_replays(engine.runner.graphs)
         run_schedule(engine, arrivals, units=4)
@@ -308,10 +309,11 @@ def test_cuda_prefill_graph_equals_eager(compile_mode: str | None, flex: bool) -
 
 @cuda
 @tf32_advice
-@pytest.mark.parametrize("merge_decode_rows", [False, True])
+@pytest.mark.parametrize("mixed_step", ["split", "merge", "shared"])
 @pytest.mark.parametrize("compile_mode", [None, "default"])
-def test_cuda_engine_graphs_equal_eager_engine(compile_mode: str | None, merge_decode_rows: bool) -> None:
-    """With merge_decode_rows the token rows of a step with unit prefills run in the (flex) prefill graph."""
+def test_cuda_engine_graphs_equal_eager_engine(compile_mode: str | None, mixed_step: str) -> None:
+    """A step with token rows and unit prefills: two graphs (split), the (flex) prefill graph (merge), or one
+    shared pass (shared)."""
     model = tiny_llm().cuda()
     arrivals = {f"s{i}": 3 * i for i in range(4)}
     runs = []
@@ -319,7 +321,7 @@ def test_cuda_engine_graphs_equal_eager_engine(compile_mode: str | None, merge_d
         engine, events = make_engine(model, sessions=4, rules=DecodeRules(force_listen_count=1), **SMALL,
                                      merge_unit_close=True, prefill_batch_buckets=(1, 4), use_cuda_graphs=graphs,
                                      compile_mode=compile_mode if graphs else None,
-                                     merge_decode_rows=merge_decode_rows and graphs)
+                                     mixed_step=mixed_step if graphs else "split")
         if graphs:
             assert engine.runner.graphs is not None and engine.runner.prefill_graphs is not None
         run_schedule(engine, arrivals, units=4)

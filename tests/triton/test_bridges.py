@@ -234,15 +234,13 @@ def test_stage0_audio_worker_option(tiny_checkpoint: Path) -> None:
         assert bridge.engine.audio_worker is None
 
 
-def test_stage0_merge_decode_rows_option(tiny_checkpoint: Path) -> None:
-    """Off by default (Stage0Config's); `true` reaches the runner; anything but a bool fails the load."""
-    from model_repository.common.settings import ConfigError
-
-    with pytest.raises(ConfigError, match="merge_decode_rows"):
-        bridges.stage0(settings("stage0", tiny_checkpoint, engine_options='{"merge_decode_rows": 1}'))
-    for options, merged in (("{}", False), ('{"merge_decode_rows": true}', True)):
+def test_stage0_mixed_step_option(tiny_checkpoint: Path) -> None:
+    """split by default; the profile's value reaches the runner; an unknown value fails the load."""
+    with pytest.raises(ValueError, match="mixed_step"):
+        bridges.stage0(settings("stage0", tiny_checkpoint, engine_options='{"mixed_step": "both"}'))
+    for options, mode in (("{}", "split"), ('{"mixed_step": "merge"}', "merge"), ('{"mixed_step": "shared"}', "shared")):
         bridge = bridges.stage0(settings("stage0", tiny_checkpoint, engine_options=options))
-        assert bridge.engine.runner.merge_decode_rows is merged
+        assert bridge.engine.runner.mixed_step == mode
 
 
 def test_stage0_session_warm_up_leaves_no_trace(tiny_checkpoint: Path) -> None:

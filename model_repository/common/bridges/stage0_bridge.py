@@ -49,8 +49,8 @@ MS_PER_S = 1000.0
 WINDOW_LOW_FRACTION = 0.75  # eviction drops old units down to this share of the KV window (§7.4)
 
 WARM_SESSION_BATCHES = (1, 2, 4, 8, 16)  # sessions opened at once by the warm-up (capped at max_sessions)
-OPTIONS = ("audio_worker", "compile_mode", "cuda_graphs", "decode_attention", "merge_decode_rows",
-           "merge_unit_close", "prefill_attention", "scripted_decisions")  # deploy profile `engine_options.stage0` keys
+OPTIONS = ("audio_worker", "compile_mode", "cuda_graphs", "decode_attention", "merge_unit_close", "mixed_step",
+           "prefill_attention", "scripted_decisions")  # deploy profile `engine_options.stage0` keys
 PLAN_KEYS = ("listen_units", "speak_units", "text_ids_per_unit", "tail_listen_units")  # ScriptPlan's fields
 
 
@@ -104,7 +104,7 @@ class Stage0Bridge(EngineBridge):
                            use_cuda_graphs=settings.device.startswith("cuda") and opts.get("cuda_graphs", True),
                            compile_mode=opts.get("compile_mode"),
                            merge_unit_close=bool(opts.get("merge_unit_close", True)),
-                           merge_decode_rows=_flag(opts, "merge_decode_rows"),
+                           mixed_step=opts.get("mixed_step", "split"),
                            prefill_attention=opts.get("prefill_attention", "auto"),
                            decode_attention=opts.get("decode_attention", "matmul"),
                            **scripted_decisions(opts.get("scripted_decisions")))
