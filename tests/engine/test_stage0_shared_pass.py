@@ -91,6 +91,27 @@ def test_shared_graphs_equal_the_split_graphs(flex: bool) -> None:
     assert _same_kv(kv, ref)
 
 
+@pytest.mark.slow
+def test_compiled_shared_graphs_equal_eager_ones() -> None:
+    """The shared layer (tuple arguments, two layouts in one traced function) through torch.compile with symbolic
+    sizes, as the GPU captures it (inductor on CPU here): the same hidden states as the eager shared pass."""
+    model, kv = _filled(torch.float32)
+    ref = _copy(kv)
+    compiled = SharedGraphs.create(model, kv, (2, 4), (13,), (2, 4), (32, 64), eager_replay=True,
+                                   compile_mode="default")
+    eager = SharedGraphs.create(model, ref, (2, 4), (13,), (2, 4), (32, 64), eager_replay=True)
+    assert compiled is not None and eager is not None and compiled.layer_fn is not None
+    gen = torch.Generator().manual_seed(3)
+    embeds = [torch.randn(n, TINY.hidden_size, generator=gen) for n in (13, 11)]
+    x, pos, slots = torch.randn(2, TINY.hidden_size, generator=gen), torch.tensor([30, 25]), torch.tensor([0, 2])
+    with torch.no_grad():
+        got_u, got_d = compiled.run([1, 3], [20, 12], embeds, x, pos, slots)
+        want_u, want_d = eager.run([1, 3], [20, 12], embeds, x, pos, slots)
+    torch.testing.assert_close(got_d, want_d, atol=1e-5, rtol=1e-5)
+    for a, b in zip(got_u, want_u, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
 def _count_runs(graphs: SharedGraphs) -> list[int]:
     ran, run = [0], graphs.run
 
