@@ -135,8 +135,9 @@ class Stage0Config:
     #   its batch".
     # "shared": one pass (`SharedGraphs`, `Qwen3LLM.forward_shared`): the projections and MLP take all rows, the
     #   token rows attend as in their decode graph (same dense bucket, span and kernel), the unit rows as in the
-    #   prefill graph. Hidden states bitwise equal to "split" on CPU in fp32 and bf16 (tests/engine/
-    #   test_stage0_shared_pass.py); on the GPU the GEMMs see more rows than the decode graph's, and whether that
+    #   prefill graph. On CPU in bf16 the token rows' hidden states are bitwise split's (tests/engine/
+    #   test_stage0_shared_pass.py, bench/bench_mixed_step.py; in fp32 some row counts round 2e-7 apart); on the
+    #   GPU the GEMMs see more rows than the decode graph's, and whether that
     #   moves a row's bf16 numbers is for the staggered check on the H200 to say: not yet run, nor served. With
     #   graphs only; steps with token rows past slot max(shared_decode_buckets) - 1, units with frames, or more
     #   units than the largest prefill bucket stay split.
