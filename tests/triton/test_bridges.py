@@ -243,6 +243,21 @@ def test_stage0_mixed_step_option(tiny_checkpoint: Path) -> None:
         assert bridge.engine.runner.mixed_step == mode
 
 
+def test_stage0_bucket_options(tiny_checkpoint: Path) -> None:
+    """prefill_batch_buckets and shared_decode_buckets reach the engine's config; anything but a list of positive
+    integers fails the load."""
+    from model_repository.common.settings import ConfigError
+
+    for bad in ('{"shared_decode_buckets": 16}', '{"prefill_batch_buckets": [2, 0]}', '{"prefill_batch_buckets": []}'):
+        with pytest.raises(ConfigError, match="buckets"):
+            bridges.stage0(settings("stage0", tiny_checkpoint, engine_options=bad))
+    bridge = bridges.stage0(settings("stage0", tiny_checkpoint,
+                                     engine_options='{"prefill_batch_buckets": [2, 16], "shared_decode_buckets": [2, 32]}'))
+    assert bridge.engine.config.prefill_batch_buckets == (2, 16)
+    assert bridge.engine.config.shared_decode_buckets == (2, 32)
+    assert bridges.stage0(settings("stage0", tiny_checkpoint)).engine.config.prefill_batch_buckets == (2, 4, 8)
+
+
 def test_stage0_session_warm_up_leaves_no_trace(tiny_checkpoint: Path) -> None:
     """The warm-up's sessions (k at once, two units each, for k up to max_sessions) close again: every slot is
     free, and a session served afterwards decides and says exactly what an engine that never warmed up does."""

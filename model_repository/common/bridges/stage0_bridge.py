@@ -50,7 +50,7 @@ WINDOW_LOW_FRACTION = 0.75  # eviction drops old units down to this share of the
 
 WARM_SESSION_BATCHES = (1, 2, 4, 8, 16)  # sessions opened at once by the warm-up (capped at max_sessions)
 OPTIONS = ("audio_worker", "compile_mode", "cuda_graphs", "decode_attention", "merge_unit_close", "mixed_step",
-           "prefill_attention", "scripted_decisions")  # deploy profile `engine_options.stage0` keys
+           "prefill_attention", "prefill_batch_buckets", "scripted_decisions", "shared_decode_buckets")  # deploy profile `engine_options.stage0` keys
 PLAN_KEYS = ("listen_units", "speak_units", "text_ids_per_unit", "tail_listen_units")  # ScriptPlan's fields
 
 
@@ -82,6 +82,16 @@ def _flag(opts: dict[str, Any], name: str) -> bool:
     return value
 
 
+def _buckets(opts: dict[str, Any], name: str) -> dict[str, tuple[int, ...]]:
+    """A list of batch buckets (positive ints) as a Stage0Config keyword; absent: {} (the config's default)."""
+    if name not in opts:
+        return {}
+    value = opts[name]
+    if not isinstance(value, list) or not value or not all(isinstance(b, int) and b > 0 for b in value):
+        raise ConfigError(f"engine_options.stage0.{name} must be a list of positive integers, not {value!r}")
+    return {name: tuple(value)}
+
+
 class Stage0Bridge(EngineBridge):
     def __init__(self, settings: StageSettings) -> None:
         super().__init__(settings)
@@ -107,6 +117,7 @@ class Stage0Bridge(EngineBridge):
                            mixed_step=opts.get("mixed_step", "split"),
                            prefill_attention=opts.get("prefill_attention", "auto"),
                            decode_attention=opts.get("decode_attention", "matmul"),
+                           **_buckets(opts, "prefill_batch_buckets"), **_buckets(opts, "shared_decode_buckets"),
                            **scripted_decisions(opts.get("scripted_decisions")))
         self.hidden_dim = ck.config.llm.hidden_size
         self.engine = Stage0Engine(model.llm, ck.tokenizer, frontend, self._on_event, cfg)
