@@ -37,8 +37,7 @@ def build(model: Qwen3LLM, args: argparse.Namespace, dev: torch.device, dtype: t
     fresh_compile(args.compile)
     decode = DecodeGraphs.create(model, kv, DECODE_BUCKETS, (), **how)
     prefill = PrefillGraphs.create(model, kv, UNIT_BUCKETS, (MERGED_PREFILL,), (), flex=dev.type == "cuda", **how)
-    shared = SharedGraphs.create(model, kv, UNIT_BUCKETS, (MERGED_PREFILL,), DECODE_BUCKETS, (),
-                                 flex=dev.type == "cuda", **how)
+    shared = SharedGraphs.create(decode, prefill, MERGED_PREFILL, max(DECODE_BUCKETS), **how)
     assert decode is not None and prefill is not None and shared is not None
     return decode, prefill, shared
 

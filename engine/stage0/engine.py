@@ -67,12 +67,9 @@ class Stage0Engine:
         flex = config.prefill_attention == "flex" or (config.prefill_attention == "auto" and p.device.type == "cuda")
         prefill = PrefillGraphs.create(model, kv, config.prefill_batch_buckets, config.prefill_lengths(),
                                        config.decode_kv_buckets, flex=flex, **how)
-        shared = None
-        if config.mixed_step == "shared" and graphs is not None and prefill is not None:
-            top = max(config.shared_decode_buckets)
-            shared = SharedGraphs.create(model, kv, config.prefill_batch_buckets, config.prefill_lengths()[1:2],
-                                         tuple(b for b in graphs.batch_buckets if b <= top), config.decode_kv_buckets,
-                                         flex=flex, decode_attention=decode, **how)
+        shared = SharedGraphs.create(graphs, prefill, config.prefill_lengths()[1], max(config.shared_decode_buckets),
+                                     enabled=config.mixed_step == "shared", compile_mode=config.compile_mode,
+                                     eager_replay=config.eager_replay_graphs, compile_dynamic=config.compile_dynamic)
         self.runner = ModelRunner(model, kv, graphs, prefill, decode_attention=decode, mixed_step=config.mixed_step,
                                   shared_graphs=shared)
         self.table = SessionTable(config.max_sessions)

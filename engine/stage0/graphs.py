@@ -72,6 +72,50 @@ def bucket(value: int, buckets: tuple[int, ...]) -> int:
     return min(fits)
 
 
+def dense_layout(pos: torch.Tensor, slots: torch.Tensor, rows: int, idle_pos: int) -> torch.Tensor:
+    """Host [rows + N]: each dense row's position (`idle_pos` for rows without a token), then the N tokens' slots."""
+    dense_pos = torch.full((rows,), idle_pos, dtype=torch.long)
+    dense_pos[slots] = pos
+    return torch.cat([dense_pos, slots])
+
+
+def fill_dense(x_st: torch.Tensor, pos_st: torch.Tensor, packed: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Copy-in of a dense step: x [N, H] into its slots' rows of x_st [rows, 1, H], `dense_layout`'s positions into
+    pos_st [rows, 1]. Returns the tokens' slots on the device (where their outputs are read)."""
+    rows = x_st.shape[0]
+    dev_slots = packed[rows:]
+    x_st.zero_()
+    x_st[dev_slots, 0] = x
+    pos_st.copy_(packed[:rows, None])
+    return dev_slots
+
+
+def gathered_layout(slots: list[int], starts: list[int], lengths: list[int], rows: int, t: int,
+                    scratch: int) -> torch.Tensor:
+    """Host [rows, 2 t + 1]: [positions | valid | slot] per gathered row. Dummy rows and padding: the scratch slot,
+    invalid (they write to scratch position 0 and read only themselves)."""
+    host = torch.zeros(rows, 2 * t + 1, dtype=torch.long)
+    host[:, -1] = scratch
+    for i, (slot, start, k) in enumerate(zip(slots, starts, lengths, strict=True)):
+        host[i, :k] = torch.arange(start, start + k)
+        host[i, t:t + k] = 1
+        host[i, -1] = slot
+    return host
+
+
+def fill_gathered(x_st: torch.Tensor, pos_st: torch.Tensor, valid_st: torch.Tensor, slots_st: torch.Tensor,
+                  packed: torch.Tensor, embeds: list[torch.Tensor]) -> None:
+    """Copy-in of gathered rows: embeds[i] [T_i, H] into x_st [rows, t, H], `gathered_layout` (on the device) into
+    the position, valid and slot buffers."""
+    t = x_st.shape[1]
+    x_st.zero_()
+    for i, e in enumerate(embeds):
+        x_st[i, :e.shape[0]] = e
+    pos_st.copy_(packed[:, :t])
+    valid_st.copy_(packed[:, t:2 * t].bool())
+    slots_st.copy_(packed[:, -1])
+
+
 def top_span_buckets(kv: SlotKVCache, spans: tuple[int, ...]) -> tuple[int, ...]:
     """Attention spans up to `kv.reserved_pos`, which covers every token's key (no token is ever at the
     reserved position). Not the cache length: a span of the whole cache is a contiguous slice, which a
@@ -181,13 +225,8 @@ class DecodeGraphs(StepGraphs):
         span = bucket(self.kv.reserved_pos if reach is None else reach, self.kv_buckets)
         st = self._step((rows, span))
         st.check(rows, 1, x.dtype)
-        dense_pos = torch.full((rows,), self.kv.reserved_pos, dtype=torch.long)
-        dense_pos[slots] = pos
-        packed = to_device(torch.cat([dense_pos, slots]), self.device)  # one host → device copy
-        dev_slots = packed[rows:]
-        st.x.zero_()
-        st.x[dev_slots, 0] = x
-        st.pos.copy_(packed[:rows, None])
+        packed = to_device(dense_layout(pos, slots, rows, self.kv.reserved_pos), self.device)  # one host → device copy
+        dev_slots = fill_dense(st.x, st.pos, packed, x)
         st.replay()
         assert st.out is not None
         return st.out[dev_slots, 0]  # advanced indexing copies out of the static output
@@ -243,21 +282,9 @@ class PrefillGraphs(StepGraphs):
         span = bucket(max(s + k for s, k in zip(starts, lengths, strict=True)), self.spans(t))
         st = self._step((b, t, span))
         st.check(n, max(lengths), embeds[0].dtype)
-        # dummy rows and padding: scratch slot, invalid (write to scratch position 0, read only themselves)
-        host = torch.zeros(b, 2 * t + 1, dtype=torch.long)  # [pos | valid | slot] per row
-        host[:, -1] = self.kv.scratch
-        for i, (slot, start, k) in enumerate(zip(slots, starts, lengths, strict=True)):
-            host[i, :k] = torch.arange(start, start + k)
-            host[i, t:t + k] = 1
-            host[i, -1] = slot
-        packed = to_device(host, self.device)  # one host → device copy
-        st.x.zero_()
-        for i, e in enumerate(embeds):
-            st.x[i, :lengths[i]] = e
+        packed = to_device(gathered_layout(slots, starts, lengths, b, t, self.kv.scratch), self.device)  # one copy
         assert st.slots is not None and st.valid is not None
-        st.pos.copy_(packed[:, :t])
-        st.valid.copy_(packed[:, t:2 * t].bool())
-        st.slots.copy_(packed[:, -1])
+        fill_gathered(st.x, st.pos, st.valid, st.slots, packed, embeds)
         st.replay()
         assert st.out is not None
         out = st.out[:n].clone()  # [n, t, H], owned by the caller
@@ -282,55 +309,47 @@ class SharedStep:
 
 
 class SharedGraphs(StepGraphs):
-    """Steps with unit rows of up to `lengths` positions and single-token rows, in one pass over the weights. The
-    token rows take the decode graphs' dense bucket, span and attention, so their numbers are the decode graphs';
-    the unit rows take the prefill graphs' layout and attention. Dense buckets up to `decode_batch_buckets`."""
+    """Steps with unit rows of up to `length` positions and single-token rows, in one pass over the weights. The
+    buckets, spans and attention come from the engine's decode and prefill graph sets, so a token row is laid out
+    and attends as in its decode graph (its numbers are the decode graph's) and a unit row as in the prefill graph.
+    Dense buckets up to `top_rows` rows."""
 
-    def __init__(self, model: Qwen3LLM, kv: SlotKVCache, unit_buckets: tuple[int, ...], lengths: tuple[int, ...],
-                 decode_buckets: tuple[int, ...], kv_buckets: tuple[int, ...], compile_mode: str | None = None,
-                 eager_replay: bool = False, compile_dynamic: bool | None = True, flex: bool = False,
-                 decode_attention: str | None = None) -> None:
-        super().__init__(model, kv, compile_mode, eager_replay, compile_dynamic, decode_attention)
-        self.unit_buckets = tuple(sorted({min(b, kv.slots) for b in unit_buckets}))
-        self.lengths = tuple(sorted(set(lengths)))
-        self.decode_buckets = tuple(sorted({min(b, kv.slots) for b in decode_buckets}))
-        self.kv_buckets = top_span_buckets(kv, kv_buckets)
-        self.decode_spans = self.kv_buckets[-1:] if (decode_attention or model.decode_attention) == "flex" \
-            else self.kv_buckets
-        self.flex = flex and max(self.lengths) <= FLEX_MAX_POSITIONS
-
-    def unit_spans(self) -> tuple[int, ...]:
-        return self.kv_buckets[-1:] if self.flex else self.kv_buckets
+    def __init__(self, decode: DecodeGraphs, prefill: PrefillGraphs, length: int, top_rows: int,
+                 compile_mode: str | None = None, eager_replay: bool = False,
+                 compile_dynamic: bool | None = True) -> None:
+        super().__init__(prefill.model, prefill.kv, compile_mode, eager_replay, compile_dynamic,
+                         decode.decode_attention)
+        self.unit_buckets, self.length = prefill.batch_buckets, bucket(length, prefill.len_buckets)
+        self.unit_spans, self.flex = prefill.spans(self.length), self.length in prefill.flex_lengths
+        self.decode_buckets = tuple(b for b in decode.batch_buckets if b <= top_rows)
+        self.decode_spans = decode.kv_buckets
 
     @classmethod
-    def create(cls, model: Qwen3LLM, kv: SlotKVCache, unit_buckets: tuple[int, ...], lengths: tuple[int, ...],
-               decode_buckets: tuple[int, ...], kv_buckets: tuple[int, ...] = (), enabled: bool = True,
-               compile_mode: str | None = None, eager_replay: bool = False, compile_dynamic: bool | None = True,
-               flex: bool = False, decode_attention: str | None = None) -> SharedGraphs | None:
-        if not enabled or not unit_buckets or not lengths or not decode_buckets or (
-                kv.k[0].device.type != "cuda" and not eager_replay):
+    def create(cls, decode: DecodeGraphs | None, prefill: PrefillGraphs | None, length: int, top_rows: int,
+               enabled: bool = True, compile_mode: str | None = None, eager_replay: bool = False,
+               compile_dynamic: bool | None = True) -> SharedGraphs | None:
+        """None when disabled, or without both graph sets (off CUDA unless they replay eagerly)."""
+        if not enabled or decode is None or prefill is None or not any(b <= top_rows for b in decode.batch_buckets):
             return None
-        graphs = cls(model, kv, unit_buckets, lengths, decode_buckets, kv_buckets, compile_mode, eager_replay,
-                     compile_dynamic, flex, decode_attention)
+        graphs = cls(decode, prefill, length, top_rows, compile_mode, eager_replay, compile_dynamic)
         graphs.capture()
         return graphs
 
     def capture(self) -> None:
-        h, dev, dt = self.model.cfg.hidden_size, self.device, self.dtype
+        h, dev, dt, t = self.model.cfg.hidden_size, self.device, self.dtype, self.length
         for bu in sorted(self.unit_buckets, reverse=True):
-            for t in sorted(self.lengths, reverse=True):
-                for bd in sorted(self.decode_buckets, reverse=True):
-                    for span_d in sorted(self.decode_spans, reverse=True):
-                        for span_u in sorted(self.unit_spans(), reverse=True):
-                            st = SharedStep(
-                                xu=torch.zeros(bu, t, h, dtype=dt, device=dev),
-                                pos_u=torch.zeros(bu, t, dtype=torch.long, device=dev),
-                                slots_u=torch.full((bu,), self.kv.scratch, dtype=torch.long, device=dev),
-                                valid_u=torch.zeros(bu, t, dtype=torch.bool, device=dev),
-                                xd=torch.zeros(bd, 1, h, dtype=dt, device=dev),
-                                pos_d=torch.full((bd, 1), self.kv.reserved_pos, dtype=torch.long, device=dev),
-                                span_u=span_u, span_d=span_d, flex=self.flex)
-                            self._capture((bu, t, bd, span_d, span_u), st)  # type: ignore[arg-type]
+            for bd in sorted(self.decode_buckets, reverse=True):
+                for span_d in sorted(self.decode_spans, reverse=True):
+                    for span_u in sorted(self.unit_spans, reverse=True):
+                        st = SharedStep(
+                            xu=torch.zeros(bu, t, h, dtype=dt, device=dev),
+                            pos_u=torch.zeros(bu, t, dtype=torch.long, device=dev),
+                            slots_u=torch.full((bu,), self.kv.scratch, dtype=torch.long, device=dev),
+                            valid_u=torch.zeros(bu, t, dtype=torch.bool, device=dev),
+                            xd=torch.zeros(bd, 1, h, dtype=dt, device=dev),
+                            pos_d=torch.full((bd, 1), self.kv.reserved_pos, dtype=torch.long, device=dev),
+                            span_u=span_u, span_d=span_d, flex=self.flex)
+                        self._capture((bu, t, bd, span_d, span_u), st)  # type: ignore[arg-type]
 
     def _call(self, st: SharedStep) -> torch.Tensor:  # type: ignore[override]
         return self.model.forward_shared(st.xu, st.pos_u, st.slots_u, st.valid_u, st.xd, st.pos_d, self.kv,
@@ -339,8 +358,7 @@ class SharedGraphs(StepGraphs):
 
     def covers(self, units: int, length: int, top_token_slot: int) -> bool:
         """Whether `units` unit rows of at most `length` positions and token rows up to slot `top_token_slot` fit."""
-        return (units <= self.unit_buckets[-1] and length <= self.lengths[-1]
-                and top_token_slot + 1 <= self.decode_buckets[-1])
+        return units <= self.unit_buckets[-1] and length <= self.length and top_token_slot < self.decode_buckets[-1]
 
     @torch.no_grad()
     def run(self, slots: list[int], starts: list[int], embeds: list[torch.Tensor], x: torch.Tensor,
@@ -348,36 +366,21 @@ class SharedGraphs(StepGraphs):
         """Unit row i: `embeds[i]` [T_i, H] at starts[i]… of slot slots[i] (as `PrefillGraphs.run`); token rows:
         x [N, H] (device) at pos [N] of token_slots [N] (host, distinct; as `DecodeGraphs.run`) → (each unit row's
         hidden [T_i, H], the token rows' hidden [N, H]), owned."""
-        n, lengths = len(slots), [e.shape[0] for e in embeds]
-        bu, t = bucket(n, self.unit_buckets), bucket(max(lengths), self.lengths)
-        span_u = bucket(max(s + k for s, k in zip(starts, lengths, strict=True)), self.unit_spans())
+        n, lengths, t = len(slots), [e.shape[0] for e in embeds], self.length
+        bu = bucket(n, self.unit_buckets)
+        span_u = bucket(max(s + k for s, k in zip(starts, lengths, strict=True)), self.unit_spans)
         bd = bucket(int(token_slots.max()) + 1, self.decode_buckets)
         span_d = bucket(int(pos.max()) + 1, self.decode_spans)  # the decode graphs' reach rule
         st = self.steps.get((bu, t, bd, span_d, span_u))
         if st is None:
             raise GraphShapeError(f"no shared step was captured for shape {(bu, t, bd, span_d, span_u)}")
-        if n > st.xu.shape[0] or max(lengths) > t or embeds[0].dtype != st.xu.dtype or x.dtype != st.xd.dtype:
+        if max(lengths) > t or embeds[0].dtype != st.xu.dtype or x.dtype != st.xd.dtype:
             raise GraphShapeError(f"{n} unit rows x {max(lengths)} positions do not fit {tuple(st.xu.shape)}")
-        host = torch.zeros(bu, 2 * t + 1, dtype=torch.long)  # [pos | valid | slot] per unit row
-        host[:, -1] = self.kv.scratch
-        for i, (slot, start, k) in enumerate(zip(slots, starts, lengths, strict=True)):
-            host[i, :k] = torch.arange(start, start + k)
-            host[i, t:t + k] = 1
-            host[i, -1] = slot
-        dense_pos = torch.full((bd,), self.kv.reserved_pos, dtype=torch.long)
-        dense_pos[token_slots] = pos
-        packed = to_device(torch.cat([host.flatten(), dense_pos, token_slots]), self.device)  # one copy
-        units, rest = packed[:bu * (2 * t + 1)].view(bu, 2 * t + 1), packed[bu * (2 * t + 1):]
-        dev_slots = rest[bd:]
-        st.xu.zero_()
-        for i, e in enumerate(embeds):
-            st.xu[i, :lengths[i]] = e
-        st.pos_u.copy_(units[:, :t])
-        st.valid_u.copy_(units[:, t:2 * t].bool())
-        st.slots_u.copy_(units[:, -1])
-        st.xd.zero_()
-        st.xd[dev_slots, 0] = x
-        st.pos_d.copy_(rest[:bd, None])
+        units = gathered_layout(slots, starts, lengths, bu, t, self.kv.scratch)
+        packed = to_device(torch.cat([units.flatten(), dense_layout(pos, token_slots, bd, self.kv.reserved_pos)]),
+                           self.device)  # one host → device copy
+        fill_gathered(st.xu, st.pos_u, st.valid_u, st.slots_u, packed[:units.numel()].view(units.shape), embeds)
+        dev_slots = fill_dense(st.xd, st.pos_d, packed[units.numel():], x)
         assert st.replay is not None
         st.replay()
         assert st.out is not None

@@ -66,6 +66,14 @@ def test_forward_shared_equals_forward_per_part(dtype: torch.dtype, flex: bool) 
     assert _same_kv(kv, ref)
 
 
+def _split_graphs(model: torch.nn.Module, kv: SlotKVCache, flex: bool = False) -> tuple[DecodeGraphs, PrefillGraphs]:
+    """The decode and prefill graph sets a shared set takes its buckets from (eager replay)."""
+    decode = DecodeGraphs.create(model, kv, (2, 4), (32, 64), eager_replay=True)
+    prefill = PrefillGraphs.create(model, kv, (2, 4), (13,), (32, 64), eager_replay=True, flex=flex)
+    assert decode is not None and prefill is not None
+    return decode, prefill
+
+
 @flex_unfused
 @pytest.mark.parametrize("flex", [False, True])
 def test_shared_graphs_equal_the_split_graphs(flex: bool) -> None:
@@ -73,10 +81,9 @@ def test_shared_graphs_equal_the_split_graphs(flex: bool) -> None:
     the dense bucket and the span are the decode graphs'."""
     model, kv = _filled(torch.float32)
     ref = _copy(kv)
-    decode = DecodeGraphs.create(model, ref, (2, 4), (32, 64), eager_replay=True)
-    prefill = PrefillGraphs.create(model, ref, (2, 4), (13,), (32, 64), eager_replay=True, flex=flex)
-    shared = SharedGraphs.create(model, kv, (2, 4), (13,), (2, 4), (32, 64), eager_replay=True, flex=flex)
-    assert decode is not None and prefill is not None and shared is not None
+    decode, prefill = _split_graphs(model, ref, flex)
+    shared = SharedGraphs.create(*_split_graphs(model, kv, flex), 13, 4, eager_replay=True)
+    assert shared is not None
     gen = torch.Generator().manual_seed(2)
     embeds = [torch.randn(n, TINY.hidden_size, generator=gen) for n in (13, 11)]
     x = torch.randn(2, TINY.hidden_size, generator=gen)
@@ -97,9 +104,8 @@ def test_compiled_shared_graphs_equal_eager_ones() -> None:
     sizes, as the GPU captures it (inductor on CPU here): the same hidden states as the eager shared pass."""
     model, kv = _filled(torch.float32)
     ref = _copy(kv)
-    compiled = SharedGraphs.create(model, kv, (2, 4), (13,), (2, 4), (32, 64), eager_replay=True,
-                                   compile_mode="default")
-    eager = SharedGraphs.create(model, ref, (2, 4), (13,), (2, 4), (32, 64), eager_replay=True)
+    compiled = SharedGraphs.create(*_split_graphs(model, kv), 13, 4, eager_replay=True, compile_mode="default")
+    eager = SharedGraphs.create(*_split_graphs(model, ref), 13, 4, eager_replay=True)
     assert compiled is not None and eager is not None and compiled.layer_fn is not None
     gen = torch.Generator().manual_seed(3)
     embeds = [torch.randn(n, TINY.hidden_size, generator=gen) for n in (13, 11)]
