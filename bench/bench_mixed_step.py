@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -30,21 +31,29 @@ DECODE_BUCKETS = (2, 4, 8, 16)  # Stage0Config.shared_decode_buckets
 
 
 def build(model: Qwen3LLM, args: argparse.Namespace, dev: torch.device, dtype: torch.dtype
-          ) -> tuple[DecodeGraphs, PrefillGraphs, SharedGraphs]:
-    """The three graph sets over one KV of 16 slots, each row `--context` positions deep; one span (the slot's)."""
-    kv = random_kv(model.cfg, max(DECODE_BUCKETS), args.context + 64, dev, dtype)
+          ) -> tuple[DecodeGraphs, PrefillGraphs, SharedGraphs | None]:
+    """The graph sets over one KV of `--slots` slots, each row `--context` positions deep (the shared set only
+    with mixes to time)."""
+    kv = random_kv(model.cfg, args.slots, args.context + 64, dev, dtype)
     how = dict(compile_mode=args.compile, eager_replay=dev.type != "cuda")
     fresh_compile(args.compile)
-    decode = DecodeGraphs.create(model, kv, DECODE_BUCKETS, (), **how)
-    prefill = PrefillGraphs.create(model, kv, UNIT_BUCKETS, (MERGED_PREFILL,), (), flex=dev.type == "cuda", **how)
-    shared = SharedGraphs.create(decode, prefill, MERGED_PREFILL, max(DECODE_BUCKETS), **how)
-    assert decode is not None and prefill is not None and shared is not None
+    decode = DecodeGraphs.create(model, kv, decode_buckets(args), args.spans, decode_attention=args.decode_attention,
+                                 **how)
+    prefill = PrefillGraphs.create(model, kv, UNIT_BUCKETS, (MERGED_PREFILL,), args.spans, flex=dev.type == "cuda",
+                                   **how)
+    shared = SharedGraphs.create(decode, prefill, MERGED_PREFILL, max(DECODE_BUCKETS), **how) if args.mixes else None
+    assert decode is not None and prefill is not None
     return decode, prefill, shared
 
 
-def bench_mix(graphs: tuple[DecodeGraphs, PrefillGraphs, SharedGraphs], units: int, tokens: int,
+def decode_buckets(args: argparse.Namespace) -> tuple[int, ...]:
+    return tuple(b for b in (2, 4, 8, 16, 32, 64) if b <= args.slots)
+
+
+def bench_mix(graphs: tuple[DecodeGraphs, PrefillGraphs, SharedGraphs | None], units: int, tokens: int,
               args: argparse.Namespace, dev: torch.device, dtype: torch.dtype) -> list[dict]:
     decode, prefill, shared = graphs
+    assert shared is not None
     h, ctx = decode.model.cfg.hidden_size, args.context
     gen = torch.Generator().manual_seed(units * 100 + tokens)
     x = torch.randn(tokens, h, generator=gen).to(dev, dtype)  # tokens at slots 0..D-1, units after them
@@ -67,6 +76,12 @@ def bench_mix(graphs: tuple[DecodeGraphs, PrefillGraphs, SharedGraphs], units: i
 
     rows, want = [], None
     with torch.no_grad():
+        for name, fn in (("decode", lambda: decode.run(x, pos, token_slots, ctx + 1)),
+                         ("prefill", lambda: prefill.run(unit_slots, starts, embeds))):  # the two halves of split
+            ms = timed(fn, args.iters, args.warmup, dev)
+            rows.append(dict(what=f"{name} only", units=units if name == "prefill" else 0,
+                             tokens=tokens if name == "decode" else 0, context=ctx, median_ms=ms[0], p99_ms=ms[1],
+                             tokens_equal_split=None, max_abs_diff=None))
         for name, fn in (("split", split), ("merge", merge), ("shared", one_pass)):
             if name == "merge" and units + tokens > UNIT_BUCKETS[-1]:
                 continue
@@ -79,18 +94,65 @@ def bench_mix(graphs: tuple[DecodeGraphs, PrefillGraphs, SharedGraphs], units: i
     return rows
 
 
+def invariance(graphs: tuple[DecodeGraphs, PrefillGraphs, SharedGraphs | None], args: argparse.Namespace,
+               dev: torch.device, dtype: torch.dtype) -> list[dict]:
+    """Split's own batch invariance at this size: one session's token row (unit row, logits row) alone in its
+    graph and beside others (a larger bucket), compared bit for bit, and the step's time. The engine's batched ==
+    solo tests run a tiny model; at full size the GEMMs of another row count may pick other kernels."""
+    decode, prefill, _ = graphs
+    model, ctx = decode.model, args.context
+    h = model.cfg.hidden_size
+    gen = torch.Generator().manual_seed(7)
+    rows = []
+
+    def row(what: str, n: int, got: torch.Tensor, alone: torch.Tensor, fn: Callable[[], object]) -> None:
+        ms = timed(fn, args.iters, args.warmup, dev)
+        rows.append(dict(what=what, rows=n, context=ctx, median_ms=ms[0], p99_ms=ms[1],
+                         equal_alone=bool(torch.equal(got, alone)),
+                         max_abs_diff=float((got.float() - alone.float()).abs().max())))
+
+    with torch.no_grad():
+        x = torch.randn(args.slots, h, generator=gen).to(dev, dtype)
+        buckets = decode_buckets(args)
+
+        def step(n: int) -> torch.Tensor:
+            return decode.run(x[:n], torch.full((n,), ctx), torch.arange(n), ctx + 1)
+
+        alone = step(1)[0].clone()
+        row("decode alone vs among", 1, alone, alone, lambda: step(1))
+        for n in buckets[1:]:
+            row("decode alone vs among", n, step(n)[0], alone, lambda n=n: step(n))
+        hidden = torch.randn(max(buckets), h, generator=gen).to(dev, dtype)
+        alone = model.logits(hidden[:1])[0].clone()
+        for n in buckets:
+            row("logits alone vs among", n, model.logits(hidden[:n])[0], alone, lambda n=n: model.logits(hidden[:n]))
+        embeds = [torch.randn(MERGED_PREFILL, h, generator=gen).to(dev, dtype) for _ in range(UNIT_BUCKETS[-1])]
+        alone = prefill.run([0], [ctx], embeds[:1])[0].clone()
+        for n in UNIT_BUCKETS[1:]:
+            got = prefill.run(list(range(n)), [ctx] * n, embeds[:n])[0]
+            row("prefill alone vs among", n, got, alone, lambda n=n: prefill.run(list(range(n)), [ctx] * n, embeds[:n]))
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action="store_true", help="tiny model on CPU (smoke test)")
     ap.add_argument("--context", type=int, default=8192, help="retained KV positions of every row")
     ap.add_argument("--mixes", default="1:1,1:3,2:2,2:6,4:4", help="UNITS:TOKENS per step, comma separated")
     ap.add_argument("--compile", default=None, help="torch.compile mode of the graphs (served: default)")
+    ap.add_argument("--spans", default="", help="attention span buckets of the graphs (the profile's "
+                    "decode_kv_buckets), comma separated; the top span (the whole retained KV) is always there")
+    ap.add_argument("--decode-attention", default=None, choices=("matmul", "sdpa", "flex"),
+                    help="the token rows' attention (default: the model's, matmul)")
+    ap.add_argument("--slots", type=int, default=16, help="KV slots (the decode buckets go up to it, at most 64)")
+    ap.add_argument("--min-rows", type=int, default=0, help="least GEMM rows (Stage0Config.gemm_min_rows; 0: off)")
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
                     help="default: bfloat16 on a GPU, float32 on CPU")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    args.spans = tuple(int(v) for v in args.spans.split(",") if v)
     if args.tiny:
         args.context, args.iters, args.warmup = min(args.context, 128), 3, 1
     dev = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
@@ -99,19 +161,26 @@ def main(argv: list[str] | None = None) -> None:
         model = Qwen3LLM(TINY if args.tiny else FULL).to(dtype).eval()
     dummy_init(model)
     model.fuse_projections()
+    model.pad_gemm_rows(args.min_rows)
     graphs = build(model, args, dev, dtype)
     rows = []
-    for mix in args.mixes.split(","):
+    for mix in filter(None, args.mixes.split(",")):
         units, tokens = (int(n) for n in mix.split(":"))
         rows += bench_mix(graphs, units, tokens, args, dev, dtype)
+    rows += invariance(graphs, args, dev, dtype)
     device = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
     if args.json:
-        Path(args.json).write_text(json.dumps(dict(device=device, dtype=str(dtype), compile=args.compile, rows=rows),
+        Path(args.json).write_text(json.dumps(dict(device=device, dtype=str(dtype), compile=args.compile,
+                                                   min_rows=args.min_rows, rows=rows),
                                               indent=2) + "\n")
-    print(f"{'what':14s} {'units':>5s} {'tokens':>6s} {'ctx':>6s} {'median ms':>10s} {'p99 ms':>8s} {'= split':>8s}")
+    print(f"{'what':22s} {'units':>5s} {'tokens':>6s} {'ctx':>6s} {'median ms':>10s} {'p99 ms':>8s} {'= split':>8s}")
     for r in rows:
-        print(f"{r['what']:14s} {r['units']:5d} {r['tokens']:6d} {r['context']:6d} {r['median_ms']:10.3f} "
-              f"{r['p99_ms']:8.3f} {str(r['tokens_equal_split']):>8s}")
+        if "equal_alone" in r:
+            print(f"{r['what']:22s} {r['rows']:12d} {r['context']:6d} {r['median_ms']:10.3f} {r['p99_ms']:8.3f} "
+                  f"{str(r['equal_alone']):>8s} (= alone; max |diff| {r['max_abs_diff']:.3g})")
+        else:
+            print(f"{r['what']:22s} {r['units']:5d} {r['tokens']:6d} {r['context']:6d} {r['median_ms']:10.3f} "
+                  f"{r['p99_ms']:8.3f} {str(r['tokens_equal_split']):>8s}")
 
 
 if __name__ == "__main__":
