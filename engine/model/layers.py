@@ -159,6 +159,19 @@ def write_and_read_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Ten
     return k_cache[slot_ids, :, :kv_limit], v_cache[slot_ids, :, :kv_limit]  # gathered
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, min_rows: int = 0) -> torch.Tensor:
+    """F.linear (bias-free) over x [..., K] with at least `min_rows` rows in the GEMM: fewer rows are padded with
+    zeros and the result cut back. cuBLAS picks its kernel by the row count, so a row's result can depend on how
+    many rows share its GEMM (on the H200 in bf16 the lm_head's did; bench/RESULTS.md stop 36). Each row's result
+    does not depend on the other rows' values, so with every count padded to the same size it does not depend on
+    the other sessions in the step either."""
+    rows = x.numel() // x.shape[-1]
+    if rows >= min_rows:
+        return F.linear(x, weight)
+    flat = F.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, min_rows - rows))
+    return F.linear(flat, weight)[:rows].reshape(*x.shape[:-1], weight.shape[0])
+
+
 class SlotAttention(nn.Module):
     """Bias-free q/k/v/o attention with RoPE over slot KV. Subclasses may override `project`
     (how q, k, v are computed) and `attend` (the attention kernel); the default is one SDPA call.
@@ -173,6 +186,7 @@ class SlotAttention(nn.Module):
         self.v_proj = nn.Linear(hidden, n_kv * head_dim, bias=False)
         self.o_proj = nn.Linear(n_heads * head_dim, hidden, bias=False)
         self.register_buffer("qkv_weight", None, persistent=False)  # [(heads + 2 kvh) D, H] once fused
+        self.min_rows = 0  # the projections' least GEMM rows (`linear`); set by the model's `pad_gemm_rows`
 
     def fuse(self) -> None:
         """One [q; k; v] matmul instead of three; q/k/v_proj.weight become views of it (same keys)."""
@@ -189,9 +203,9 @@ class SlotAttention(nn.Module):
     def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [B, T, H] → q [B, T, heads D], k, v [B, T, kvh D]: one matmul once fused, else three."""
         if self.qkv_weight is None:
-            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            return tuple(linear(x, p.weight, self.min_rows) for p in (self.q_proj, self.k_proj, self.v_proj))
         nq, nk = self.n_heads * self.head_dim, self.n_kv * self.head_dim
-        q, k, v = F.linear(x, self.qkv_weight).split((nq, nk, nk), dim=-1)
+        q, k, v = linear(x, self.qkv_weight, self.min_rows).split((nq, nk, nk), dim=-1)
         return q, k, v
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -222,7 +236,7 @@ class SlotAttention(nn.Module):
         q, k, v = self.project(x)
         out = self._attend_rows(q, k, v, cos, sin, k_cache, v_cache, write_slot, write_pos, slot_ids, mask,
                                 kv_limit, mode)
-        return self.o_proj(out.reshape(b, t, self.n_heads * self.head_dim))
+        return linear(out.reshape(b, t, self.n_heads * self.head_dim), self.o_proj.weight, self.min_rows)
 
     def _attend_rows(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      k_cache: torch.Tensor, v_cache: torch.Tensor, write_slot: torch.Tensor, write_pos: torch.Tensor,
@@ -250,7 +264,7 @@ class SlotAttention(nn.Module):
                                     v[0, lo:hi].reshape(b, t, *v.shape[2:]), cos[i], sin[i], k_cache, v_cache,
                                     write_slot[i], write_pos[i], slots, mask[i], kv_limit[i], mode[i])
             parts.append(out.reshape(b * t, self.n_heads * self.head_dim))
-        return self.o_proj(torch.cat(parts)[None])
+        return linear(torch.cat(parts)[None], self.o_proj.weight, self.min_rows)
 
 
 # ---------------------------------------------------------------- MLP and the decoder layer
@@ -274,6 +288,7 @@ class GatedMLP(nn.Module):
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
         self.register_buffer("gate_up_weight", None, persistent=False)  # [2 I, H] once fused
+        self.min_rows = 0  # least GEMM rows (`linear`)
 
     def fuse(self) -> None:
         self.gate_up_weight = fuse_linears(self.gate_proj, self.up_proj)
@@ -287,9 +302,10 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_weight is None:
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+            gate, up = linear(x, self.gate_proj.weight, self.min_rows), linear(x, self.up_proj.weight, self.min_rows)
+        else:
+            gate, up = linear(x, self.gate_up_weight, self.min_rows).chunk(2, dim=-1)
+        return linear(F.silu(gate) * up, self.down_proj.weight, self.min_rows)
 
 
 def fuse_layers(layers: nn.ModuleList) -> None:

@@ -29,6 +29,7 @@ from engine.model.layers import (
     apply_rope,
     fuse_layers,
     layers_fused,
+    linear,
     rope_cos_sin,
     rope_inv_freq,
     rotate_half,
@@ -97,6 +98,7 @@ class Qwen3LLM(nn.Module):
         self.cfg = cfg
         self.model = Qwen3Model(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.min_rows = 0  # `logits`' least GEMM rows (`pad_gemm_rows`)
         self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta), persistent=False)  # [D/2]
 
     def reset_rope_(self) -> None:
@@ -107,6 +109,14 @@ class Qwen3LLM(nn.Module):
     def fuse_projections(self) -> Qwen3LLM:
         """q/k/v and gate/up as one matmul each (`fuse_layers`: state_dict keys and values unchanged)."""
         fuse_layers(self.model.layers)
+        return self
+
+    def pad_gemm_rows(self, rows: int) -> Qwen3LLM:
+        """Every GEMM of the forward and `logits` at least `rows` rows (`layers.linear`: a row's numbers then do
+        not depend on how many rows share its batch, where the kernel choice changes below `rows`). 0: off."""
+        for layer in self.model.layers:
+            layer.self_attn.min_rows = layer.mlp.min_rows = rows
+        self.min_rows = rows
         return self
 
     @property
@@ -208,7 +218,7 @@ class Qwen3LLM(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """lm_head on selected final-norm hidden states [..., H] → [..., V] in the model dtype."""
-        return self.lm_head(hidden)
+        return linear(hidden, self.lm_head.weight, self.min_rows)
 
     def rotate_keys(self, keys: torch.Tensor, shift: int | torch.Tensor) -> torch.Tensor:
         """Move cached (post-RoPE) keys [..., L, D] back by `shift` positions (model.md §7.4).

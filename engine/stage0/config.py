@@ -122,8 +122,17 @@ class Stage0Config:
     # step costs the sum of its rows' lengths, and one span serves every bucket (fewer graphs); "sdpa" as in
     # Qwen3LLM. Default matmul: on the H200 (stop 29, bench/RESULTS.md) the compiled flex graph was level with it
     # alone (8 k: 6.46 vs 6.14 ms at batch 1, 16.47 vs 16.52 at 32) and worse served at 64 sessions (max gap
-    # 2371 vs 1447 ms, commit->first audio p99 2101 vs 1045 ms, same commit, only this option changed).
+    # 2371 vs 1447 ms, commit->first audio p99 2101 vs 1045 ms, same commit, only this option changed), and at 16
+    # sessions on h200-scripted (324 vs 309 / 305 ms p50, stop 36). But at long spans with few rows flex is far
+    # faster (8 k, one token among 16 slots: 6.4 vs 17.7 ms; the served load test stays under 2 k positions).
     decode_attention: Literal["matmul", "sdpa", "flex"] = "matmul"
+    # Least rows of every LLM GEMM (`Qwen3LLM.pad_gemm_rows`; 0 = off): fewer rows are zero-padded. cuBLAS picks
+    # its kernel by the row count: on the H200 in bf16 a row's logits alone differed from the same row among 1-63
+    # others (max 0.0156) and were bit-equal with 32 rows padded, at no measured cost (decode step 8.45 vs 8.40
+    # ms at 1 row, 25.3 vs 25.8 at 64; bench/bench_mixed_step.py "alone vs among", bench/RESULTS.md stop 36).
+    # The decode and unit-prefill attention still make a row's numbers depend on the batch at full size (same
+    # rows there); the tiny model's batched == solo tests do not reach it.
+    gemm_min_rows: int = 32
     # A step with both decoded tokens and unit prefills (or closes):
     # "split": the decode graph, then the prefill graph: two passes over the weights (at batch 1-2 either reads
     #   all 16 GB of bf16 weights).
@@ -137,10 +146,11 @@ class Stage0Config:
     #   token rows attend as in their decode graph (same dense bucket, span and kernel), the unit rows as in the
     #   prefill graph. On CPU in bf16 the token rows' hidden states are bitwise split's (tests/engine/
     #   test_stage0_shared_pass.py, bench/bench_mixed_step.py; in fp32 some row counts round 2e-7 apart); on the
-    #   GPU the GEMMs see more rows than the decode graph's, and whether that
-    #   moves a row's bf16 numbers is for the staggered check on the H200 to say: not yet run, nor served. With
-    #   graphs only; steps with token rows past slot max(shared_decode_buckets) - 1, units with frames, or more
-    #   units than the largest prefill bucket stay split.
+    #   GPU at full size they are not (max |diff| 0.09-0.16 in every mix of bench/bench_mixed_step.py: the GEMMs
+    #   over all rows pick other kernels), and served at 16 sessions it read 290 ms against 309 / 305 for split in
+    #   the same calls (bench/RESULTS.md stop 36): no clear gain. With graphs only; steps with token rows past
+    #   slot max(shared_decode_buckets) - 1, units with frames, or more units than the largest prefill bucket
+    #   stay split.
     mixed_step: Literal["split", "merge", "shared"] = "split"
     shared_decode_buckets: tuple[int, ...] = (2, 4, 8, 16)  # "shared": the dense buckets captured (x 5 spans)
     # torch.compile mode applied to the forward before graph capture ("default" or
@@ -176,6 +186,8 @@ class Stage0Config:
             raise ValueError(f"prefill_attention {self.prefill_attention!r}: use auto, gather or flex")
         if self.mixed_step not in ("split", "merge", "shared"):
             raise ValueError(f"mixed_step {self.mixed_step!r}: use split, merge or shared")
+        if self.gemm_min_rows < 0:
+            raise ValueError(f"gemm_min_rows {self.gemm_min_rows}: use 0 (off) or a row count")
         if self.decode_attention not in ("matmul", "sdpa", "flex"):
             raise ValueError(f"decode_attention {self.decode_attention!r}: use matmul, sdpa or flex")
         if self.scripted_decisions and not self.benchmark_mode:

@@ -56,6 +56,7 @@ class Stage0Engine:
         self.ids = ids = SpecialIds.from_tokenizer(tokenizer, model.cfg.vocab_size)
         if config.fuse_projections and not model.fused:
             model.fuse_projections()  # same parameters (views), so the caller's model is unchanged in value
+        model.pad_gemm_rows(config.gemm_min_rows)
         p = next(model.parameters())
         kv = SlotKVCache.allocate(model.cfg, config.max_sessions, config.slot_len(rules), dtype=p.dtype,
                                   device=p.device)

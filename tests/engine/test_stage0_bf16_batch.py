@@ -6,9 +6,12 @@ Needs CUDA; skipped elsewhere. Run on the H200:
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
+from engine.model.llm import Qwen3LLM
 from engine.stage0 import DecodeRules, Fence, SamplingParams, Stage0Config, Stage0Engine, TokenEvent
 from tests.engine.test_stage0_helpers import FakeFrontEnd, tiny_llm, tiny_tokenizer, unit_pcm
 
@@ -81,3 +84,21 @@ def test_bf16_staggered_session_alone_equals_among_31_others(compile_mode: str |
     alone, alone_both = _tokens([WATCHED], compile_mode, stagger=True, mode=mode)
     assert alone_both == 0 and (both >= UNITS if mode != "split" else both == 0)
     assert len(alone[WATCHED]) > UNITS and alone[WATCHED] == crowd[WATCHED]
+
+
+def test_bf16_full_width_logits_row_alone_equals_among_others() -> None:
+    """The lm_head at the real width (4096 x 151,748): a row's logits alone == among up to 63 others with the
+    rows padded to 32 (Stage0Config.gemm_min_rows' default). Unpadded they differed on the H200 by up to 0.0156
+    (bench/bench_mixed_step.py "logits alone vs among", bench/RESULTS.md stop 36). The tiny model above does not
+    reach the row counts where the kernel choice changes."""
+    from bench.bench_stage0 import FULL
+
+    with torch.device("cuda"):
+        model = Qwen3LLM(dataclasses.replace(FULL, num_hidden_layers=1)).to(torch.bfloat16).eval()
+    model.pad_gemm_rows(Stage0Config().gemm_min_rows)
+    hidden = torch.randn(64, FULL.hidden_size, device="cuda", generator=torch.Generator("cuda").manual_seed(0),
+                         dtype=torch.bfloat16)
+    with torch.no_grad():
+        alone = model.logits(hidden[:1])[0]
+        for n in (2, 4, 8, 16, 32, 64):
+            assert torch.equal(model.logits(hidden[:n])[0], alone), n

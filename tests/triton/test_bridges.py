@@ -258,6 +258,19 @@ def test_stage0_bucket_options(tiny_checkpoint: Path) -> None:
     assert bridges.stage0(settings("stage0", tiny_checkpoint)).engine.config.prefill_batch_buckets == (2, 4, 8)
 
 
+def test_stage0_gemm_min_rows_option(tiny_checkpoint: Path) -> None:
+    """gemm_min_rows reaches the model (32 by default); anything but an integer >= 0 fails the load."""
+    from model_repository.common.settings import ConfigError
+
+    for bad in ('{"gemm_min_rows": -1}', '{"gemm_min_rows": "32"}', '{"gemm_min_rows": true}'):
+        with pytest.raises(ConfigError, match="gemm_min_rows"):
+            bridges.stage0(settings("stage0", tiny_checkpoint, engine_options=bad))
+    assert bridges.stage0(settings("stage0", tiny_checkpoint)).engine.model.min_rows == 32
+    bridge = bridges.stage0(settings("stage0", tiny_checkpoint, engine_options='{"gemm_min_rows": 0}'))
+    assert bridge.engine.config.gemm_min_rows == 0
+    assert {layer.mlp.min_rows for layer in bridge.engine.model.model.layers} == {0}
+
+
 def test_stage0_session_warm_up_leaves_no_trace(tiny_checkpoint: Path) -> None:
     """The warm-up's sessions (k at once, two units each, for k up to max_sessions) close again: every slot is
     free, and a session served afterwards decides and says exactly what an engine that never warmed up does."""

@@ -49,8 +49,8 @@ MS_PER_S = 1000.0
 WINDOW_LOW_FRACTION = 0.75  # eviction drops old units down to this share of the KV window (§7.4)
 
 WARM_SESSION_BATCHES = (1, 2, 4, 8, 16)  # sessions opened at once by the warm-up (capped at max_sessions)
-OPTIONS = ("audio_worker", "compile_mode", "cuda_graphs", "decode_attention", "merge_unit_close", "mixed_step",
-           "prefill_attention", "prefill_batch_buckets", "scripted_decisions", "shared_decode_buckets")  # deploy profile `engine_options.stage0` keys
+OPTIONS = ("audio_worker", "compile_mode", "cuda_graphs", "decode_attention", "gemm_min_rows", "merge_unit_close",
+           "mixed_step", "prefill_attention", "prefill_batch_buckets", "scripted_decisions", "shared_decode_buckets")  # deploy profile `engine_options.stage0` keys
 PLAN_KEYS = ("listen_units", "speak_units", "text_ids_per_unit", "tail_listen_units")  # ScriptPlan's fields
 
 
@@ -92,6 +92,16 @@ def _buckets(opts: dict[str, Any], name: str) -> dict[str, tuple[int, ...]]:
     return {name: tuple(value)}
 
 
+def _rows(opts: dict[str, Any], name: str) -> dict[str, int]:
+    """A row count (an int >= 0) as a Stage0Config keyword; absent: {} (the config's default)."""
+    if name not in opts:
+        return {}
+    value = opts[name]
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ConfigError(f"engine_options.stage0.{name} must be an integer >= 0, not {value!r}")
+    return {name: value}
+
+
 class Stage0Bridge(EngineBridge):
     def __init__(self, settings: StageSettings) -> None:
         super().__init__(settings)
@@ -117,6 +127,7 @@ class Stage0Bridge(EngineBridge):
                            mixed_step=opts.get("mixed_step", "split"),
                            prefill_attention=opts.get("prefill_attention", "auto"),
                            decode_attention=opts.get("decode_attention", "matmul"),
+                           **_rows(opts, "gemm_min_rows"),
                            **_buckets(opts, "prefill_batch_buckets"), **_buckets(opts, "shared_decode_buckets"),
                            **scripted_decisions(opts.get("scripted_decisions")))
         self.hidden_dim = ck.config.llm.hidden_size
