@@ -1,9 +1,11 @@
 """A step's token rows and unit prefills in one pass over the weights (`Stage0Config.mixed_step = "shared"`).
 
 The projections and the MLP take every row, each kind attends as it does alone: the token rows as in their decode
-graph (dense bucket, span, kernel), the unit rows as in the prefill graph. On CPU the hidden states are bitwise
-those of the split step (two passes), in fp32 and in bf16; unlike "merge", whose token rows attend through the
-prefill kernels and change a session's bf16 ids (tests/engine/test_stage0_bf16_batch.py).
+graph (dense bucket, span, kernel), the unit rows as in the prefill graph. On CPU in bf16 the hidden states are
+bitwise those of the split step (two passes); in fp32 close (some CPUs' fp32 GEMM kernels depend on the row count:
+2e-7 apart on one CI machine, bitwise on another); unlike "merge", whose token rows attend through the prefill
+kernels and change a session's bf16 ids (tests/engine/test_stage0_bf16_batch.py). On the H200 at full size the
+shared pass's token rows are not bitwise split's either (bench/RESULTS.md stop 36), so shared is not a default.
 """
 
 from __future__ import annotations
@@ -37,9 +39,14 @@ def _copy(kv: SlotKVCache) -> SlotKVCache:
     return SlotKVCache(k=[t.clone() for t in kv.k], v=[t.clone() for t in kv.v])
 
 
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """bf16: bit-equal; fp32: within 1e-6 (the row count may pick another CPU GEMM kernel, see the module doc)."""
+    return torch.equal(a, b) if a.dtype == torch.bfloat16 else torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
 def _same_kv(a: SlotKVCache, b: SlotKVCache) -> bool:
     """Every slot but scratch, every position but the reserved one (idle dense rows write there, never read)."""
-    return all(torch.equal(x[:-1, :, :-1], y[:-1, :, :-1]) for x, y in zip(a.k + a.v, b.k + b.v, strict=True))
+    return all(_same(x[:-1, :, :-1], y[:-1, :, :-1]) for x, y in zip(a.k + a.v, b.k + b.v, strict=True))
 
 
 @flex_unfused
@@ -61,8 +68,8 @@ def test_forward_shared_equals_forward_per_part(dtype: torch.dtype, flex: bool) 
         want_u = model(xu, pos_u, slots_u, ref, valid=valid_u, kv_limit=64, flex=flex)
         got = model.forward_shared(xu, pos_u, slots_u, valid_u, xd, pos_d, kv, limit_u=64, limit_d=64, flex=flex)
     hu, hd = got[:26].view(2, 13, -1), got[26:]
-    assert torch.equal(hd[[0, 2]], want_d[[0, 2], 0])
-    assert torch.equal(hu[0], want_u[0]) and torch.equal(hu[1, :11], want_u[1, :11])
+    assert _same(hd[[0, 2]], want_d[[0, 2], 0])
+    assert _same(hu[0], want_u[0]) and _same(hu[1, :11], want_u[1, :11])
     assert _same_kv(kv, ref)
 
 
@@ -77,7 +84,7 @@ def _split_graphs(model: torch.nn.Module, kv: SlotKVCache, flex: bool = False) -
 @flex_unfused
 @pytest.mark.parametrize("flex", [False, True])
 def test_shared_graphs_equal_the_split_graphs(flex: bool) -> None:
-    """Eager replay: one SharedGraphs run = a DecodeGraphs run then a PrefillGraphs run, bitwise, KV included;
+    """Eager replay: one SharedGraphs run = a DecodeGraphs run then a PrefillGraphs run (fp32: `_same`), KV included;
     the dense bucket and the span are the decode graphs'."""
     model, kv = _filled(torch.float32)
     ref = _copy(kv)
@@ -93,8 +100,8 @@ def test_shared_graphs_equal_the_split_graphs(flex: bool) -> None:
         want_d = decode.run(x, pos, slots, reach=31)
         want_u = prefill.run([1, 3], [20, 12], embeds)
         got_u, got_d = shared.run([1, 3], [20, 12], embeds, x, pos, slots)
-    assert torch.equal(got_d, want_d)
-    assert all(torch.equal(a, b) for a, b in zip(got_u, want_u, strict=True))
+    assert _same(got_d, want_d)
+    assert all(_same(a, b) for a, b in zip(got_u, want_u, strict=True))
     assert _same_kv(kv, ref)
 
 
