@@ -43,11 +43,12 @@ import yaml  # noqa: E402
 from bench.loadgen import stages, text_wait  # noqa: E402
 from bench.loadgen.fixtures import FixtureError, speech_fixtures  # noqa: E402
 from bench.loadgen.report import run_figures  # noqa: E402
-from bench.loadgen.user import User, UserLog  # noqa: E402
+from bench.loadgen.user import User, UserLog, long_instructions  # noqa: E402
 
 READY_TIMEOUT_S = 5.0
 PROGRESS_S = 5.0
 START_SPREAD_S = 1.0  # users start spread over one model unit, as independent callers would
+MAX_INSTRUCTIONS_CHARS = 32_768  # protocol.md: session.instructions
 SETTLE_S = 2.0  # between two N: slots whose cleanup is still pending (§3.10 X6) come free
 
 
@@ -71,6 +72,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--unit-align-s", type=float, default=None,
                     help="the gateway's DUPLEX_UNIT_ALIGN_S (its unit grid after a commit; 0: off; default: the "
                          "--profile's unit_align_s, which `duplex serve` gives the gateway, else 0)")
+    ap.add_argument("--instructions-chars", type=int, default=0,
+                    help="each session's system prompt, this many characters of filler (at most 32768; the "
+                         "byte-level test tokenizers make about one KV position each): sessions that start deep "
+                         "in their context, as long calls do; keep it below 0.75 x the profile's kv_window")
     ap.add_argument("--out", type=Path, required=True, help="JSON results file")
     ap.add_argument("--commit", help="the commit the server runs (default: this checkout's git HEAD; a copy "
                                      "without its own history, such as a device snapshot, passes it)")
@@ -81,6 +86,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error(f"--sessions must be comma-separated integers, got {args.sessions!r}")
     if not args.sessions or min(args.sessions) < 1 or args.duration <= 0:
         ap.error("--sessions needs N >= 1 and --duration must be > 0")
+    if not 0 <= args.instructions_chars <= MAX_INSTRUCTIONS_CHARS:
+        ap.error(f"--instructions-chars must be 0..{MAX_INSTRUCTIONS_CHARS} (protocol.md: session.instructions)")
     args.gateway_metrics = args.gateway_metrics or f"{http_base(args.url)}/metrics"
     try:
         args.profile_values = read_profile(args.profile)  # read once: the sweep takes the plan and device from it
@@ -192,7 +199,9 @@ async def _start(user: User, delay_s: float) -> UserLog:
 async def run_step(n: int, args: argparse.Namespace, speech: list[Any],
                    plan: dict[str, int] | None = None) -> list[UserLog]:
     users = [User(i, args.url, speech, args.duration, cancel_every_s=args.cancel_every, api_key=args.api_key,
-                  plan=plan, unit_align_s=args.unit_align_s) for i in range(n)]
+                  plan=plan, unit_align_s=args.unit_align_s,
+                  instructions=long_instructions(args.instructions_chars) if args.instructions_chars else None)
+             for i in range(n)]
     progress = asyncio.create_task(_progress(n, users, time.monotonic()))
     try:
         return list(await asyncio.gather(*(_start(u, i * START_SPREAD_S / n) for i, u in enumerate(users))))
@@ -258,7 +267,7 @@ async def sweep(args: argparse.Namespace) -> dict[str, Any]:
     speech = speech_fixtures()
     doc: dict[str, Any] = {"commit": args.commit or git_commit(), "device": device_name(profile),
                            "profile": str(args.profile) if args.profile else None, "scripted": scripted,
-                           "scripted_plan": plan,
+                           "scripted_plan": plan, "instructions_chars": args.instructions_chars,
                            "url": args.url, "duration_s": args.duration, "cancel_every_s": args.cancel_every,
                            "unit_align_s": args.unit_align_s,  # effective: --unit-align-s, else the profile's
                            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "runs": []}

@@ -19,6 +19,8 @@
 #   COMMIT (recorded in the results; default: the file COMMIT beside this checkout, else git HEAD)
 #   UNIT_ALIGN_S (set: the gateway's DUPLEX_UNIT_ALIGN_S for `serve` and the load generator's --unit-align-s,
 #     over the profile's unit_align_s; 0 turns it off; unset: both follow the profile)
+#   INSTRUCTIONS_CHARS (set: the load generator's --instructions-chars, each session's system prompt that many
+#     characters: sessions that start about that many KV positions deep, as long calls do)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 REPO="$(pwd)"
@@ -106,7 +108,8 @@ do_load() {
   DUPLEX_LOADGEN_CACHE="$FIXTURES" PYTHONUNBUFFERED=1 "$VENV/bin/python" bench/load_realtime.py \
     --url "ws://127.0.0.1:$PORT" --sessions "$SESSIONS" --duration "$DURATION" --profile "$PROFILE" \
     --triton-metrics "http://127.0.0.1:$METRICS_PORT/metrics" --out "$OUT/load-h200.json" \
-    ${COMMIT:+--commit "$COMMIT"} ${KEEP_GOING:+--keep-going} ${UNIT_ALIGN_S:+--unit-align-s "$UNIT_ALIGN_S"}
+    ${COMMIT:+--commit "$COMMIT"} ${KEEP_GOING:+--keep-going} ${UNIT_ALIGN_S:+--unit-align-s "$UNIT_ALIGN_S"} \
+    ${INSTRUCTIONS_CHARS:+--instructions-chars "$INSTRUCTIONS_CHARS"}
 }
 
 do_logs() {

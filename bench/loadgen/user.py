@@ -111,12 +111,28 @@ def _error_code(ev: dict[str, Any]) -> tuple[str, str | None]:
     return str(ev.get("code")), ev.get("client_event_id")
 
 
+FILLER = "The caller may ask about anything; answer briefly and kindly, in the caller's language. "
+
+
+def long_instructions(chars: int) -> str:
+    """`chars` characters of system prompt (repeated filler): a session whose context starts that deep, as a long
+    call's does, so a load test runs its attention at the serving context rather than near zero (the tiny and
+    the full-size dummy checkpoints' tokenizer is byte level: about one position per character)."""
+    return (FILLER * (chars // len(FILLER) + 1))[:chars]
+
+
+def session_config(instructions: str | None = None) -> dict[str, Any]:
+    """The session.update body: SESSION_CONFIG, with `instructions` when given."""
+    return SESSION_CONFIG if instructions is None else {**SESSION_CONFIG, "instructions": instructions}
+
+
 class User:
     def __init__(self, index: int, url: str, speech: list[np.ndarray], duration_s: float, *,
                  cancel_every_s: float | None = None, api_key: str | None = None,
                  plan: dict[str, int] | None = None, clock: Callable[[], float] = time.monotonic,
-                 unit_align_s: float = 0.0) -> None:
+                 unit_align_s: float = 0.0, instructions: str | None = None) -> None:
         self.url, self.speech, self.duration_s, self.plan = url, speech, duration_s, plan
+        self.instructions = instructions
         self.unit_align_s = unit_align_s  # the gateway's DUPLEX_UNIT_ALIGN_S: its grid after a commit
         self._t0: float | None = None  # the send schedule's start: chunk k is due at t0 + k x APPEND_S
         self.cancel_every_s, self.api_key, self.clock = cancel_every_s, api_key, clock
@@ -154,7 +170,7 @@ class User:
         self._ws = await websockets.connect(realtime_url(self.url, autostart="0"),
                                             max_size=MAX_MESSAGE_BYTES, open_timeout=OPEN_TIMEOUT_S,
                                             additional_headers=headers)
-        await self._ws.send(json.dumps({"type": "session.update", "session": SESSION_CONFIG}))
+        await self._ws.send(json.dumps({"type": "session.update", "session": session_config(self.instructions)}))
         first = json.loads(await asyncio.wait_for(self._ws.recv(), OPEN_TIMEOUT_S))
         if first.get("type") != "session.created":
             code, _ = _error_code(first)

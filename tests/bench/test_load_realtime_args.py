@@ -1,5 +1,5 @@
-"""bench/load_realtime.py's `--unit-align-s`: the load generator's grid follows the gateway's, which the deploy
-profile's `unit_align_s` sets unless an explicit value is given."""
+"""bench/load_realtime.py's arguments: `--unit-align-s` (the load generator's grid follows the gateway's, which the
+deploy profile's `unit_align_s` sets unless an explicit value is given) and `--instructions-chars`."""
 
 from __future__ import annotations
 
@@ -52,3 +52,24 @@ def test_an_unreadable_profile_is_a_usage_error(tmp_path: Path, parse: Callable[
         parse("--profile", str(_profile(tmp_path, "unit_align_s: soon\n")))
     assert exit_.value.code == 2
     assert "cannot read unit_align_s from --profile" in capsys.readouterr().err
+
+
+def test_instructions_chars_is_bounded_by_the_protocol(parse: Callable[..., argparse.Namespace],
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    assert parse().instructions_chars == 0
+    assert parse("--instructions-chars", "6000").instructions_chars == 6000
+    for bad in ("-1", "32769"):
+        with pytest.raises(SystemExit) as exit_:
+            parse("--instructions-chars", bad)
+        assert exit_.value.code == 2
+    assert "--instructions-chars must be 0..32768" in capsys.readouterr().err
+
+
+def test_long_instructions_fill_the_session_update() -> None:
+    from bench.loadgen.user import SESSION_CONFIG, long_instructions, session_config
+
+    text = long_instructions(5000)
+    assert len(text) == 5000 and text.startswith("The caller") and len(set(text.split())) > 5
+    body = session_config(text)
+    assert body["instructions"] == text and {k: v for k, v in body.items() if k != "instructions"} == SESSION_CONFIG
+    assert "instructions" not in session_config() and "instructions" not in SESSION_CONFIG

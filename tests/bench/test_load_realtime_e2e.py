@@ -86,3 +86,19 @@ def test_two_sessions_fill_every_field_and_the_stage_metrics(stack: Stack, tmp_p
         for family in stages.FAMILIES.values():
             assert sample[(f"{family}_count", stage)] > 0, (family, stage)
         assert sample[("duplex_stage_rows_per_step_sum", stage)] >= sample[("duplex_stage_rows_per_step_count", stage)]
+
+
+def test_sessions_with_a_long_prompt_start_deep_and_still_answer(stack: Stack, tmp_path: Path) -> None:
+    """--instructions-chars: each session's system prompt is that long (about one KV position per character with
+    the tiny tokenizer), so the run's attention works at a long context; the gateway takes it, turns still answer."""
+    out = tmp_path / "long.json"
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "load_realtime.py"), "--url", f"ws://{stack.addr}",
+                           "--sessions", "1", "--duration", "9", "--instructions-chars", "2000",
+                           "--profile", str(PROFILE), "--out", str(out)],
+                          capture_output=True, text=True, timeout=200, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["instructions_chars"] == 2000
+    (run,) = doc["runs"]
+    assert run["responses"] >= 1 and run["commit_to_first_audio_ms"]["p50"] is not None, run
+    assert not run["errors"], run["errors"]
