@@ -162,9 +162,10 @@ def write_and_read_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Ten
 def linear(x: torch.Tensor, weight: torch.Tensor, min_rows: int = 0) -> torch.Tensor:
     """F.linear (bias-free) over x [..., K] with at least `min_rows` rows in the GEMM: fewer rows are padded with
     zeros and the result cut back. cuBLAS picks its kernel by the row count, so a row's result can depend on how
-    many rows share its GEMM (on the H200 in bf16 the lm_head's did; bench/RESULTS.md stop 36). Each row's result
-    does not depend on the other rows' values, so with every count padded to the same size it does not depend on
-    the other sessions in the step either."""
+    many rows share its GEMM (on the H200 in bf16 the lm_head's did; bench/RESULTS.md stop 36). A row's result
+    does not depend on the other rows' values, so with every count below `min_rows` run as `min_rows` rows it
+    does not depend on how many sessions share the step (counts above keep their own kernel: on the H200 the
+    lm_head's 32 and 64 rows matched)."""
     rows = x.numel() // x.shape[-1]
     if rows >= min_rows:
         return F.linear(x, weight)

@@ -130,8 +130,8 @@ class Stage0Config:
     # its kernel by the row count: on the H200 in bf16 a row's logits alone differed from the same row among 1-63
     # others (max 0.0156) and were bit-equal with 32 rows padded, at no measured cost (decode step 8.45 vs 8.40
     # ms at 1 row, 25.3 vs 25.8 at 64; bench/bench_mixed_step.py "alone vs among", bench/RESULTS.md stop 36).
-    # The decode and unit-prefill attention still make a row's numbers depend on the batch at full size (same
-    # rows there); the tiny model's batched == solo tests do not reach it.
+    # Decode steps and unit prefills still depend on the batch at full size (same rows there; the cause is open,
+    # bench/h200/README.md); the tiny model's batched == solo tests do not reach it.
     gemm_min_rows: int = 32
     # A step with both decoded tokens and unit prefills (or closes):
     # "split": the decode graph, then the prefill graph: two passes over the weights (at batch 1-2 either reads
