@@ -7,7 +7,10 @@
 # (run_served.sh fixtures):  cd .snap && bash bench/h200/final_run.sh
 set -u
 cd "$(dirname "$0")/../.."
-export BUNDLE="${BUNDLE:-../dist/duplex-offline-py312.tar.xz}" FIXTURES="${FIXTURES:-../.cache/loadgen-fixtures}"
+# from a snapshot (.snap) the bundle and fixtures sit one level up; run from the checkout they sit here (stop 36:
+# a call from the checkout without BUNDLE / FIXTURES set found no bundle)
+up() { if [[ -e "../$1" ]]; then echo "../$1"; else echo "$1"; fi; }
+export BUNDLE="${BUNDLE:-$(up dist/duplex-offline-py312.tar.xz)}" FIXTURES="${FIXTURES:-$(up .cache/loadgen-fixtures)}"
 export DURATION="${DURATION:-20}" SESSIONS="${SESSIONS:-1,8,16,32}" OUT="${OUT:-/tmp/duplex-out}"
 export PROFILE="${PROFILE:-deploy/profiles/h200-scripted.yaml}" READY_TIMEOUT="${READY_TIMEOUT:-240}"
 unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY  # duplex serve starts its own MPS daemon (mps: auto)

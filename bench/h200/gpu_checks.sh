@@ -10,7 +10,10 @@
 #   cd .snap && TESTS_S=0 bash bench/h200/gpu_checks.sh                    (the next call, same machine)
 set -u
 cd "$(dirname "$0")/../.."
-export BUNDLE="${BUNDLE:-../dist/duplex-offline-py312.tar.xz}" FIXTURES="${FIXTURES:-../.cache/loadgen-fixtures}"
+# from a snapshot (.snap) the bundle and fixtures sit one level up; run from the checkout they sit here (stop 36:
+# a call from the checkout without BUNDLE / FIXTURES set found no bundle)
+up() { if [[ -e "../$1" ]]; then echo "../$1"; else echo "$1"; fi; }
+export BUNDLE="${BUNDLE:-$(up dist/duplex-offline-py312.tar.xz)}" FIXTURES="${FIXTURES:-$(up .cache/loadgen-fixtures)}"
 export OUT="${OUT:-/tmp/duplex-out}" PROFILE="${PROFILE:-deploy/profiles/h200.yaml}"
 PY=/tmp/duplex-venv/bin/python
 mkdir -p "$OUT"
