@@ -26,6 +26,7 @@ from engine.model.layers import (
     RMSNorm,
     SlotAttention,
     SlotKVCache,
+    SlotLayout,
     apply_rope,
     fuse_layers,
     layers_fused,
@@ -148,26 +149,32 @@ class Qwen3LLM(nn.Module):
         decode_attention: this call's single-token attention (None: the class's `decode_attention`).
         Returns final-norm hidden [B, T, H].
         """
-        b, t, _ = x.shape
-        decode_attention = decode_attention or self.decode_attention
-        dense_flex = t == 1 and slot_ids is None and decode_attention == "flex"
-        use_flex = (flex and slot_ids is not None) or dense_flex
-        lay = slot_layout(input_pos, slot_ids, kv, valid, kv_limit, with_visible=not use_flex)
+        lay, mode, ctx = self._attention(input_pos, slot_ids, kv, valid, kv_limit, flex,
+                                         decode_attention or self.decode_attention, x.dtype)
         cos, sin = self.rope(lay.write_pos, x.dtype)
         h, run = x, layer_fn or run_layer
-        if use_flex:
-            blocks = (dense_blocks(lay.write_pos, kv.reserved_pos, kv.slots + 1, kv.max_len) if dense_flex else
-                      slot_blocks(lay.write_pos, lay.write_slot != kv.scratch, slot_ids, kv.slots + 1, kv.max_len))
-            for i, layer in enumerate(self.model.layers):
-                h = run(layer, h, cos, sin, kv.k[i], kv.v[i], lay.write_slot, lay.write_pos, slot_ids, blocks,
-                        lay.kv_limit, "flex")
-            return self.model.norm(h)
-        mode = "matmul" if t == 1 and decode_attention == "matmul" else "fold" if self.fold_gqa else "gqa"
-        mask = self._mask(lay.visible, mode, x.dtype)
         for i, layer in enumerate(self.model.layers):
-            h = run(layer, h, cos, sin, kv.k[i], kv.v[i], lay.write_slot, lay.write_pos, slot_ids, mask,
+            h = run(layer, h, cos, sin, kv.k[i], kv.v[i], lay.write_slot, lay.write_pos, slot_ids, ctx,
                     lay.kv_limit, mode)
         return self.model.norm(h)
+
+    def _attention(self, pos: torch.Tensor, slot_ids: torch.Tensor | None, kv: SlotKVCache,
+                   valid: torch.Tensor | None, kv_limit: int | None, flex: bool, decode_attention: str,
+                   dtype: torch.dtype) -> tuple[SlotLayout, str, object]:
+        """The rows' slot layout, their attention mode, and what every layer's attention shares: FlexAttention's
+        blocks (gathered rows with `flex`, or single-token dense rows with flex decode attention) or the additive
+        mask."""
+        t = pos.shape[1]
+        dense_flex = t == 1 and slot_ids is None and decode_attention == "flex"
+        use_flex = (flex and slot_ids is not None) or dense_flex
+        lay = slot_layout(pos, slot_ids, kv, valid, kv_limit, with_visible=not use_flex)
+        if dense_flex:
+            return lay, "flex", dense_blocks(lay.write_pos, kv.reserved_pos, kv.slots + 1, kv.max_len)
+        if use_flex:
+            return lay, "flex", slot_blocks(lay.write_pos, lay.write_slot != kv.scratch, slot_ids, kv.slots + 1,
+                                            kv.max_len)
+        mode = "matmul" if t == 1 and decode_attention == "matmul" else "fold" if self.fold_gqa else "gqa"
+        return lay, mode, self._mask(lay.visible, mode, dtype)
 
     def _mask(self, visible: torch.Tensor | None, mode: str, dtype: torch.dtype) -> torch.Tensor:
         """The additive attention bias of `visible` [B, 1, T, L], built once per forward (not converted from
@@ -193,20 +200,8 @@ class Qwen3LLM(nn.Module):
         bu, tu, _ = xu.shape
         bd = xd.shape[0]
         decode_attention = decode_attention or self.decode_attention
-        lay_u = slot_layout(pos_u, slots_u, kv, valid_u, limit_u, with_visible=not flex)
-        if flex:
-            mode_u, ctx_u = "flex", slot_blocks(lay_u.write_pos, lay_u.write_slot != kv.scratch, slots_u,
-                                                kv.slots + 1, kv.max_len)
-        else:
-            mode_u = "fold" if self.fold_gqa else "gqa"
-            ctx_u = self._mask(lay_u.visible, mode_u, xu.dtype)
-        dense_flex = decode_attention == "flex"
-        lay_d = slot_layout(pos_d, None, kv, None, limit_d, with_visible=not dense_flex)
-        if dense_flex:
-            mode_d, ctx_d = "flex", dense_blocks(lay_d.write_pos, kv.reserved_pos, kv.slots + 1, kv.max_len)
-        else:
-            mode_d = "matmul" if decode_attention == "matmul" else "fold" if self.fold_gqa else "gqa"
-            ctx_d = self._mask(lay_d.visible, mode_d, xd.dtype)
+        lay_u, mode_u, ctx_u = self._attention(pos_u, slots_u, kv, valid_u, limit_u, flex, decode_attention, xu.dtype)
+        lay_d, mode_d, ctx_d = self._attention(pos_d, None, kv, None, limit_d, flex, decode_attention, xd.dtype)
         cos_u, sin_u = self.rope(lay_u.write_pos, xu.dtype)
         cos_d, sin_d = self.rope(lay_d.write_pos, xd.dtype)
         h, run = torch.cat([xu.reshape(bu * tu, -1), xd.reshape(bd, -1)])[None], layer_fn or run_layer
