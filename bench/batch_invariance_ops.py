@@ -3,7 +3,7 @@
 bench_mixed_step's "alone vs among" rows showed that at full size a decode step's row 0 differs when other rows
 share its step (stop 36), with the GEMMs padded (`gemm_min_rows`) too. This runs the pieces of one full-size
 decoder layer (random weights, bf16, row 0's input the same at every row count n) one by one and says, per op and
-n, whether row 0's output equals its output at n = 1, bit for bit:
+n, whether row 0's output equals its output among 2 rows (the engine's smallest graph bucket), bit for bit:
   - each op alone, eager: the RMSNorms, the q/k/v GEMM, the decode attention's parts (matmul mode: QK^T, softmax,
     PV), SDPA, o_proj, the MLP GEMMs, unpadded and padded to --min-rows;
   - the whole one-layer forward as the engine runs it: decode (matmul, flex) and a unit prefill (flex, gathered),
@@ -22,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch._dynamo
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
@@ -32,12 +33,13 @@ from engine.model.llm import Qwen3LLM  # noqa: E402
 
 
 def counts(slots: int) -> list[int]:
-    return [n for n in (1, 2, 4, 8, 16, 32, 64) if n <= slots]
+    """The row counts compared: the engine's graph buckets (no 1: a lone row runs padded to 2)."""
+    return [n for n in (2, 4, 8, 16, 32, 64) if n <= slots]
 
 
 def compare(name: str, fn: Callable[[int], torch.Tensor], ns: list[int]) -> dict:
-    """fn(n) -> row 0's output among n rows; equal / max |diff| against n = 1 for every n."""
-    alone = fn(1).clone()
+    """fn(n) -> row 0's output among n rows; equal / max |diff| against the first count (2) for every n."""
+    alone = fn(ns[0]).clone()
     cells = {}
     for n in ns[1:]:
         got = fn(n)
@@ -63,7 +65,7 @@ def op_rows(model: Qwen3LLM, kv, args: argparse.Namespace, dev: torch.device, dt
     probs = torch.softmax(scores, dim=-1).to(dtype)
     rows = []
     with torch.no_grad():
-        for pad in sorted({0, args.min_rows}):
+        for pad in sorted({0, args.min_rows, *args.pads}):
             tag = f" (rows >= {pad})" if pad else ""
             weight = attn.qkv_weight if attn.qkv_weight is not None else attn.q_proj.weight
             rows.append(compare(f"qkv GEMM{tag}", lambda n, w=weight, p=pad: linear(x[:n], w, p)[0], ns))
@@ -95,6 +97,9 @@ def forward_rows(model: Qwen3LLM, kv, args: argparse.Namespace, dev: torch.devic
     tag = " compiled" if compiled else " eager"
     fresh_compile("default" if compiled else None)
     layer_fn = compile_layers() if compiled else None
+    if compiled:  # room for every row count's compile, as the engine's graph sets make (graphs._recompile_room)
+        dynamo = torch._dynamo.config
+        dynamo.recompile_limit = max(dynamo.recompile_limit, 64)
     rows = []
     with torch.no_grad():
         for how in ("matmul", "flex") if dev.type == "cuda" else ("matmul",):
@@ -108,7 +113,7 @@ def forward_rows(model: Qwen3LLM, kv, args: argparse.Namespace, dev: torch.devic
             out = model(units[:n], pos, torch.arange(n, device=dev), kv, kv_limit=ctx + MERGED_PREFILL,
                         layer_fn=layer_fn, flex=dev.type == "cuda")
             return out[0]
-        rows.append(compare(f"unit prefill forward{tag}", prefill, [n for n in (1, 2, 4, 8) if n <= args.slots]))
+        rows.append(compare(f"unit prefill forward{tag}", prefill, [n for n in (2, 4, 8) if n <= args.slots]))
     return rows
 
 
@@ -118,6 +123,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--context", type=int, default=2048, help="retained KV positions of every row")
     ap.add_argument("--slots", type=int, default=64, help="rows at most (row counts 1, 2, 4 .. up to it)")
     ap.add_argument("--min-rows", type=int, default=32, help="the padded GEMM rows (Stage0Config.gemm_min_rows)")
+    ap.add_argument("--pads", type=lambda v: [int(p) for p in v.split(",") if p], default=[],
+                    help="more GEMM row paddings for the op rows, comma separated (e.g. 64,128)")
     ap.add_argument("--no-compile", action="store_true", help="skip the compiled forward rows")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -139,7 +146,7 @@ def main(argv: list[str] | None = None) -> None:
         rows += forward_rows(model, kv, args, dev, dtype, compiled=True)
     device = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
     ns = [str(n) for n in counts(args.slots)[1:]]
-    print(f"row 0 among n rows vs alone ({device}, {dtype}, context {args.context}, forward GEMMs >= "
+    print(f"row 0 among n rows vs among 2 ({device}, {dtype}, context {args.context}, forward GEMMs >= "
           f"{args.min_rows} rows): '=' bit-equal, else max |diff|")
     print(f"{'op':42s} " + " ".join(f"{n:>7s}" for n in ns))
     for r in rows:
