@@ -8,7 +8,8 @@ goes out at once as its own transcript (or text) delta (targets.md P13; on /v1/d
 stays in its pairs). Audio is buffered per unit and released as audio/transcript pairs (C-3; the pair's
 transcript is the unit's text not sent yet, mostly ""): a piece of audio that the runtime marks as not its
 unit's last (one Token2Wav call of several) goes out at once, the rest at `unit_done`, which carries
-`end_of_turn` and the unit's metrics. What it needs from the input side it asks through `InputLink` (the
+`end_of_turn` and the unit's metrics. A speak unit that ends with no audio at all is 1 s of silence (model.md
+§6.6), never an empty delta. What it needs from the input side it asks through `InputLink` (the
 session routes those calls to its `InputTrack`), so neither track subclasses or imports the other's module for
 these calls.
 """
@@ -24,6 +25,7 @@ from gateway.audio.codec import encode_output, pcm16_duration_ms
 from gateway.protocol import server_events as se
 from gateway.protocol.config import ResponseOptions, response_defaults
 from gateway.protocol.errors import Effect, ProtocolError
+from gateway.protocol.validate import OUTPUT_RATE_HZ
 from gateway.runtime.base import (
     AudioPiece,
     Decision,
@@ -46,6 +48,8 @@ Json = dict[str, Any]
 
 # §3.2 status table: duplex.reason -> status_details.reason for client-caused cancellations.
 _CLIENT_REASONS = frozenset({"client_cancelled", "barge_in", "output_cleared", "input_cancelled", "truncated"})
+# model.md §6.6: a speak unit with no audio of its own is 1 s of zeros, as a listen unit (24 kHz PCM16)
+UNIT_SILENCE = bytes(2 * OUTPUT_RATE_HZ)
 
 
 class InputLink(Protocol):
@@ -83,6 +87,7 @@ class UnitOutput:
     text_at: float | None = None  # when its first text started on its way out (`text_started_at`; P13)
     text_sampled: bool = False  # `text_at` is the engine's sampling time, not the gateway's receipt
     sent_chars: int = 0  # its text already sent on its own, ahead of its audio
+    audio_bytes: int = 0  # audio the runtime gave it, sent or not (none by its unit_done: §6.6 silence)
 
 
 class ResponseTrack:
@@ -355,6 +360,7 @@ class ResponseTrack:
                     self._send_text(resp, ev.unit, buf)
         elif isinstance(ev, AudioPiece):
             buf.audio.append(ev.pcm16)
+            buf.audio_bytes += len(ev.pcm16)
             resp = self.active
             if resp is not None and resp.playback is not None and not self._drop_turn_output:
                 resp.playback.generated_ms += pcm16_duration_ms(len(ev.pcm16))  # §7.1: before stale filtering
@@ -408,6 +414,8 @@ class ResponseTrack:
             resp = self.active
         assert resp is not None
         resp.metrics.add_unit(ev.metrics)
+        if not buf.audio_bytes and not resp.options.text_only:
+            self._silence(resp, buf)
         self.emit_unit(resp, ev.unit, buf, ev.end_of_turn, dict(ev.metrics.get("thinker", {})) or None)
         cap = resp.options.max_output_tokens
         if ev.end_of_turn:
@@ -419,6 +427,14 @@ class ResponseTrack:
             self._drop_turn_output = True
             self.link.force_next_unit_listen()
             self.finish(resp, "incomplete", "max_output_tokens")
+
+    def _silence(self, resp: Response, buf: UnitOutput) -> None:
+        """A speak unit the runtime rendered no audio for is 1 s of silence (model.md §6.6), as a listen unit. One whose
+        first token ends it has no text rows, and the stage0 bridge sends no `tts_input` for it (§3.7 Q11 would run
+        the TTS from `audio_bos` alone), so no Token2Wav call renders it. Its pair must not be an empty delta (as a
+        response's first audio the client got zero bytes), and the response's audio keeps one second per unit."""
+        buf.audio.append(UNIT_SILENCE)
+        self.playback(resp).generated_ms += pcm16_duration_ms(len(UNIT_SILENCE))
 
     def _on_listen_unit(self, ev: UnitDone) -> None:
         if self._drop_turn_output:

@@ -148,6 +148,9 @@ def check(events: list[Json], profile: str = "ga") -> list[str]:  # noqa: C901 -
                 resp.audio_deltas += 1
                 if resp.text_only:
                     bad(i, "audio delta in a text-only response")
+                if resp.audio_deltas == 1 and not ev.get("delta"):
+                    bad(i, "the response's first audio delta carries no audio (a silent speak unit is 1 s of "
+                           "zeros, model.md §6.6)")
                 mark = md.get("audio_text_mark")
                 nxt = evs[i + 1] if i + 1 < len(evs) else {}
                 unit = md.get("model_unit_index", -1)

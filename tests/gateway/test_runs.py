@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import base64
+import io
+
+import pytest
+import soundfile
 
 from tests.gateway.fake_runtime import Listen, Speak
 from tests.gateway.harness import append
@@ -115,6 +119,57 @@ async def test_a_token2wav_call_without_audio_sends_no_delta() -> None:
     assert_conformant(events)
     deltas = [first[-1]] + [e for e in rest if e["type"] == "response.output_audio.delta"]
     assert [len(base64.b64decode(d["delta"])) for d in deltas] == [9600, 4800]
+
+
+def _pcm(delta: dict) -> bytes:
+    """An audio delta's PCM16: the realtime `delta`, or the /v1/duplex pair's `audio` (a WAV, the native default)."""
+    if "audio" not in delta:
+        return base64.b64decode(delta["delta"])
+    samples, rate = soundfile.read(io.BytesIO(base64.b64decode(delta["audio"])), dtype="int16")
+    assert rate == 24000
+    return samples.tobytes()
+
+
+@pytest.mark.parametrize("path", ["/v1/realtime", "/v1/duplex"])
+async def test_a_speak_unit_without_audio_is_a_second_of_silence(path: str) -> None:
+    """model.md §6.6: a speak unit the runtime renders no audio for (its first token ended it: no text rows, so no
+    `tts_input` and no Token2Wav call) is 1 s of zeros, not an empty pair: as the response's first audio the client
+    got zero bytes (e2e: the OpenAI SDK test's first delta, `audio_end_ms` 0). The pair keeps C-3, `end_of_turn`
+    and the unit's metrics, the next unit's audio follows on the response's clock; /v1/duplex folds the same pair."""
+    from gateway.runtime.base import AudioPiece, Decision, TextPiece, UnitDone
+    from tests.gateway.fake_runtime import tone, unit_metrics
+
+    native = path == "/v1/duplex"
+    async with session(path=path, update={} if native else None) as (c, rt):
+        corr = next(iter(rt.seqs))
+        rt.inject(corr, Decision(epoch=0, unit=0, action="speak"))
+        rt.inject(corr, UnitDone(epoch=0, unit=0, is_listen=False, end_of_turn=False, metrics=unit_metrics(1)))
+        first = (await c.until("response.output_audio.delta"))[-1]  # unit 0's, before unit 1 exists
+        rt.inject(corr, Decision(epoch=0, unit=1, action="speak"))
+        rt.inject(corr, TextPiece(epoch=0, unit=1, text="Hi"))
+        rt.inject(corr, AudioPiece(epoch=0, unit=1, seq=0, pcm16=tone(400), last=True))
+        rt.inject(corr, UnitDone(epoch=0, unit=1, is_listen=False, end_of_turn=True, metrics=unit_metrics(1)))
+        await c.until("response.done")
+        events = await close(c)
+    deltas = [e for e in events if e["type"] == "response.output_audio.delta"]
+    assert deltas[0] == first and [len(_pcm(d)) for d in deltas] == [48000, 19200]
+    assert not any(_pcm(first))
+    md = [d if native else d["metadata"] for d in deltas]
+    assert [(m["model_unit_index"], m["audio_start_ms"], m["audio_end_ms"], m["end_of_turn"]) for m in md] == [
+        (0, 0, 1000, False), (1, 1000, 1400, True)]
+    assert [m["audio_text_mark"] for m in md] == [{"text_chars": 0, "audio_end_ms": 1000},
+                                                  {"text_chars": 2, "audio_end_ms": 1400}]
+    done = next(e for e in events if e["type"] == "response.done")
+    if native:
+        assert [d["audio_transcript"] for d in deltas] == ["", "Hi"] and deltas[0]["model_speak"] is True
+        assert done["status"] == "completed"
+        return
+    assert_conformant(events)
+    assert all("unit_metrics" in m for m in md)
+    pairs = [events[events.index(d) + 1] for d in deltas]
+    assert [(p["type"], p["delta"]) for p in pairs] == [("response.output_audio_transcript.delta", "")] * 2
+    assert done["response"]["status"] == "completed"
+    assert done["response"]["output"][0]["content"][0]["transcript"] == "Hi"
 
 
 async def test_listen_only_run_has_no_response() -> None:
