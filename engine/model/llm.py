@@ -13,6 +13,9 @@ projections and the folded-GQA attention variants.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -115,10 +118,29 @@ class Qwen3LLM(nn.Module):
     def pad_gemm_rows(self, rows: int) -> Qwen3LLM:
         """Every GEMM of the forward and `logits` at least `rows` rows (`layers.linear`: a row's numbers then do
         not depend on how many rows share its batch, where the kernel choice changes below `rows`). 0: off."""
-        for layer in self.model.layers:
-            layer.self_attn.min_rows = layer.mlp.min_rows = rows
+        self._set_layer_rows(rows)
         self.min_rows = rows
         return self
+
+    @property
+    def gemm_min_rows(self) -> int:
+        """The least rows of the forward's GEMMs (`pad_gemm_rows`)."""
+        return self.model.layers[0].mlp.min_rows
+
+    @contextlib.contextmanager
+    def gemm_rows(self, rows: int) -> Iterator[None]:
+        """The forward's GEMMs at least `rows` rows inside the block (a graph set pads to its largest bucket,
+        engine/stage0/graphs.py); `logits` keeps its own."""
+        before = self.gemm_min_rows
+        self._set_layer_rows(rows)
+        try:
+            yield
+        finally:
+            self._set_layer_rows(before)
+
+    def _set_layer_rows(self, rows: int) -> None:
+        for layer in self.model.layers:
+            layer.self_attn.min_rows = layer.mlp.min_rows = rows
 
     @property
     def fused(self) -> bool:

@@ -42,6 +42,14 @@ from engine.stage0.config import COMPILE_MODES
 # configuration for 79-position rows on the H200 (stop 26). A 13-position unit prefill at 8 k: 13.3 -> 7.7 ms.
 FLEX_MAX_POSITIONS = 160
 
+# A graph pads the forward's GEMMs to the rows of its set's largest batch bucket (at its length), so a row's
+# numbers do not depend on the bucket its step lands in: cuBLAS picks its kernel by the row count, and on the
+# H200 in bf16 the o_proj / down GEMMs of 64 rows differed from those of 32, a unit prefill among 4 or 8 units
+# from the same unit among 2 (bench/batch_invariance_ops.py, bench/RESULTS.md stop 37). Up to this many rows:
+# past it a GEMM is compute-bound and padding costs its full share, so graphs of longer rows (units with camera
+# frames) keep the model's least rows (`Stage0Config.gemm_min_rows`, which also turns this off at 0).
+BUCKET_PAD_MAX_ROWS = 128
+
 
 class GraphShapeError(RuntimeError):
     """Inputs do not fit the captured static buffers (shape, dtype or bucket drift)."""
@@ -167,17 +175,31 @@ class StepGraphs:
         return self.model(st.x, st.pos, st.slots, self.kv, valid=st.valid, kv_limit=st.span, layer_fn=self.layer_fn,
                           flex=st.flex, decode_attention=self.decode_attention)
 
+    def _top_rows(self, key: tuple[int, ...]) -> int:
+        """The GEMM rows of this set's largest graph at `key`'s length (0: no bucket padding)."""
+        return 0
+
+    def gemm_rows(self, key: tuple[int, ...]) -> int:
+        """The least GEMM rows the graph at `key` runs with (`BUCKET_PAD_MAX_ROWS`)."""
+        base, top = self.model.gemm_min_rows, self._top_rows(key)
+        return top if 0 < base < top <= BUCKET_PAD_MAX_ROWS else base
+
+    def _padded_call(self, st: StaticStep, rows: int) -> torch.Tensor:
+        with self.model.gemm_rows(rows):
+            return self._call(st)
+
     @torch.no_grad()
     def _capture(self, key: tuple[int, ...], st: StaticStep) -> None:
         # a new shape may recompile (every shape with dynamic=False, and the decode and prefill sets share the
         # layer's code object), so lift the per-code limit to the accumulated one while capturing; capture
         # is the only place the compiled function runs
+        rows = self.gemm_rows(key)
         with self._recompile_room():
             if self.eager_replay:
-                st.out = self._call(st).clone()
-                st.replay = lambda: st.out.copy_(self._call(st))
+                st.out = self._padded_call(st, rows).clone()
+                st.replay = lambda: st.out.copy_(self._padded_call(st, rows))
             else:
-                graph, st.out = capture(lambda: self._call(st), pool=self._pool)
+                graph, st.out = capture(lambda: self._padded_call(st, rows), pool=self._pool)
                 self._pool = graph.pool()
                 st.replay = graph.replay
         self.steps[key] = st
@@ -205,6 +227,9 @@ class DecodeGraphs(StepGraphs):
                      decode_attention)
         graphs.capture()
         return graphs
+
+    def _top_rows(self, key: tuple[int, ...]) -> int:
+        return self.batch_buckets[-1]
 
     def capture(self) -> None:
         h = self.model.cfg.hidden_size
@@ -270,6 +295,9 @@ class PrefillGraphs(StepGraphs):
                                     valid=torch.zeros(b, t, dtype=torch.bool, device=dev), span=span,
                                     flex=t in self.flex_lengths)
                     self._capture((b, t, span), st)
+
+    def _top_rows(self, key: tuple[int, ...]) -> int:
+        return self.batch_buckets[-1] * key[1]  # key: (batch, length, span)
 
     def covers(self, rows: int, length: int) -> bool:
         return rows <= self.batch_buckets[-1] and length <= self.len_buckets[-1]

@@ -10,8 +10,10 @@ import torch
 import torch.nn.functional as F
 
 from engine.model.layers import linear
+from engine.model.llm import SlotKVCache
 from engine.stage0 import DecodeRules, Stage0Config, Stage0Engine
-from tests.engine.test_stage0_helpers import FakeFrontEnd, tiny_llm, tiny_tokenizer
+from engine.stage0.graphs import DecodeGraphs, PrefillGraphs
+from tests.engine.test_stage0_helpers import TINY, FakeFrontEnd, tiny_llm, tiny_tokenizer
 
 
 def test_linear_pads_short_inputs_and_cuts_the_result_back() -> None:
@@ -45,3 +47,49 @@ def test_engine_applies_gemm_min_rows() -> None:
     assert model.min_rows == 8 and {layer.mlp.min_rows for layer in model.model.layers} == {8}
     with pytest.raises(ValueError, match="gemm_min_rows"):
         Stage0Config(gemm_min_rows=-1)
+
+
+def _rows_seen(model: torch.nn.Module) -> list[int]:
+    """The MLP's least rows at each call of layer 0 (a forward hook, so eager replays report theirs)."""
+    seen: list[int] = []
+    model.model.layers[0].mlp.register_forward_hook(lambda mod, args, out: seen.append(mod.min_rows))
+    return seen
+
+
+def test_graph_sets_pad_their_gemms_to_their_largest_bucket() -> None:
+    """A decode graph runs its GEMMs at its set's largest bucket's rows, a unit prefill graph at the largest
+    bucket x its length (up to BUCKET_PAD_MAX_ROWS), so a row's numbers are the same in every bucket; longer rows
+    and the forward outside graphs keep the model's own least rows."""
+    model = tiny_llm().pad_gemm_rows(8)
+    kv = SlotKVCache.allocate(TINY, 16, 64, dtype=torch.float32)
+    decode = DecodeGraphs.create(model, kv, (2, 4, 16), (32,), eager_replay=True)
+    prefill = PrefillGraphs.create(model, kv, (2, 4, 8), (2, 13, 79), (32,), eager_replay=True)
+    assert decode is not None and prefill is not None
+    assert {decode.gemm_rows(key) for key in decode.steps} == {16}
+    assert {t: prefill.gemm_rows((2, t, 32)) for t in (2, 13, 79)} == {2: 16, 13: 104, 79: 8}  # 8 x 79 > 128
+    seen = _rows_seen(model)
+    x = torch.randn(2, TINY.hidden_size, generator=torch.Generator().manual_seed(3))
+    decode.run(x, torch.tensor([3, 4]), torch.tensor([0, 1]), reach=5)
+    prefill.run([0, 1], [5, 6], [torch.randn(13, TINY.hidden_size)] * 2)
+    prefill.run([0], [0], [torch.randn(40, TINY.hidden_size)])
+    assert seen == [16, 104, 8]
+    assert model.gemm_min_rows == 8 and model.min_rows == 8  # restored after each graph; logits keep theirs
+    with torch.no_grad():
+        model(x[:, None], torch.tensor([[3], [4]]), None, kv)
+    assert seen[-1] == 8
+
+
+def test_bucket_padding_keeps_a_graph_rows_values() -> None:
+    """Padding changes which GEMM kernel runs, never the values beyond its rounding: the padded decode graph equals
+    the unpadded one to fp32 tolerance, and with gemm_min_rows 0 no graph pads."""
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(3, TINY.hidden_size, generator=gen)
+    outs = []
+    for rows in (0, 4):
+        model = tiny_llm().pad_gemm_rows(rows)
+        kv = SlotKVCache.allocate(TINY, 16, 64, dtype=torch.float32)
+        decode = DecodeGraphs.create(model, kv, (2, 4, 16), (32,), eager_replay=True)
+        assert decode is not None
+        assert {decode.gemm_rows(key) for key in decode.steps} == ({0} if rows == 0 else {16})
+        outs.append(decode.run(x, torch.tensor([1, 2, 3]), torch.tensor([0, 1, 2]), reach=4))
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
