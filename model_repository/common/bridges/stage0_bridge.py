@@ -5,10 +5,11 @@ response-scoped option of protocol.md §2.8); the session's sampling stays as it
 The system prefix carries a reference clip (model.md §3.2): the client's `ref_audio`, else the clip of the
 session's voice pack. An append's FRAMES (JPEG/PNG) go through SigLIP + the resampler into the unit's prompt.
 
-Per unit the sink sees `decision`, `text`…, then for a speak unit `tts_input` (TOKENS = text ids of the
-TTS rows, HIDDEN = their LLM states flattened [n * hidden_dim]) and last `unit_done` with the thinker
-metrics the gateway reads ({"thinker": {"tokens", "ttft_ms", "token_times_ms"}}). Decisions/text come
-from the engine's `on_event` callback, which runs on the engine thread inside `step()`.
+Per unit the sink sees `decision`, `text`…, then for every speak unit `tts_input` (TOKENS = text ids of
+the TTS rows, HIDDEN = their LLM states flattened [n * hidden_dim]; n = 0 when the unit's first sampled token
+ended it, model.md §3.7 Q11) and last `unit_done` with the thinker metrics the gateway reads ({"thinker":
+{"tokens", "ttft_ms", "token_times_ms"}}). Decisions/text come from the engine's `on_event` callback, which
+runs on the engine thread inside `step()`.
 """
 
 from __future__ import annotations
@@ -340,10 +341,12 @@ class Stage0Bridge(EngineBridge):
                                         "unit": ev.unit_index}))
             unit.sink.close()
             return
-        if ev.rows and not ev.aborted and not state.text_only:
+        if not ev.is_listen and not ev.aborted and not state.text_only:
+            # every speak unit goes to the TTS, also one with no rows (its first sampled token ended it): the
+            # reference synthesises it from the `audio_bos` row alone and advances the turn (model.md §3.7, Q11)
             turn_start = not state.in_turn
             state.in_turn = not ev.end_of_turn
-            hidden = torch.stack([r.hidden for r in ev.rows]).to(torch.float32).cpu().numpy()  # [n, H]
+            hidden = _hidden_rows(ev.rows, self.hidden_dim)  # [n, H], n >= 0
             unit.sink.emit(StageOutput(
                 {"type": "tts_input", "unit": ev.unit_index, "is_turn_eos": [bool(r.is_turn_eos) for r in ev.rows],
                  "end_of_turn": ev.end_of_turn, "turn_start": turn_start, "hidden_dim": self.hidden_dim},
@@ -375,6 +378,13 @@ def scripted_decisions(value: Any) -> dict[str, Any]:
     if plan.speak_units < 1:
         raise ConfigError("engine option scripted_decisions: speak_units must be >= 1")
     return {"scripted_decisions": True, "benchmark_mode": True, "script_plan": plan}
+
+
+def _hidden_rows(rows: tuple[Any, ...], hidden_dim: int) -> np.ndarray:
+    """The rows' LLM states as fp32 [n, hidden_dim] on the host; [0, hidden_dim] for a unit without rows."""
+    if not rows:
+        return np.zeros((0, hidden_dim), dtype=np.float32)
+    return torch.stack([r.hidden for r in rows]).to(torch.float32).cpu().numpy()
 
 
 def _prepared(prepare: Callable[[Any], Any], frame: bytes) -> Any:
