@@ -125,14 +125,27 @@ class Stage0Config:
     # 2371 vs 1447 ms, commit->first audio p99 2101 vs 1045 ms, same commit, only this option changed), and at 16
     # sessions on h200-scripted (324 vs 309 / 305 ms p50, stop 36). But at long spans with few rows flex is far
     # faster (8 k, one token among 16 slots: 6.4 vs 17.7 ms; the served load test stays under 2 k positions).
+    # Matmul is not batch-invariant at full size (its batched GEMMs pick kernels by rows x kv heads: a row among 16
+    # differed from the same row among 2 in bf16); flex is (its kernel batch is the cache's slot count), so the
+    # h200 profiles set flex (bench/RESULTS.md stop 37; sessions ~1.2 k deep: 275 vs 308 ms p50 at 16).
     decode_attention: Literal["matmul", "sdpa", "flex"] = "matmul"
     # Least rows of every LLM GEMM (`Qwen3LLM.pad_gemm_rows`; 0 = off): fewer rows are zero-padded. cuBLAS picks
     # its kernel by the row count: on the H200 in bf16 a row's logits alone differed from the same row among 1-63
     # others (max 0.0156) and were bit-equal with 32 rows padded, at no measured cost (decode step 8.45 vs 8.40
     # ms at 1 row, 25.3 vs 25.8 at 64; bench/bench_mixed_step.py "alone vs among", bench/RESULTS.md stop 36).
-    # Decode steps and unit prefills still depend on the batch at full size (same rows there; the cause is open,
-    # bench/h200/README.md); the tiny model's batched == solo tests do not reach it.
+    # Logits are then batch-invariant; decode steps and unit prefills need `gemm_pad_buckets` and flex decode
+    # attention too (below).
     gemm_min_rows: int = 32
+    # Each CUDA graph pads its GEMMs further, to its set's largest bucket's rows rounded up to a power of two (up to
+    # 128; engine/stage0/graphs.py): cuBLAS picks a GEMM kernel by its row count, and on the H200 in bf16 a decode
+    # row among 64 differed from the same row among 2 (o_proj / down), a unit prefilled among 4 or 8 units from
+    # the same unit among 2, even with 32 rows padded. With this and `decode_attention: flex` every decode,
+    # logits and unit-prefill row read bit-equal alone and among 2-64 others in the compiled graphs at full size
+    # (bench/bench_mixed_step.py, bench/batch_invariance_ops.py; bench/RESULTS.md stop 37). The matmul decode
+    # attention stays batch-dependent (its batched GEMMs pick kernels by rows x kv heads). Cost, served on
+    # h200-scripted at 16 sessions (stop 37): commit->first audio p50 about +10-25 ms (more GEMM work beside the
+    # TTS and Token2Wav steps); False keeps gemm_min_rows alone.
+    gemm_pad_buckets: bool = True
     # A step with both decoded tokens and unit prefills (or closes):
     # "split": the decode graph, then the prefill graph: two passes over the weights (at batch 1-2 either reads
     #   all 16 GB of bf16 weights).

@@ -64,10 +64,11 @@ class Stage0Engine:
                    eager_replay=config.eager_replay_graphs, compile_dynamic=config.compile_dynamic)
         decode = config.decode_attention
         graphs = DecodeGraphs.create(model, kv, config.decode_batch_buckets, config.decode_kv_buckets,
-                                     decode_attention=decode, **how)
+                                     decode_attention=decode, pad_buckets=config.gemm_pad_buckets, **how)
         flex = config.prefill_attention == "flex" or (config.prefill_attention == "auto" and p.device.type == "cuda")
         prefill = PrefillGraphs.create(model, kv, config.prefill_batch_buckets, config.prefill_lengths(),
-                                       config.decode_kv_buckets, flex=flex, **how)
+                                       config.decode_kv_buckets, flex=flex, pad_buckets=config.gemm_pad_buckets,
+                                       **how)
         shared = SharedGraphs.create(graphs, prefill, config.prefill_lengths()[1], max(config.shared_decode_buckets),
                                      enabled=config.mixed_step == "shared", compile_mode=config.compile_mode,
                                      eager_replay=config.eager_replay_graphs, compile_dynamic=config.compile_dynamic)

@@ -47,7 +47,7 @@ FLEX_MAX_POSITIONS = 160
 # H200 in bf16 the o_proj / down GEMMs of 64 rows differed from those of 32, a unit prefill among 4 or 8 units
 # from the same unit among 2 (bench/batch_invariance_ops.py, bench/RESULTS.md stop 37). Up to this many rows:
 # past it a GEMM is compute-bound and padding costs its full share, so graphs of longer rows (units with camera
-# frames) keep the model's least rows (`Stage0Config.gemm_min_rows`, which also turns this off at 0).
+# frames) keep the model's least rows (`Stage0Config.gemm_min_rows`; `gemm_pad_buckets` turns this off).
 BUCKET_PAD_MAX_ROWS = 128
 
 
@@ -147,8 +147,9 @@ class StepGraphs:
 
     def __init__(self, model: Qwen3LLM, kv: SlotKVCache, compile_mode: str | None = None,
                  eager_replay: bool = False, compile_dynamic: bool | None = True,
-                 decode_attention: str | None = None) -> None:
+                 decode_attention: str | None = None, pad_buckets: bool = True) -> None:
         self.model, self.kv = model, kv
+        self.pad_buckets = pad_buckets  # GEMMs padded to the set's top rows (`gemm_rows`)
         self.decode_attention = decode_attention  # single-token rows' attention (None: the model's default)
         self.layer_fn = compile_step(compile_mode, compile_dynamic)
         if self.layer_fn is not None:
@@ -180,9 +181,12 @@ class StepGraphs:
         return 0
 
     def gemm_rows(self, key: tuple[int, ...]) -> int:
-        """The least GEMM rows the graph at `key` runs with (`BUCKET_PAD_MAX_ROWS`)."""
-        base, top = self.model.gemm_min_rows, self._top_rows(key)
-        return top if 0 < base < top <= BUCKET_PAD_MAX_ROWS else base
+        """The least GEMM rows the graph at `key` runs with: its set's top rows rounded up to a power of two
+        (`BUCKET_PAD_MAX_ROWS`). Rounded because on the H200 8 units of 13 positions, exactly 104 rows, differed
+        from 2 or 4 units padded to 104 (0.109), while every count padded to 128 was equal (stop 37)."""
+        base, top = self.model.gemm_min_rows, self._top_rows(key) if self.pad_buckets else 0
+        rows = 1 << max(top - 1, 0).bit_length()
+        return rows if 0 < base < rows <= BUCKET_PAD_MAX_ROWS else base
 
     def _padded_call(self, st: StaticStep, rows: int) -> torch.Tensor:
         with self.model.gemm_rows(rows):
@@ -208,8 +212,9 @@ class StepGraphs:
 class DecodeGraphs(StepGraphs):
     def __init__(self, model: Qwen3LLM, kv: SlotKVCache, batch_buckets: tuple[int, ...],
                  kv_buckets: tuple[int, ...], compile_mode: str | None = None, eager_replay: bool = False,
-                 compile_dynamic: bool | None = True, decode_attention: str | None = None) -> None:
-        super().__init__(model, kv, compile_mode, eager_replay, compile_dynamic, decode_attention)
+                 compile_dynamic: bool | None = True, decode_attention: str | None = None,
+                 pad_buckets: bool = True) -> None:
+        super().__init__(model, kv, compile_mode, eager_replay, compile_dynamic, decode_attention, pad_buckets)
         self.batch_buckets = tuple(sorted({min(b, kv.slots) for b in batch_buckets} | {kv.slots}))
         self.kv_buckets = top_span_buckets(kv, kv_buckets)
         if (decode_attention or model.decode_attention) == "flex":  # each row reads its own blocks: one span
@@ -219,12 +224,12 @@ class DecodeGraphs(StepGraphs):
     def create(cls, model: Qwen3LLM, kv: SlotKVCache, batch_buckets: tuple[int, ...],
                kv_buckets: tuple[int, ...] = (), enabled: bool = True, compile_mode: str | None = None,
                eager_replay: bool = False, compile_dynamic: bool | None = True,
-               decode_attention: str | None = None) -> DecodeGraphs | None:
+               decode_attention: str | None = None, pad_buckets: bool = True) -> DecodeGraphs | None:
         """None when disabled, or off CUDA unless `eager_replay` (tests)."""
         if not enabled or (kv.k[0].device.type != "cuda" and not eager_replay):
             return None
         graphs = cls(model, kv, batch_buckets, kv_buckets, compile_mode, eager_replay, compile_dynamic,
-                     decode_attention)
+                     decode_attention, pad_buckets)
         graphs.capture()
         return graphs
 
@@ -260,8 +265,9 @@ class DecodeGraphs(StepGraphs):
 class PrefillGraphs(StepGraphs):
     def __init__(self, model: Qwen3LLM, kv: SlotKVCache, batch_buckets: tuple[int, ...],
                  len_buckets: tuple[int, ...], kv_buckets: tuple[int, ...], compile_mode: str | None = None,
-                 eager_replay: bool = False, compile_dynamic: bool | None = True, flex: bool = False) -> None:
-        super().__init__(model, kv, compile_mode, eager_replay, compile_dynamic)
+                 eager_replay: bool = False, compile_dynamic: bool | None = True, flex: bool = False,
+                 pad_buckets: bool = True) -> None:
+        super().__init__(model, kv, compile_mode, eager_replay, compile_dynamic, pad_buckets=pad_buckets)
         self.batch_buckets = tuple(sorted({min(b, kv.slots) for b in batch_buckets}))
         self.len_buckets = tuple(sorted(set(len_buckets)))
         self.kv_buckets = top_span_buckets(kv, kv_buckets)
@@ -275,12 +281,13 @@ class PrefillGraphs(StepGraphs):
     def create(cls, model: Qwen3LLM, kv: SlotKVCache, batch_buckets: tuple[int, ...],
                len_buckets: tuple[int, ...], kv_buckets: tuple[int, ...] = (), enabled: bool = True,
                compile_mode: str | None = None, eager_replay: bool = False,
-               compile_dynamic: bool | None = True, flex: bool = False) -> PrefillGraphs | None:
+               compile_dynamic: bool | None = True, flex: bool = False,
+               pad_buckets: bool = True) -> PrefillGraphs | None:
         if not enabled or not batch_buckets or not len_buckets or (
                 kv.k[0].device.type != "cuda" and not eager_replay):
             return None
         graphs = cls(model, kv, batch_buckets, len_buckets, kv_buckets, compile_mode, eager_replay,
-                     compile_dynamic, flex)
+                     compile_dynamic, flex, pad_buckets)
         graphs.capture()
         return graphs
 

@@ -58,7 +58,7 @@ def _rows_seen(model: torch.nn.Module) -> list[int]:
 
 def test_graph_sets_pad_their_gemms_to_their_largest_bucket() -> None:
     """A decode graph runs its GEMMs at its set's largest bucket's rows, a unit prefill graph at the largest
-    bucket x its length (up to BUCKET_PAD_MAX_ROWS), so a row's numbers are the same in every bucket; longer rows
+    bucket x its length (rounded up to a power of two, up to BUCKET_PAD_MAX_ROWS), so a row's numbers are the same in every bucket; longer rows
     and the forward outside graphs keep the model's own least rows."""
     model = tiny_llm().pad_gemm_rows(8)
     kv = SlotKVCache.allocate(TINY, 16, 64, dtype=torch.float32)
@@ -66,17 +66,37 @@ def test_graph_sets_pad_their_gemms_to_their_largest_bucket() -> None:
     prefill = PrefillGraphs.create(model, kv, (2, 4, 8), (2, 13, 79), (32,), eager_replay=True)
     assert decode is not None and prefill is not None
     assert {decode.gemm_rows(key) for key in decode.steps} == {16}
-    assert {t: prefill.gemm_rows((2, t, 32)) for t in (2, 13, 79)} == {2: 16, 13: 104, 79: 8}  # 8 x 79 > 128
+    assert {t: prefill.gemm_rows((2, t, 32)) for t in (2, 13, 79)} == {2: 16, 13: 128, 79: 8}  # 8 x 13 -> 128; 8 x 79 > 128
     seen = _rows_seen(model)
     x = torch.randn(2, TINY.hidden_size, generator=torch.Generator().manual_seed(3))
     decode.run(x, torch.tensor([3, 4]), torch.tensor([0, 1]), reach=5)
     prefill.run([0, 1], [5, 6], [torch.randn(13, TINY.hidden_size)] * 2)
     prefill.run([0], [0], [torch.randn(40, TINY.hidden_size)])
-    assert seen == [16, 104, 8]
+    assert seen == [16, 128, 8]
     assert model.gemm_min_rows == 8 and model.min_rows == 8  # restored after each graph; logits keep theirs
     with torch.no_grad():
         model(x[:, None], torch.tensor([[3], [4]]), None, kv)
     assert seen[-1] == 8
+
+
+def test_pad_buckets_off_keeps_the_models_least_rows() -> None:
+    model = tiny_llm().pad_gemm_rows(8)
+    kv = SlotKVCache.allocate(TINY, 16, 64, dtype=torch.float32)
+    decode = DecodeGraphs.create(model, kv, (2, 4, 16), (32,), eager_replay=True, pad_buckets=False)
+    prefill = PrefillGraphs.create(model, kv, (2, 8), (13,), (32,), eager_replay=True, pad_buckets=False)
+    assert decode is not None and prefill is not None
+    assert {decode.gemm_rows(key) for key in decode.steps} | {prefill.gemm_rows(key) for key in prefill.steps} == {8}
+
+
+def test_engine_passes_gemm_pad_buckets_to_its_graph_sets() -> None:
+    for pad in (True, False):
+        engine = Stage0Engine(tiny_llm(), tiny_tokenizer(), FakeFrontEnd(), lambda e: None,
+                              Stage0Config(max_sessions=4, eager_replay_graphs=True, gemm_pad_buckets=pad,
+                                           decode_kv_buckets=(256,), max_context=1024, eviction="off"),
+                              DecodeRules())
+        decode, prefill = engine.runner.graphs, engine.runner.prefill_graphs
+        assert decode is not None and prefill is not None
+        assert decode.pad_buckets is pad and prefill.pad_buckets is pad
 
 
 def test_bucket_padding_keeps_a_graph_rows_values() -> None:

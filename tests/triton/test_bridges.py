@@ -271,6 +271,18 @@ def test_stage0_gemm_min_rows_option(tiny_checkpoint: Path) -> None:
     assert {layer.mlp.min_rows for layer in bridge.engine.model.model.layers} == {0}
 
 
+def test_stage0_gemm_pad_buckets_option(tiny_checkpoint: Path) -> None:
+    """gemm_pad_buckets (default true) reaches the engine config; anything but a boolean fails the load."""
+    from model_repository.common.settings import ConfigError
+
+    for bad in ('{"gemm_pad_buckets": 1}', '{"gemm_pad_buckets": "false"}', '{"gemm_pad_buckets": null}'):
+        with pytest.raises(ConfigError, match="gemm_pad_buckets"):
+            bridges.stage0(settings("stage0", tiny_checkpoint, engine_options=bad))
+    assert bridges.stage0(settings("stage0", tiny_checkpoint)).engine.config.gemm_pad_buckets is True
+    bridge = bridges.stage0(settings("stage0", tiny_checkpoint, engine_options='{"gemm_pad_buckets": false}'))
+    assert bridge.engine.config.gemm_pad_buckets is False
+
+
 def test_stage0_session_warm_up_leaves_no_trace(tiny_checkpoint: Path) -> None:
     """The warm-up's sessions (k at once, two units each, for k up to max_sessions) close again: every slot is
     free, and a session served afterwards decides and says exactly what an engine that never warmed up does."""

@@ -50,8 +50,10 @@ MS_PER_S = 1000.0
 WINDOW_LOW_FRACTION = 0.75  # eviction drops old units down to this share of the KV window (§7.4)
 
 WARM_SESSION_BATCHES = (1, 2, 4, 8, 16)  # sessions opened at once by the warm-up (capped at max_sessions)
-OPTIONS = ("audio_worker", "compile_mode", "cuda_graphs", "decode_attention", "gemm_min_rows", "merge_unit_close",
-           "mixed_step", "prefill_attention", "prefill_batch_buckets", "scripted_decisions", "shared_decode_buckets")  # deploy profile `engine_options.stage0` keys
+# deploy profile `engine_options.stage0` keys
+OPTIONS = ("audio_worker", "compile_mode", "cuda_graphs", "decode_attention", "gemm_min_rows", "gemm_pad_buckets",
+           "merge_unit_close", "mixed_step", "prefill_attention", "prefill_batch_buckets", "scripted_decisions",
+           "shared_decode_buckets")
 PLAN_KEYS = ("listen_units", "speak_units", "text_ids_per_unit", "tail_listen_units")  # ScriptPlan's fields
 
 
@@ -103,6 +105,15 @@ def _rows(opts: dict[str, Any], name: str) -> dict[str, int]:
     return {name: value}
 
 
+def _flag(opts: dict[str, Any], name: str) -> dict[str, bool]:
+    """A boolean as a Stage0Config keyword; absent: {} (the config's default)."""
+    if name not in opts:
+        return {}
+    if not isinstance(opts[name], bool):
+        raise ConfigError(f"engine_options.stage0.{name} must be true or false, not {opts[name]!r}")
+    return {name: opts[name]}
+
+
 class Stage0Bridge(EngineBridge):
     def __init__(self, settings: StageSettings) -> None:
         super().__init__(settings)
@@ -128,7 +139,7 @@ class Stage0Bridge(EngineBridge):
                            mixed_step=opts.get("mixed_step", "split"),
                            prefill_attention=opts.get("prefill_attention", "auto"),
                            decode_attention=opts.get("decode_attention", "matmul"),
-                           **_rows(opts, "gemm_min_rows"),
+                           **_rows(opts, "gemm_min_rows"), **_flag(opts, "gemm_pad_buckets"),
                            **_buckets(opts, "prefill_batch_buckets"), **_buckets(opts, "shared_decode_buckets"),
                            **scripted_decisions(opts.get("scripted_decisions")))
         self.hidden_dim = ck.config.llm.hidden_size
