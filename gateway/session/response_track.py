@@ -429,10 +429,10 @@ class ResponseTrack:
             self.finish(resp, "incomplete", "max_output_tokens")
 
     def _silence(self, resp: Response, buf: UnitOutput) -> None:
-        """A speak unit the runtime rendered no audio for is 1 s of silence (model.md §6.6), as a listen unit. One whose
-        first token ends it has no text rows, and the stage0 bridge sends no `tts_input` for it (§3.7 Q11 would run
-        the TTS from `audio_bos` alone), so no Token2Wav call renders it. Its pair must not be an empty delta (as a
-        response's first audio the client got zero bytes), and the response's audio keeps one second per unit."""
+        """A speak unit the runtime rendered no audio for is 1 s of silence (model.md §6.6), as a listen unit. A safety
+        net: the runtime renders every speak unit, also one with no text rows (§3.7 Q11: the TTS runs from
+        `audio_bos` alone), but a runtime that sends none must not make the pair an empty delta (as a response's
+        first audio the client got zero bytes), and the response's audio keeps one second per unit."""
         buf.audio.append(UNIT_SILENCE)
         self.playback(resp).generated_ms += pcm16_duration_ms(len(UNIT_SILENCE))
 
