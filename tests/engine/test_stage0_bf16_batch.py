@@ -102,3 +102,39 @@ def test_bf16_full_width_logits_row_alone_equals_among_others() -> None:
         alone = model.logits(hidden[:1])[0]
         for n in (2, 4, 8, 16, 32, 64):
             assert torch.equal(model.logits(hidden[:n])[0], alone), n
+
+
+@pytest.mark.parametrize("compile_mode", [None, "default"])
+def test_bf16_full_width_graph_rows_alone_equal_among_others(compile_mode: str | None) -> None:
+    """One decoder layer at the real width in the engine's graph sets as the h200 profiles build them (flex decode
+    attention, GEMMs padded over each set's top bucket, `gemm_pad_buckets`): a decode row among 2..64 rows and a
+    unit's prefill among 2..8 units read the same bits. On the H200 the matmul decode differed among 16 (compiled)
+    and a prefill among 8 when its 104 rows ran unpadded (bench/RESULTS.md stop 37)."""
+    from bench.bench_stage0 import FULL, MERGED_PREFILL, dummy_init, random_kv
+    from engine.stage0.graphs import DecodeGraphs, PrefillGraphs
+
+    cfg, ctx, slots = dataclasses.replace(FULL, num_hidden_layers=1), 1024, 64
+    with torch.device("cuda"):
+        model = Qwen3LLM(cfg).to(torch.bfloat16).eval()
+    dummy_init(model)
+    model.fuse_projections().pad_gemm_rows(Stage0Config().gemm_min_rows)
+    kv = random_kv(cfg, slots, ctx + 64, torch.device("cuda"), torch.bfloat16)
+    decode = DecodeGraphs.create(model, kv, (2, 4, 8, 16, 32, 64), (ctx + 32,), compile_mode=compile_mode,
+                                 decode_attention="flex")
+    prefill = PrefillGraphs.create(model, kv, (2, 4, 8), (MERGED_PREFILL,), (ctx + 32,), compile_mode=compile_mode,
+                                   flex=True)
+    assert decode is not None and prefill is not None
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(slots, cfg.hidden_size, generator=gen).to("cuda", torch.bfloat16)
+    units = [torch.randn(MERGED_PREFILL, cfg.hidden_size, generator=gen).to("cuda", torch.bfloat16) for _ in range(8)]
+
+    def step(n: int) -> torch.Tensor:
+        return decode.run(x[:n], torch.full((n,), ctx), torch.arange(n), ctx + 1)[0].clone()
+
+    def unit(n: int) -> torch.Tensor:
+        return prefill.run(list(range(n)), [ctx] * n, units[:n])[0].clone()
+
+    alone = step(1)
+    assert [n for n in (2, 4, 8, 16, 32, 64) if not torch.equal(step(n), alone)] == []
+    alone = unit(1)
+    assert [n for n in (2, 4, 8) if not torch.equal(unit(n), alone)] == []
