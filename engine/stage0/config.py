@@ -127,7 +127,7 @@ class Stage0Config:
     # faster (8 k, one token among 16 slots: 6.4 vs 17.7 ms; the served load test stays under 2 k positions).
     # Matmul is not batch-invariant at full size (its batched GEMMs pick kernels by rows x kv heads: a row among 16
     # differed from the same row among 2 in bf16); flex is (its kernel batch is the cache's slot count), so the
-    # h200 profiles set flex (bench/RESULTS.md stop 37; sessions ~1.2 k deep: 275 vs 308 ms p50 at 16).
+    # h200 profiles set flex (bench/RESULTS.md stop 37; sessions ~5 k deep: 275 vs 308 ms p50 at 16).
     decode_attention: Literal["matmul", "sdpa", "flex"] = "matmul"
     # Least rows of every LLM GEMM (`Qwen3LLM.pad_gemm_rows`; 0 = off): fewer rows are zero-padded. cuBLAS picks
     # its kernel by the row count: on the H200 in bf16 a row's logits alone differed from the same row among 1-63
