@@ -183,6 +183,12 @@ class Stage0Config:
     # Units one session may have queued (not yet started): about that many seconds of audio ahead of real
     # time. More is refused with CapacityError (runtime_backpressure): a flood of appends never piles up.
     max_queued_units: int = 32
+    # Positions of a system prefix fed per step (0: the whole prefix in one step). A long prompt fed at once holds
+    # every other session's step for its whole forward (on the H200, sessions with a 5 k-position prompt starting
+    # together: stage0 queue waits 59-173 ms, first responses up to 4.6 s late, bench/RESULTS.md stop 37); in
+    # chunks, the other sessions' tokens and units run between them, as vLLM's chunked prefill does. Any chunking
+    # gives the same KV and logits as one forward (model.md I5; in bf16 up to the GEMMs' row-count rounding).
+    prefix_chunk: int = 512
     # §9.5 benchmark-only: replace every sampled id by a script (all kernels still run). Rejected unless
     # `benchmark_mode` is set, which only benchmark entry points do.
     scripted_decisions: bool = False
@@ -199,6 +205,8 @@ class Stage0Config:
             raise ValueError(f"prefill_attention {self.prefill_attention!r}: use auto, gather or flex")
         if self.mixed_step not in ("split", "merge", "shared"):
             raise ValueError(f"mixed_step {self.mixed_step!r}: use split, merge or shared")
+        if self.prefix_chunk < 0:
+            raise ValueError(f"prefix_chunk {self.prefix_chunk}: use 0 (whole prefix) or a position count")
         if self.gemm_min_rows < 0:
             raise ValueError(f"gemm_min_rows {self.gemm_min_rows}: use 0 (off) or a row count")
         if self.decode_attention not in ("matmul", "sdpa", "flex"):

@@ -192,8 +192,7 @@ class Stage0Engine:
             if len(s.queue) >= self.config.max_queued_units:
                 raise CapacityError(f"{session_id}: {len(s.queue)} units already queued (input ahead of real time)")
             images = self._prepare_frames(session_id, frames)
-            room = self.runner.kv.reserved_pos - s.cached_len - len(s.pending_close) - (
-                s.prefix_rows.shape[0] if s.prefix_rows is not None else 0)
+            room = self.runner.kv.reserved_pos - s.cached_len - len(s.pending_close) - s.prefix_to_feed()
             if self.config.eviction == "off" and room < (len(s.queue) + 2) * self.config.unit_max_positions(s.rules):
                 raise CapacityError(f"{session_id}: the session context is full (eviction off)")
             s.queue.append(UnitJob(fence=fence, index=s.appended, pcm=pcm, frames=images,

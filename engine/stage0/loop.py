@@ -134,9 +134,10 @@ class StepScheduler:
     def _schedule(self, s: Session) -> Row | None:
         """This step's row of `s` (after `_prepare`), or None when it has nothing to feed."""
         ids, unit = self.ids, s.unit
-        if s.phase is Phase.PREFIX:
+        if s.phase is Phase.PREFIX:  # the next chunk of the system prefix (cached_len counts what was fed)
             assert s.prefix_rows is not None
-            return Row(s.slot, s.cached_len, s.prefix_rows)
+            chunk = self.config.prefix_chunk or s.prefix_rows.shape[0]
+            return Row(s.slot, s.cached_len, s.prefix_rows[s.cached_len:s.cached_len + chunk])
         if s.phase is Phase.PREFILL:
             assert unit is not None
             if unit.audio_submitted and unit.audio_embeds is None:
@@ -257,7 +258,9 @@ class StepScheduler:
         for s in sessions:
             h = hidden[s.session_id]
             if s.phase is Phase.PREFIX:
-                s.prefix_len, s.prefix_rows, s.phase = s.cached_len, None, Phase.IDLE
+                assert s.prefix_rows is not None
+                if s.cached_len == s.prefix_rows.shape[0]:  # its last chunk: the session may take units
+                    s.prefix_len, s.prefix_rows, s.phase = s.cached_len, None, Phase.IDLE
             elif s.phase is Phase.CLOSE:
                 self._finish_unit(s)
             elif self._advance(s, h[-1]):

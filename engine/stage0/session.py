@@ -181,6 +181,12 @@ class Session:
         """The cache length once an owed (merged) close is fed."""
         return self.cached_len + len(self.pending_close)
 
+    def prefix_to_feed(self) -> int:
+        """Positions of the system prefix not yet in the KV (it is fed in chunks, `Stage0Config.prefix_chunk`)."""
+        if self.prefix_rows is None:
+            return 0
+        return self.prefix_rows.shape[0] - (self.cached_len if self.phase is Phase.PREFIX else 0)
+
     def check_accounting(self) -> None:
         """I12: ledger spans sum to the cache length (with an owed close) minus the prefix whenever no unit
         is in flight."""

@@ -271,6 +271,18 @@ def test_stage0_gemm_min_rows_option(tiny_checkpoint: Path) -> None:
     assert {layer.mlp.min_rows for layer in bridge.engine.model.model.layers} == {0}
 
 
+def test_stage0_prefix_chunk_option(tiny_checkpoint: Path) -> None:
+    """prefix_chunk (system-prefix positions per step, 512 by default, 0 = whole) reaches the engine config."""
+    from model_repository.common.settings import ConfigError
+
+    for bad in ('{"prefix_chunk": -1}', '{"prefix_chunk": 8.5}', '{"prefix_chunk": false}'):
+        with pytest.raises(ConfigError, match="prefix_chunk"):
+            bridges.stage0(settings("stage0", tiny_checkpoint, engine_options=bad))
+    assert bridges.stage0(settings("stage0", tiny_checkpoint)).engine.config.prefix_chunk == 512
+    bridge = bridges.stage0(settings("stage0", tiny_checkpoint, engine_options='{"prefix_chunk": 64}'))
+    assert bridge.engine.config.prefix_chunk == 64
+
+
 def test_stage0_gemm_pad_buckets_option(tiny_checkpoint: Path) -> None:
     """gemm_pad_buckets (default true) reaches the engine config; anything but a boolean fails the load."""
     from model_repository.common.settings import ConfigError
