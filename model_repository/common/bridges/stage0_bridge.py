@@ -77,9 +77,9 @@ class _Session:
     in_turn: bool = False  # a speak unit opened a turn that no `end_of_turn` has closed yet
 
 
-def _flag(opts: dict[str, Any], name: str) -> bool:
-    """A boolean engine option (default false); anything but a bool fails the load."""
-    value = opts.get(name, False)
+def _flag(opts: dict[str, Any], name: str, default: bool = False) -> bool:
+    """A boolean engine option; anything but a bool fails the load."""
+    value = opts.get(name, default)
     if not isinstance(value, bool):
         raise ConfigError(f"engine_options.stage0.{name} must be true or false, not {value!r}")
     return value
@@ -103,15 +103,6 @@ def _rows(opts: dict[str, Any], name: str) -> dict[str, int]:
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise ConfigError(f"engine_options.stage0.{name} must be an integer >= 0, not {value!r}")
     return {name: value}
-
-
-def _flag(opts: dict[str, Any], name: str) -> dict[str, bool]:
-    """A boolean as a Stage0Config keyword; absent: {} (the config's default)."""
-    if name not in opts:
-        return {}
-    if not isinstance(opts[name], bool):
-        raise ConfigError(f"engine_options.stage0.{name} must be true or false, not {opts[name]!r}")
-    return {name: opts[name]}
 
 
 class Stage0Bridge(EngineBridge):
@@ -139,7 +130,7 @@ class Stage0Bridge(EngineBridge):
                            mixed_step=opts.get("mixed_step", "split"),
                            prefill_attention=opts.get("prefill_attention", "auto"),
                            decode_attention=opts.get("decode_attention", "matmul"),
-                           **_rows(opts, "gemm_min_rows"), **_flag(opts, "gemm_pad_buckets"),
+                           **_rows(opts, "gemm_min_rows"), gemm_pad_buckets=_flag(opts, "gemm_pad_buckets", True),
                            **_rows(opts, "prefix_chunk"),
                            **_buckets(opts, "prefill_batch_buckets"), **_buckets(opts, "shared_decode_buckets"),
                            **scripted_decisions(opts.get("scripted_decisions")))
