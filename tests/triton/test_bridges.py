@@ -6,6 +6,7 @@ Triton stub; a recording sink stands in for the adapter's ResponseSink.
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -271,28 +272,23 @@ def test_stage0_gemm_min_rows_option(tiny_checkpoint: Path) -> None:
     assert {layer.mlp.min_rows for layer in bridge.engine.model.model.layers} == {0}
 
 
-def test_stage0_prefix_chunk_option(tiny_checkpoint: Path) -> None:
-    """prefix_chunk (system-prefix positions per step, 512 by default, 0 = whole) reaches the engine config."""
+@pytest.mark.parametrize("name,bad,default,value", [
+    ("prefix_chunk", ("-1", "8.5", "false"), 512, 64),  # system-prefix positions per step (0 = whole)
+    ("gemm_pad_buckets", ("1", '"false"', "null"), True, False),  # graphs pad their GEMMs over their buckets
+])
+def test_stage0_config_options(tiny_checkpoint: Path, name: str, bad: tuple[str, ...], default: object,
+                               value: object) -> None:
+    """The option reaches the engine config (the config's default when absent); a value of the wrong type or
+    range fails the load."""
     from model_repository.common.settings import ConfigError
 
-    for bad in ('{"prefix_chunk": -1}', '{"prefix_chunk": 8.5}', '{"prefix_chunk": false}'):
-        with pytest.raises(ConfigError, match="prefix_chunk"):
-            bridges.stage0(settings("stage0", tiny_checkpoint, engine_options=bad))
-    assert bridges.stage0(settings("stage0", tiny_checkpoint)).engine.config.prefix_chunk == 512
-    bridge = bridges.stage0(settings("stage0", tiny_checkpoint, engine_options='{"prefix_chunk": 64}'))
-    assert bridge.engine.config.prefix_chunk == 64
-
-
-def test_stage0_gemm_pad_buckets_option(tiny_checkpoint: Path) -> None:
-    """gemm_pad_buckets (default true) reaches the engine config; anything but a boolean fails the load."""
-    from model_repository.common.settings import ConfigError
-
-    for bad in ('{"gemm_pad_buckets": 1}', '{"gemm_pad_buckets": "false"}', '{"gemm_pad_buckets": null}'):
-        with pytest.raises(ConfigError, match="gemm_pad_buckets"):
-            bridges.stage0(settings("stage0", tiny_checkpoint, engine_options=bad))
-    assert bridges.stage0(settings("stage0", tiny_checkpoint)).engine.config.gemm_pad_buckets is True
-    bridge = bridges.stage0(settings("stage0", tiny_checkpoint, engine_options='{"gemm_pad_buckets": false}'))
-    assert bridge.engine.config.gemm_pad_buckets is False
+    for raw in bad:
+        with pytest.raises(ConfigError, match=name):
+            bridges.stage0(settings("stage0", tiny_checkpoint, engine_options=f'{{"{name}": {raw}}}'))
+    assert getattr(bridges.stage0(settings("stage0", tiny_checkpoint)).engine.config, name) == default
+    options = json.dumps({name: value})
+    assert getattr(bridges.stage0(settings("stage0", tiny_checkpoint, engine_options=options)).engine.config,
+                   name) == value
 
 
 def test_stage0_session_warm_up_leaves_no_trace(tiny_checkpoint: Path) -> None:
