@@ -27,6 +27,7 @@ from engine.model.layers import (
     SlotKVCache,
     fuse_layers,
     layers_fused,
+    linear,
     rope_cos_sin,
     rope_inv_freq,
     run_layer,
@@ -76,6 +77,7 @@ class TTSModel(nn.Module):
         self.projector_semantic = SemanticProjector(cfg.llm_dim, h)
         self.model = LlamaBackbone(cfg)
         self.register_buffer("inv_freq", self._inv_freq(), persistent=False)  # [D/2]
+        self.min_rows = 0  # `logits`' least GEMM rows (`pad_gemm_rows`)
 
     def _inv_freq(self, device: torch.device | str | None = None) -> torch.Tensor:
         return rope_inv_freq(self.cfg.head_dim, self.cfg.rope_theta, device)
@@ -138,6 +140,14 @@ class TTSModel(nn.Module):
                     lay.kv_limit)
         return self.model.norm(h)
 
+    def pad_gemm_rows(self, rows: int) -> TTSModel:
+        """Every GEMM of the backbone and `logits` at least `rows` rows (`layers.linear`, as `Qwen3LLM.pad_gemm_rows`:
+        cuBLAS picks its kernel by the row count, so padded rows do not depend on how many share a step). 0: off."""
+        for layer in self.model.layers:
+            layer.self_attn.min_rows = layer.mlp.min_rows = rows
+        self.min_rows = rows
+        return self
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """head_code on final-norm hidden [..., H] → fp32 logits [..., num_audio_tokens] (§1.5)."""
-        return self.head_code[0](hidden).float()
+        return linear(hidden, self.head_code[0].weight, self.min_rows).float()

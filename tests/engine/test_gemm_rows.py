@@ -113,3 +113,23 @@ def test_bucket_padding_keeps_a_graph_rows_values() -> None:
         assert {decode.gemm_rows(key) for key in decode.steps} == ({0} if rows == 0 else {16})
         outs.append(decode.run(x, torch.tensor([1, 2, 3]), torch.tensor([0, 1, 2]), reach=4))
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+
+
+def test_tts_gemm_min_rows_pads_every_tts_gemm_and_keeps_the_values() -> None:
+    """TTSEngineConfig.gemm_min_rows reaches every backbone GEMM and the code head; padded logits equal the
+    unpadded ones to fp32 rounding, and a padded row's logits are the same bits alone and among others."""
+    from engine.stage1.config import TTSEngineConfig
+    from engine.stage1.tts_engine import TTSEngine
+    from tests.engine.test_tts_helpers import tiny_model
+
+    model = tiny_model()
+    gen = torch.Generator().manual_seed(6)
+    hidden = torch.randn(5, model.cfg.hidden_size, generator=gen)
+    plain = model.logits(hidden)
+    TTSEngine(model, TTSEngineConfig(max_sessions=2, max_batch=2, gemm_min_rows=16))
+    assert model.min_rows == 16 and {layer.mlp.min_rows for layer in model.model.layers} == {16}
+    torch.testing.assert_close(model.logits(hidden), plain, atol=1e-5, rtol=1e-5)
+    alone = model.logits(hidden[:1])[0]
+    assert all(torch.equal(model.logits(hidden[:n])[0], alone) for n in (2, 5))
+    with pytest.raises(ValueError, match="gemm_min_rows"):
+        TTSEngineConfig(gemm_min_rows=-1)
