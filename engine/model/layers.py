@@ -322,6 +322,12 @@ def layers_fused(layers: nn.ModuleList) -> bool:
     return layers[0].mlp.gate_up_weight is not None
 
 
+def set_gemm_rows(layers: nn.ModuleList, rows: int) -> None:
+    """The least rows of every decoder layer's GEMMs (`linear`; 0: off)."""
+    for layer in layers:
+        layer.self_attn.min_rows = layer.mlp.min_rows = rows
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
 

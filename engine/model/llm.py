@@ -38,6 +38,7 @@ from engine.model.layers import (
     rope_inv_freq,
     rotate_half,
     run_layer,
+    set_gemm_rows,
     slot_layout,
 )
 
@@ -118,7 +119,7 @@ class Qwen3LLM(nn.Module):
     def pad_gemm_rows(self, rows: int) -> Qwen3LLM:
         """Every GEMM of the forward and `logits` at least `rows` rows (`layers.linear`: a row's numbers then do
         not depend on how many rows share its batch, where the kernel choice changes below `rows`). 0: off."""
-        self._set_layer_rows(rows)
+        set_gemm_rows(self.model.layers, rows)
         self.min_rows = rows
         return self
 
@@ -132,15 +133,12 @@ class Qwen3LLM(nn.Module):
         """The forward's GEMMs at least `rows` rows inside the block (a graph set pads to its largest bucket,
         engine/stage0/graphs.py); `logits` keeps its own."""
         before = self.gemm_min_rows
-        self._set_layer_rows(rows)
+        set_gemm_rows(self.model.layers, rows)
         try:
             yield
         finally:
-            self._set_layer_rows(before)
+            set_gemm_rows(self.model.layers, before)
 
-    def _set_layer_rows(self, rows: int) -> None:
-        for layer in self.model.layers:
-            layer.self_attn.min_rows = layer.mlp.min_rows = rows
 
     @property
     def fused(self) -> bool:

@@ -31,6 +31,7 @@ from engine.model.layers import (
     rope_cos_sin,
     rope_inv_freq,
     run_layer,
+    set_gemm_rows,
     slot_layout,
 )
 
@@ -143,8 +144,7 @@ class TTSModel(nn.Module):
     def pad_gemm_rows(self, rows: int) -> TTSModel:
         """Every GEMM of the backbone and `logits` at least `rows` rows (`layers.linear`, as `Qwen3LLM.pad_gemm_rows`:
         cuBLAS picks its kernel by the row count, so padded rows do not depend on how many share a step). 0: off."""
-        for layer in self.model.layers:
-            layer.self_attn.min_rows = layer.mlp.min_rows = rows
+        set_gemm_rows(self.model.layers, rows)
         self.min_rows = rows
         return self
 
