@@ -10,8 +10,6 @@ silence is then never needed for them).
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,12 +18,13 @@ import numpy as np
 import pytest
 
 from clients.triton_example import TritonSession
-from gateway.runtime.base import AudioPiece, Decision, Fence, SessionKey, UnitDone, UnitSubmission
+from gateway.runtime.base import AudioPiece, Decision, SessionKey, UnitDone
 from gateway.runtime.stages import StagedTritonRuntime
 from serve.launcher import TritonInstall, TritonServer
 from tests.e2e.stack import stop_soon
 
 from .conftest import ALL_MODELS, REPO_ROOT, DeployProfile, build_repository, start_server
+from .test_staged_e2e import _session
 
 pytestmark = pytest.mark.e2e
 PLAN = {"listen_units": 1, "speak_units": 2, "text_ids_per_unit": 0, "tail_listen_units": 0}
@@ -64,28 +63,11 @@ def _check_unit_audio(unit: int, pcm: np.ndarray) -> None:
 
 async def test_the_staged_runtime_renders_empty_speak_units(server: TritonServer) -> None:
     rt = StagedTritonRuntime(server.grpc_url)
-    key = SessionKey("empty", 41)
-    await rt.open(key, Fence(1, 0), {"seed": 9, "force_listen_count": 0})
     seen: list[Any] = []
-    all_done = asyncio.Event()
-
-    async def collect() -> None:
-        async for ev in rt.events(key):
-            seen.append(ev)
-            if sum(isinstance(e, UnitDone) for e in seen) == UNITS:
-                all_done.set()
-
-    collector = asyncio.create_task(collect())
     try:
-        for i in range(UNITS):
-            await asyncio.wait_for(rt.append(key, Fence(1, 0, i + 1), UnitSubmission(i, _pcm(i).tobytes())),
-                                   TIMEOUT_S)
-        await asyncio.wait_for(all_done.wait(), TIMEOUT_S)
-        await rt.close(key, Fence(1, 0))
+        await _session(rt, SessionKey("empty", 41), UNITS, seen, config={"seed": 9, "force_listen_count": 0},
+                       pcm=lambda i: _pcm(i).tobytes())
     finally:
-        collector.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await collector
         await rt.aclose()
     speaking = sorted(e.unit for e in seen if isinstance(e, Decision) and e.action == "speak")
     assert speaking == sorted(EMPTY_UNITS + TURN_ENDS)

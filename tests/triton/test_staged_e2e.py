@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -85,8 +85,12 @@ def _pcm(index: int, seed: int) -> bytes:
     return (rng.standard_normal(FIRST_UNIT if index == 0 else UNIT) * 0.1).astype(np.float32).tobytes()
 
 
-async def _session(rt: StagedTritonRuntime, key: SessionKey, units: int, seen: list[Any]) -> None:
-    await rt.open(key, Fence(1, 0), {"seed": key.correlation_id})
+async def _session(rt: StagedTritonRuntime, key: SessionKey, units: int, seen: list[Any],
+                   config: dict[str, Any] | None = None, pcm: Callable[[int], bytes] | None = None) -> None:
+    """Open `key` (`config`, default: seeded by its correlation id), append `units` units (`pcm(i)`, default:
+    `_pcm`), collect every event into `seen` until the last unit is done (or the ack timeout), close."""
+    await rt.open(key, Fence(1, 0), config or {"seed": key.correlation_id})
+    pcm = pcm or (lambda i: _pcm(i, key.correlation_id))
     all_done = asyncio.Event()
 
     async def collect() -> None:
@@ -97,7 +101,7 @@ async def _session(rt: StagedTritonRuntime, key: SessionKey, units: int, seen: l
 
     collector = asyncio.create_task(collect())
     for i in range(units):
-        await asyncio.wait_for(rt.append(key, Fence(1, 0, i + 1), UnitSubmission(i, _pcm(i, key.correlation_id))),
+        await asyncio.wait_for(rt.append(key, Fence(1, 0, i + 1), UnitSubmission(i, pcm(i))),
                                ACK_TIMEOUT_S)
     with contextlib.suppress(TimeoutError):  # the last speak unit's audio follows its ack; asserted by the caller
         await asyncio.wait_for(all_done.wait(), ACK_TIMEOUT_S)
