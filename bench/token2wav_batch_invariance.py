@@ -58,6 +58,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--counts", default="2,4,8,16,32", help="sessions in the steps besides 1, comma separated")
     ap.add_argument("--flow-dtype", choices=("fp32", "fp16"), default=None, help="default: fp16 on CUDA")
     ap.add_argument("--prompt-tokens", type=int, default=250, help="voice prompt tokens (250: 10 s)")
+    ap.add_argument("--eager", action="store_true", help="no CUDA graphs (is a difference the graphs' or the kernels'?)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
@@ -67,12 +68,13 @@ def main(argv: list[str] | None = None) -> None:
     top = max(counts + [1])
     models = build_models(args.tiny, device, flow_dtype)
     buckets = row_buckets(top)
+    graphs = device.type == "cuda" and not args.eager
     engine = Token2WavEngine(models, Token2WavEngineConfig(
-        max_batch=top, use_cuda_graphs=device.type == "cuda", pool=PoolConfig(slots=top),
+        max_batch=top, use_cuda_graphs=graphs, pool=PoolConfig(slots=top),
         max_graphs=GRAPHS_PER_BUCKET * len(buckets)))
     vocab = models.flow_cfg.vocab_size
     engine.add_voice("v", make_voice(min(args.prompt_tokens, 20) if args.tiny else args.prompt_tokens, vocab))
-    if device.type == "cuda":
+    if graphs:
         engine.warm_up("v", lambda line: None)
     alone = watched_pcm(engine, vocab, 1)
     rows = []
@@ -83,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
         rows.append(dict(sessions=n, equal_alone=got == alone, samples=len(b), max_abs_diff_lsb=diff))
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     print(f"Token2Wav: the watched session's turn ({len(alone) // 2} samples) alone vs among n ({name}, flow "
-          f"{flow_dtype}, graphs {device.type == 'cuda'}); misses {engine.misses.counts()}")
+          f"{flow_dtype}, graphs {graphs}); misses {engine.misses.counts()}")
     for r in rows:
         note = "equal" if r["equal_alone"] else f"DIFFER (max |diff| {r['max_abs_diff_lsb']} LSB)"
         print(f"  n = {r['sessions']:3d}: {note}")
