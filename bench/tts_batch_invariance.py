@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--counts", default="2,4,8,16,32", help="sessions in the step besides 1, comma separated")
     ap.add_argument("--rows", type=int, default=16, help="text rows per unit")
     ap.add_argument("--compile", action="store_true", help="compiled step (the h200 profiles' compile_step)")
-    ap.add_argument("--min-rows", type=int, default=0, help="least rows of every TTS GEMM (gemm_min_rows)")
+    ap.add_argument("--tile-rows", type=int, default=0, help="every TTS GEMM on exactly that many rows (gemm_tile_rows)")
     ap.add_argument("--buckets", default="", help="batch buckets, comma separated (default: the engine's; "
                     "without 1 a lone unit runs padded to 2, as stage0's graphs do)")
     ap.add_argument("--json", default=None)
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> None:
     model = make_model(cfg, device, dtype)
     buckets = {"batch_buckets": tuple(int(b) for b in args.buckets.split(","))} if args.buckets else {}
     engine = TTSEngine(model, TTSEngineConfig(max_sessions=top, max_batch=top, max_turn_positions=1024,
-                                              compile_step=args.compile, gemm_min_rows=args.min_rows, **buckets))
+                                              compile_step=args.compile, gemm_tile_rows=args.tile_rows, **buckets))
     reqs = requests(cfg, top, args.rows, device)  # reqs[0] is the watched unit at every count
     alone = watched_codes(engine, reqs, 1)
     rows = []
@@ -68,14 +68,14 @@ def main(argv: list[str] | None = None) -> None:
         rows.append(dict(sessions=n, equal_alone=got == alone, first_difference=first))
     device_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     print(f"TTS: the watched session's {len(alone)} codes alone vs among n ({device_name}, {dtype}, "
-          f"{'compiled' if args.compile else 'eager'} step, graphs {engine.runner.use_graphs}, GEMMs >= "
-          f"{args.min_rows} rows, buckets {engine.cfg.batch_buckets})")
+          f"{'compiled' if args.compile else 'eager'} step, graphs {engine.runner.use_graphs}, GEMM tile "
+          f"{args.tile_rows} rows, buckets {engine.cfg.batch_buckets})")
     for r in rows:
         where = "" if r["equal_alone"] else f" (first difference at code {r['first_difference']})"
         print(f"  n = {r['sessions']:3d}: {'equal' if r['equal_alone'] else 'DIFFER'}{where}")
     if args.json:
         Path(args.json).write_text(json.dumps(dict(device=device_name, dtype=str(dtype), compile=args.compile,
-                                                   min_rows=args.min_rows, buckets=list(engine.cfg.batch_buckets),
+                                                   tile_rows=args.tile_rows, buckets=list(engine.cfg.batch_buckets),
                                                    graphs=engine.runner.use_graphs, rows=args.rows, codes=len(alone),
                                                    results=rows), indent=2) + "\n")
 

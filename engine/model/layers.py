@@ -19,6 +19,7 @@ from typing import NamedTuple, Protocol
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from engine.model.flex import flex_slot_attend
 
@@ -159,18 +160,42 @@ def write_and_read_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Ten
     return k_cache[slot_ids, :, :kv_limit], v_cache[slot_ids, :, :kv_limit]  # gathered
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, min_rows: int = 0) -> torch.Tensor:
-    """F.linear (bias-free) over x [..., K] with at least `min_rows` rows in the GEMM: fewer rows are padded with
-    zeros and the result cut back. cuBLAS picks its kernel by the row count, so a row's result can depend on how
-    many rows share its GEMM (on the H200 in bf16 the lm_head's did; bench/RESULTS.md stop 36). A row's result
-    does not depend on the other rows' values, so with every count below `min_rows` run as `min_rows` rows it
-    does not depend on how many sessions share the step (counts above keep their own kernel: on the H200 the
-    lm_head's 32 and 64 rows matched)."""
+def linear(x: torch.Tensor, weight: torch.Tensor, min_rows: int = 0, tile: bool = False,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear over x [..., K] with at least `min_rows` rows in the GEMM: fewer rows are padded with zeros and
+    the result cut back. cuBLAS picks its kernel by the row count, so a row's result can depend on how many rows
+    share its GEMM (on the H200 in bf16 the lm_head's did; bench/RESULTS.md stop 36). A row's result does not
+    depend on the other rows' values, so with every count below `min_rows` run as `min_rows` rows it does not
+    depend on how many sessions share the step (counts above keep their own kernel: on the H200 the lm_head's 32
+    and 64 rows matched).
+
+    tile: counts above `min_rows` run too as GEMMs of exactly `min_rows` rows, one per chunk (the last padded), so
+    no count picks another kernel. The TTS needs it: its unit prefill runs sessions x text rows, past any padding
+    (bench/RESULTS.md stop 38)."""
     rows = x.numel() // x.shape[-1]
-    if rows >= min_rows:
-        return F.linear(x, weight)
+    if not min_rows or rows == min_rows or (rows > min_rows and not tile):
+        return F.linear(x, weight, bias)
+    if rows > min_rows:
+        return tiled_linear(x, weight, bias, min_rows)
     flat = F.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, min_rows - rows))
-    return F.linear(flat, weight)[:rows].reshape(*x.shape[:-1], weight.shape[0])
+    return F.linear(flat, weight, bias)[:rows].reshape(*x.shape[:-1], weight.shape[0])
+
+
+@torch.library.custom_op("duplex::tiled_linear", mutates_args=(),
+                         schema="(Tensor x, Tensor weight, Tensor? bias, int tile) -> Tensor")
+def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tile: int) -> torch.Tensor:
+    """x [..., K] through GEMMs of exactly `tile` rows each (the last chunk zero-padded). An opaque op to
+    torch.compile: a loop over a symbolic row count would recompile the compiled layer for every chunk count."""
+    rows = x.numel() // x.shape[-1]
+    padded = -(-rows // tile) * tile
+    flat = F.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, padded - rows))
+    out = torch.cat([F.linear(chunk, weight, bias) for chunk in flat.split(tile)])
+    return out[:rows].reshape(*x.shape[:-1], weight.shape[0])
+
+
+@tiled_linear.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tile: int) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
 class SlotAttention(nn.Module):
@@ -188,6 +213,8 @@ class SlotAttention(nn.Module):
         self.o_proj = nn.Linear(n_heads * head_dim, hidden, bias=False)
         self.register_buffer("qkv_weight", None, persistent=False)  # [(heads + 2 kvh) D, H] once fused
         self.min_rows = 0  # the projections' least GEMM rows (`linear`); set by the model's `pad_gemm_rows`
+        self.tile = False  # and more rows in chunks of min_rows (`linear`'s tile; the TTS's `tile_gemm_rows`)
+        self.sdpa_backends: tuple[SDPBackend, ...] | None = None  # `attend`'s SDPA kernels (None: torch's choice)
 
     def fuse(self) -> None:
         """One [q; k; v] matmul instead of three; q/k/v_proj.weight become views of it (same keys)."""
@@ -204,9 +231,10 @@ class SlotAttention(nn.Module):
     def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [B, T, H] → q [B, T, heads D], k, v [B, T, kvh D]: one matmul once fused, else three."""
         if self.qkv_weight is None:
-            return tuple(linear(x, p.weight, self.min_rows) for p in (self.q_proj, self.k_proj, self.v_proj))
+            return tuple(linear(x, p.weight, self.min_rows, self.tile)
+                         for p in (self.q_proj, self.k_proj, self.v_proj))
         nq, nk = self.n_heads * self.head_dim, self.n_kv * self.head_dim
-        q, k, v = linear(x, self.qkv_weight, self.min_rows).split((nq, nk, nk), dim=-1)
+        q, k, v = linear(x, self.qkv_weight, self.min_rows, self.tile).split((nq, nk, nk), dim=-1)
         return q, k, v
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -219,8 +247,12 @@ class SlotAttention(nn.Module):
     def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
                mode: str) -> torch.Tensor:
         """q [B, heads, T, D], keys/values [B, kvh, L, D], mask [B, 1, T, L] → [B, heads, T, D]."""
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
-                                              enable_gqa=self.n_kv != self.n_heads)
+        if self.sdpa_backends is None:
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
+                                                  enable_gqa=self.n_kv != self.n_heads)
+        with sdpa_kernel(list(self.sdpa_backends)):
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
+                                                  enable_gqa=self.n_kv != self.n_heads)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, write_slot: torch.Tensor, write_pos: torch.Tensor,
@@ -237,7 +269,7 @@ class SlotAttention(nn.Module):
         q, k, v = self.project(x)
         out = self._attend_rows(q, k, v, cos, sin, k_cache, v_cache, write_slot, write_pos, slot_ids, mask,
                                 kv_limit, mode)
-        return linear(out.reshape(b, t, self.n_heads * self.head_dim), self.o_proj.weight, self.min_rows)
+        return linear(out.reshape(b, t, self.n_heads * self.head_dim), self.o_proj.weight, self.min_rows, self.tile)
 
     def _attend_rows(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      k_cache: torch.Tensor, v_cache: torch.Tensor, write_slot: torch.Tensor, write_pos: torch.Tensor,
@@ -265,7 +297,7 @@ class SlotAttention(nn.Module):
                                     v[0, lo:hi].reshape(b, t, *v.shape[2:]), cos[i], sin[i], k_cache, v_cache,
                                     write_slot[i], write_pos[i], slots, mask[i], kv_limit[i], mode[i])
             parts.append(out.reshape(b * t, self.n_heads * self.head_dim))
-        return linear(torch.cat(parts)[None], self.o_proj.weight, self.min_rows)
+        return linear(torch.cat(parts)[None], self.o_proj.weight, self.min_rows, self.tile)
 
 
 # ---------------------------------------------------------------- MLP and the decoder layer
@@ -290,6 +322,7 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
         self.register_buffer("gate_up_weight", None, persistent=False)  # [2 I, H] once fused
         self.min_rows = 0  # least GEMM rows (`linear`)
+        self.tile = False  # more rows in chunks of min_rows (`linear`)
 
     def fuse(self) -> None:
         self.gate_up_weight = fuse_linears(self.gate_proj, self.up_proj)
@@ -303,10 +336,11 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_weight is None:
-            gate, up = linear(x, self.gate_proj.weight, self.min_rows), linear(x, self.up_proj.weight, self.min_rows)
+            gate, up = linear(x, self.gate_proj.weight, self.min_rows, self.tile), \
+                linear(x, self.up_proj.weight, self.min_rows, self.tile)
         else:
-            gate, up = linear(x, self.gate_up_weight, self.min_rows).chunk(2, dim=-1)
-        return linear(F.silu(gate) * up, self.down_proj.weight, self.min_rows)
+            gate, up = linear(x, self.gate_up_weight, self.min_rows, self.tile).chunk(2, dim=-1)
+        return linear(F.silu(gate) * up, self.down_proj.weight, self.min_rows, self.tile)
 
 
 def fuse_layers(layers: nn.ModuleList) -> None:
@@ -322,10 +356,11 @@ def layers_fused(layers: nn.ModuleList) -> bool:
     return layers[0].mlp.gate_up_weight is not None
 
 
-def set_gemm_rows(layers: nn.ModuleList, rows: int) -> None:
-    """The least rows of every decoder layer's GEMMs (`linear`; 0: off)."""
+def set_gemm_rows(layers: nn.ModuleList, rows: int, tile: bool = False) -> None:
+    """The least rows of every decoder layer's GEMMs (`linear`; 0: off); tile: more rows in chunks of that many."""
     for layer in layers:
         layer.self_attn.min_rows = layer.mlp.min_rows = rows
+        layer.self_attn.tile = layer.mlp.tile = tile
 
 
 class DecoderLayer(nn.Module):

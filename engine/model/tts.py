@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend
 
 from engine.config import TTSConfig
 from engine.model.layers import (
@@ -39,6 +40,10 @@ from engine.model.layers import (
 TTSKVCache = SlotKVCache
 
 
+# SDPA kernels of the TTS attention: cuDNN's is left out, its result for a row depended on the batch on the H200
+NO_CUDNN_SDPA = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
+
+
 class LlamaBackbone(nn.Module):
     """`tts.model.*` without `embed_tokens` (the TTS is driven by inputs_embeds only)."""
 
@@ -59,9 +64,12 @@ class SemanticProjector(nn.Module):
         super().__init__()
         self.linear1 = nn.Linear(in_dim, out_dim, bias=True)
         self.linear2 = nn.Linear(out_dim, out_dim, bias=True)
+        self.tile_rows = 0  # GEMMs of exactly this many rows (`linear`'s tile; `TTSModel.tile_gemm_rows`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear2(F.relu(self.linear1(x)))
+        n = self.tile_rows
+        hidden = F.relu(linear(x, self.linear1.weight, n, True, self.linear1.bias))
+        return linear(hidden, self.linear2.weight, n, True, self.linear2.bias)
 
 
 class TTSModel(nn.Module):
@@ -77,8 +85,10 @@ class TTSModel(nn.Module):
                                        for _ in range(cfg.num_vq))
         self.projector_semantic = SemanticProjector(cfg.llm_dim, h)
         self.model = LlamaBackbone(cfg)
+        for layer in self.model.layers:  # not cuDNN's: on the H200 a session's codes among 32 others then differed
+            layer.self_attn.sdpa_backends = NO_CUDNN_SDPA  # from its codes alone (bench/RESULTS.md stop 38)
         self.register_buffer("inv_freq", self._inv_freq(), persistent=False)  # [D/2]
-        self.min_rows = 0  # `logits`' least GEMM rows (`pad_gemm_rows`)
+        self.min_rows = 0  # `logits`' GEMM rows (`tile_gemm_rows`)
 
     def _inv_freq(self, device: torch.device | str | None = None) -> torch.Tensor:
         return rope_inv_freq(self.cfg.head_dim, self.cfg.rope_theta, device)
@@ -141,13 +151,15 @@ class TTSModel(nn.Module):
                     lay.kv_limit)
         return self.model.norm(h)
 
-    def pad_gemm_rows(self, rows: int) -> TTSModel:
-        """Every GEMM of the backbone and `logits` at least `rows` rows (`layers.linear`, as `Qwen3LLM.pad_gemm_rows`:
-        cuBLAS picks its kernel by the row count, so padded rows do not depend on how many share a step). 0: off."""
-        set_gemm_rows(self.model.layers, rows)
-        self.min_rows = rows
+    def tile_gemm_rows(self, rows: int) -> TTSModel:
+        """Every GEMM of the projector, the backbone and `logits` on exactly `rows` rows: fewer padded, more in
+        chunks (`layers.linear`'s tile). cuBLAS picks its kernel by the row count, and the TTS's unit prefill runs
+        sessions x text rows, past any fixed padding: on the H200 a session's codes then differed from 8 sessions
+        on (bench/RESULTS.md stop 38). 0: off."""
+        set_gemm_rows(self.model.layers, rows, tile=True)
+        self.projector_semantic.tile_rows = self.min_rows = rows
         return self
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """head_code on final-norm hidden [..., H] → fp32 logits [..., num_audio_tokens] (§1.5)."""
-        return linear(hidden, self.head_code[0].weight, self.min_rows).float()
+        return linear(hidden, self.head_code[0].weight, self.min_rows, True).float()

@@ -37,9 +37,10 @@ class TTSEngineConfig:
     # codes of a turn's first unit sent as soon as they are sampled (the "head"), before the unit ends: the
     # vocoder starts that much earlier after the user stops (targets.md P7). 0 = off: each unit sent whole.
     first_codes: int = 0
-    # least rows of every TTS GEMM (`TTSModel.pad_gemm_rows`; 0 = off), as stage0's `gemm_min_rows`: whether the TTS
-    # needs it at full size is what bench/tts_batch_invariance.py asks on the GPU (not yet run; off until shown)
-    gemm_min_rows: int = 0
+    # every TTS GEMM on exactly this many rows, fewer padded, more in chunks (`TTSModel.tile_gemm_rows`; 0 = off):
+    # a session's codes then do not depend on who shares its step (on the H200 they did from 8 sessions on,
+    # bench/tts_batch_invariance.py; bench/RESULTS.md stop 38). On in the h200 profiles.
+    gemm_tile_rows: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_sessions", "max_batch", "max_turn_positions", "repetition_window",
@@ -50,8 +51,8 @@ class TTSEngineConfig:
             raise ValueError("TTSEngineConfig: temperature and repetition_penalty must be > 0")
         if list(self.batch_buckets) != sorted(self.batch_buckets) or self.batch_buckets[-1] < self.max_batch:
             raise ValueError("TTSEngineConfig.batch_buckets: must be ascending and reach max_batch")
-        if self.gemm_min_rows < 0:
-            raise ValueError(f"TTSEngineConfig.gemm_min_rows: must be >= 0, got {self.gemm_min_rows}")
+        if self.gemm_tile_rows < 0:
+            raise ValueError(f"TTSEngineConfig.gemm_tile_rows: must be >= 0, got {self.gemm_tile_rows}")
         if not 0 <= self.first_codes <= self.max_new_tokens - 2:  # a full unit keeps at least one code for the rest
             raise ValueError(f"TTSEngineConfig.first_codes: must be in [0, max_new_tokens - 2 = "
                              f"{self.max_new_tokens - 2}]")

@@ -60,7 +60,7 @@ class TTSEngine:
         self.model, self.cfg = model.eval(), cfg or TTSEngineConfig()
         if self.cfg.fuse_projections and not model.fused:
             model.fuse_projections()  # same parameters (views), so the caller's model is unchanged in value
-        model.pad_gemm_rows(self.cfg.gemm_min_rows)
+        model.tile_gemm_rows(self.cfg.gemm_tile_rows)
         self.mcfg = model.cfg
         self.runner = TTSRunner(model, self.cfg, dtype=model.emb_text.weight.dtype)
         self.slots = SlotTable(self.cfg.max_sessions)

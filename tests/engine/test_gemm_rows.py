@@ -26,6 +26,26 @@ def test_linear_pads_short_inputs_and_cuts_the_result_back() -> None:
     assert torch.equal(linear(big, w, 32), F.linear(big, w))  # enough rows: the plain GEMM
 
 
+def test_tiled_linear_runs_every_gemm_on_exactly_the_tile(monkeypatch: pytest.MonkeyPatch) -> None:
+    """tile: more rows than the tile run as chunks of exactly that many rows (the last padded), with the bias,
+    the values of the plain GEMM; through torch.compile (dynamic rows) too."""
+    gen = torch.Generator().manual_seed(1)
+    w, b = torch.randn(6, 16, generator=gen), torch.randn(6, generator=gen)
+    seen, plain = [], F.linear
+    monkeypatch.setattr(F, "linear", lambda x, *a: seen.append(x.shape[0]) or plain(x, *a))
+    for rows in (3, 8, 9, 20):
+        seen.clear()
+        x = torch.randn(rows, 1, 16, generator=gen)
+        out = linear(x, w, 8, True, b)
+        assert out.shape == (rows, 1, 6) and set(seen) == {8} and len(seen) == -(-rows // 8)
+        torch.testing.assert_close(out, plain(x, w, b))
+    monkeypatch.setattr(F, "linear", plain)
+    compiled = torch.compile(lambda x: linear(x, w, 8, True, b), dynamic=True, fullgraph=True)
+    for rows in (5, 17, 30):
+        x = torch.randn(rows, 16, generator=gen)
+        torch.testing.assert_close(compiled(x), plain(x, w, b))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_padded_rows_do_not_depend_on_the_other_rows(dtype: torch.dtype) -> None:
     """With 32 rows padded, a row's logits and its dense decode hidden state are the same bits alone and among
@@ -115,21 +135,40 @@ def test_bucket_padding_keeps_a_graph_rows_values() -> None:
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
 
 
-def test_tts_gemm_min_rows_pads_every_tts_gemm_and_keeps_the_values() -> None:
-    """TTSEngineConfig.gemm_min_rows reaches every backbone GEMM and the code head; padded logits equal the
-    unpadded ones to fp32 rounding, and a padded row's logits are the same bits alone and among others."""
+def test_tts_gemm_tile_rows_tiles_every_tts_gemm_and_keeps_the_values() -> None:
+    """TTSEngineConfig.gemm_tile_rows reaches every backbone GEMM, the projector and the code head; tiled logits
+    and condition rows equal the untiled ones to fp32 rounding, and a row's are the same bits alone and among
+    more rows than one tile."""
     from engine.stage1.config import TTSEngineConfig
     from engine.stage1.tts_engine import TTSEngine
     from tests.engine.test_tts_helpers import tiny_model
 
     model = tiny_model()
     gen = torch.Generator().manual_seed(6)
-    hidden = torch.randn(5, model.cfg.hidden_size, generator=gen)
-    plain = model.logits(hidden)
-    TTSEngine(model, TTSEngineConfig(max_sessions=2, max_batch=2, gemm_min_rows=16))
-    assert model.min_rows == 16 and {layer.mlp.min_rows for layer in model.model.layers} == {16}
+    hidden = torch.randn(40, model.cfg.hidden_size, generator=gen)
+    llm = torch.randn(40, model.cfg.llm_dim, generator=gen)
+    ids = torch.randint(0, model.cfg.num_text_tokens, (40,), generator=gen)
+    plain, plain_cond = model.logits(hidden), model.condition(ids, llm)
+    TTSEngine(model, TTSEngineConfig(max_sessions=2, max_batch=2, gemm_tile_rows=16))
+    assert model.min_rows == 16 and model.projector_semantic.tile_rows == 16
+    assert {(layer.mlp.min_rows, layer.mlp.tile, layer.self_attn.tile) for layer in model.model.layers} == {
+        (16, True, True)}
     torch.testing.assert_close(model.logits(hidden), plain, atol=1e-5, rtol=1e-5)
-    alone = model.logits(hidden[:1])[0]
-    assert all(torch.equal(model.logits(hidden[:n])[0], alone) for n in (2, 5))
-    with pytest.raises(ValueError, match="gemm_min_rows"):
-        TTSEngineConfig(gemm_min_rows=-1)
+    torch.testing.assert_close(model.condition(ids, llm), plain_cond, atol=1e-5, rtol=1e-5)
+    alone, alone_cond = model.logits(hidden[:1])[0], model.condition(ids[:1], llm[:1])[0]
+    assert all(torch.equal(model.logits(hidden[:n])[0], alone) for n in (2, 5, 17, 40))
+    assert all(torch.equal(model.condition(ids[:n], llm[:n])[0], alone_cond) for n in (2, 17, 40))
+    with pytest.raises(ValueError, match="gemm_tile_rows"):
+        TTSEngineConfig(gemm_tile_rows=-1)
+
+
+def test_tts_attention_leaves_out_cudnn_sdpa() -> None:
+    """On the H200 cuDNN's SDPA kernel made a session's TTS codes among 32 others differ from its codes alone
+    (bench/RESULTS.md stop 38): every TTS layer attends through the other kernels; the LLM keeps torch's choice."""
+    from torch.nn.attention import SDPBackend
+
+    from tests.engine.test_tts_helpers import tiny_model
+
+    kernels = {layer.self_attn.sdpa_backends for layer in tiny_model().model.layers}
+    assert len(kernels) == 1 and SDPBackend.CUDNN_ATTENTION not in next(iter(kernels))
+    assert {layer.self_attn.sdpa_backends for layer in tiny_llm().model.layers} == {None}

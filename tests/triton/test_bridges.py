@@ -217,16 +217,17 @@ def test_tts_max_turn_positions_option_sizes_the_kv_slot(tiny_checkpoint: Path) 
         assert bridge.engine.runner.kv.max_len == turn + 1  # the slot: one KV row per position (+1)
 
 
-def test_tts_gemm_min_rows_option(tiny_checkpoint: Path) -> None:
+def test_tts_gemm_tile_rows_option(tiny_checkpoint: Path) -> None:
     """Off (0) by default; the value reaches the TTS model's GEMMs; anything but an integer >= 0 fails the load."""
     from model_repository.common.settings import ConfigError
 
     for bad in ('"8"', "-1", "true"):
-        with pytest.raises(ConfigError, match="gemm_min_rows"):
-            bridges.tts(settings("tts", tiny_checkpoint, engine_options=f'{{"gemm_min_rows": {bad}}}'))
-    for options, rows in (("{}", 0), ('{"gemm_min_rows": 16}', 16)):
+        with pytest.raises(ConfigError, match="gemm_tile_rows"):
+            bridges.tts(settings("tts", tiny_checkpoint, engine_options=f'{{"gemm_tile_rows": {bad}}}'))
+    for options, rows in (("{}", 0), ('{"gemm_tile_rows": 16}', 16)):
         bridge = bridges.tts(settings("tts", tiny_checkpoint, engine_options=options))
-        assert bridge.engine.cfg.gemm_min_rows == rows and bridge.engine.model.min_rows == rows
+        assert bridge.engine.cfg.gemm_tile_rows == rows and bridge.engine.model.min_rows == rows
+        assert bridge.engine.model.projector_semantic.tile_rows == rows
 
 
 def test_stage0_audio_worker_option(tiny_checkpoint: Path) -> None:
