@@ -141,8 +141,7 @@ class Stage0Config:
     # row among 64 differed from the same row among 2 (o_proj / down), a unit prefilled among 4 or 8 units from
     # the same unit among 2, even with 32 rows padded. With this and `decode_attention: flex` every decode,
     # logits and unit-prefill row read bit-equal alone and among 2-64 others in the compiled graphs at full size
-    # (measured with every GEMM at 128 rows; this rule's own GPU run is next: bench/bench_mixed_step.py,
-    # bench/batch_invariance_ops.py; bench/RESULTS.md stop 37). The matmul decode
+    # (bench/bench_mixed_step.py with this rule, bench/batch_invariance_ops.py; bench/RESULTS.md stops 37-38). The matmul decode
     # attention stays batch-dependent (its batched GEMMs pick kernels by rows x kv heads). Cost, served on
     # h200-scripted at 16 sessions (stop 37): commit->first audio p50 about +10-25 ms (more GEMM work beside the
     # TTS and Token2Wav steps); False keeps gemm_min_rows alone.
@@ -190,6 +189,12 @@ class Stage0Config:
     # chunks, the other sessions' tokens and units run between them, as vLLM's chunked prefill does. Any chunking
     # gives the same KV and logits as one forward (model.md I5; in bf16 up to the GEMMs' row-count rounding).
     prefix_chunk: int = 512
+    # Decoded tokens first: a unit waits up to this many ms for its prefill (and its audio front end) while other
+    # sessions have decoded tokens to feed, so those steps carry token rows only. A speaking session's text, and
+    # with it the TTS and its first audio, is then not held behind other sessions' unit prefills, and the held
+    # units share one prefill step (vLLM schedules decodes before prefills the same way). A session's ids do not
+    # change (batch invariance, model.md I9); only when its unit is decided. 0 = off: every ready row each step.
+    prefill_hold_ms: int = 0
     # §9.5 benchmark-only: replace every sampled id by a script (all kernels still run). Rejected unless
     # `benchmark_mode` is set, which only benchmark entry points do.
     scripted_decisions: bool = False
@@ -208,6 +213,8 @@ class Stage0Config:
             raise ValueError(f"mixed_step {self.mixed_step!r}: use split, merge or shared")
         if self.prefix_chunk < 0:
             raise ValueError(f"prefix_chunk {self.prefix_chunk}: use 0 (whole prefix) or a position count")
+        if self.prefill_hold_ms < 0:
+            raise ValueError(f"prefill_hold_ms {self.prefill_hold_ms}: use 0 (off) or a wait in ms")
         if self.gemm_min_rows < 0:
             raise ValueError(f"gemm_min_rows {self.gemm_min_rows}: use 0 (off) or a row count")
         if self.decode_attention not in ("matmul", "sdpa", "flex"):

@@ -40,6 +40,7 @@ from engine.stage0.slots import compact, evict_span
 from engine.stage0.types import Event, FrontEndError, TokenEvent, UnitDone
 
 AUDIO_WAIT_S = 1.0  # the longest a step with nothing else to run waits on the audio worker before looking again
+TOKEN_PHASES = (Phase.FEED, Phase.TURN_EOS)  # a row of one decoded (or A1) token
 
 
 class StepScheduler:
@@ -88,6 +89,8 @@ class StepScheduler:
                     traceback.print_exc()
                     self.recovery.close_failed(s, f"{type(exc).__name__}: {exc}")
             sessions = [s for s in sessions if table.holds(s)]
+            held = self._held_units(sessions)
+            sessions = [s for s in sessions if s.session_id not in held]
         # Outside the lock: requests are accepted while the front end runs. Only this thread (or the audio
         # worker it hands a unit to) touches a session's front-end state and its unit in PREFILL (a cancel
         # only marks that unit aborted).
@@ -105,6 +108,16 @@ class StepScheduler:
             worker.wait(AUDIO_WAIT_S)
             return True
         return False
+
+    def _held_units(self, sessions: list[Session]) -> set[str]:
+        """Sessions whose unit waits this step (`Stage0Config.prefill_hold_ms`): while another session has a
+        token to feed, a unit younger than the hold is neither encoded nor prefilled."""
+        hold = self.config.prefill_hold_ms / 1000
+        if not hold or not any(s.phase in TOKEN_PHASES for s in sessions):
+            return set()
+        now = time.perf_counter()
+        return {s.session_id for s in sessions
+                if s.phase is Phase.PREFILL and s.unit is not None and now - s.unit.job.enqueued_at < hold}
 
     def _run_rows(self, work: list[tuple[Session, Row]]) -> None:
         hidden, failed = self.recovery.forward(work)

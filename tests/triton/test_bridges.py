@@ -287,6 +287,7 @@ def test_stage0_gemm_min_rows_option(tiny_checkpoint: Path) -> None:
 
 @pytest.mark.parametrize("name,bad,default,value", [
     ("prefix_chunk", ("-1", "8.5", "false"), 512, 64),  # system-prefix positions per step (0 = whole)
+    ("prefill_hold_ms", ("-1", "2.5", "true"), 0, 20),  # a unit waits for token rows (0 = off)
     ("gemm_pad_buckets", ("1", '"false"', "null"), True, False),  # graphs pad their GEMMs over their buckets
 ])
 def test_stage0_config_options(tiny_checkpoint: Path, name: str, bad: tuple[str, ...], default: object,

@@ -52,8 +52,8 @@ WINDOW_LOW_FRACTION = 0.75  # eviction drops old units down to this share of the
 WARM_SESSION_BATCHES = (1, 2, 4, 8, 16)  # sessions opened at once by the warm-up (capped at max_sessions)
 # deploy profile `engine_options.stage0` keys
 OPTIONS = ("audio_worker", "compile_mode", "cuda_graphs", "decode_attention", "gemm_min_rows", "gemm_pad_buckets",
-           "merge_unit_close", "mixed_step", "prefill_attention", "prefill_batch_buckets", "prefix_chunk",
-           "scripted_decisions", "shared_decode_buckets")
+           "merge_unit_close", "mixed_step", "prefill_attention", "prefill_batch_buckets", "prefill_hold_ms",
+           "prefix_chunk", "scripted_decisions", "shared_decode_buckets")
 PLAN_KEYS = ("listen_units", "speak_units", "text_ids_per_unit", "tail_listen_units")  # ScriptPlan's fields
 
 
@@ -131,7 +131,7 @@ class Stage0Bridge(EngineBridge):
                            prefill_attention=opts.get("prefill_attention", "auto"),
                            decode_attention=opts.get("decode_attention", "matmul"),
                            **_rows(opts, "gemm_min_rows"), gemm_pad_buckets=_flag(opts, "gemm_pad_buckets", True),
-                           **_rows(opts, "prefix_chunk"),
+                           **_rows(opts, "prefix_chunk"), **_rows(opts, "prefill_hold_ms"),
                            **_buckets(opts, "prefill_batch_buckets"), **_buckets(opts, "shared_decode_buckets"),
                            **scripted_decisions(opts.get("scripted_decisions")))
         self.hidden_dim = ck.config.llm.hidden_size
