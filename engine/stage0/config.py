@@ -141,10 +141,10 @@ class Stage0Config:
     # row among 64 differed from the same row among 2 (o_proj / down), a unit prefilled among 4 or 8 units from
     # the same unit among 2, even with 32 rows padded. With this and `decode_attention: flex` every decode,
     # logits and unit-prefill row read bit-equal alone and among 2-64 others in the compiled graphs at full size
-    # (bench/bench_mixed_step.py with this rule, bench/batch_invariance_ops.py; bench/RESULTS.md stops 37-38). The matmul decode
-    # attention stays batch-dependent (its batched GEMMs pick kernels by rows x kv heads). Cost, served on
-    # h200-scripted at 16 sessions (stop 37): commit->first audio p50 about +10-25 ms (more GEMM work beside the
-    # TTS and Token2Wav steps); False keeps gemm_min_rows alone.
+    # (bench/bench_mixed_step.py with this rule, bench/batch_invariance_ops.py; bench/RESULTS.md stops 37-38).
+    # The matmul decode attention stays batch-dependent (its batched GEMMs pick kernels by rows x kv heads).
+    # Cost, served on h200-scripted at 16 sessions: commit->first audio p50 about +10-30 ms with flex (stops
+    # 37-38: more GEMM work beside the TTS and Token2Wav steps); False keeps gemm_min_rows alone.
     gemm_pad_buckets: bool = True
     # A step with both decoded tokens and unit prefills (or closes):
     # "split": the decode graph, then the prefill graph: two passes over the weights (at batch 1-2 either reads

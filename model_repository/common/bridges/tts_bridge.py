@@ -30,8 +30,8 @@ from .options import check_config, seed_of, talker_sampling
 
 # deploy profile `engine_options.tts` keys; max_turn_positions: the TTS KV slot per session (model.md §5.2; a
 # longer turn goes on in a fresh TTS context), the engine default 8192 when absent; first_codes: a turn's first
-# codes sent early (module docstring), 0 (off) when absent; gemm_tile_rows: every TTS GEMM on exactly that many rows, 0 (off)
-# when absent (TTSEngineConfig)
+# codes sent early (module docstring), 0 (off) when absent; gemm_tile_rows: every TTS GEMM on exactly that many
+# rows, 0 (off) when absent (TTSEngineConfig)
 OPTIONS = ("compile_step", "cuda_graphs", "max_turn_positions", "first_codes", "gemm_tile_rows")
 
 
