@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from engine.stage0 import DecodeRules, Fence, Stage0Config, TokenEvent, UnitDone
+from engine.stage0 import DecodeRules, Fence, Stage0Config, Stage0Engine, TokenEvent, UnitDone
 from engine.stage0.loop import TOKEN_PHASES
-from engine.stage0.session import Phase
+from engine.stage0.session import Phase, Session
 from tests.engine.test_stage0_engine import by_session, make_engine, params
 from tests.engine.test_stage0_helpers import tiny_llm, unit_pcm
 
@@ -22,10 +22,8 @@ def _ids(events: list, sid: str) -> list:
             for e in by_session(events, sid)]
 
 
-def _run(hold_ms: int, model: object) -> tuple[list, int, list[tuple[bool, int]]]:
-    """s1 gets its units; once it has a token to feed, s2 appends one unit. Returns the events, s2's cached
-    length at the append and, for each step after it, (s1 fed a token row, s2's cached length after it)."""
-    engine, events = make_engine(model, sessions=2, rules=RULES, prefill_hold_ms=hold_ms)
+def _s1_speaking(engine: Stage0Engine) -> tuple[Session, Session]:
+    """s1 and s2 open and idle, s1 given its units and stepped until it has a decoded token to feed."""
     for sid, seed in (("s1", 1), ("s2", 2)):
         engine.open(sid, Fence(1, 0), params=params(seed))
     engine.run_until_idle()
@@ -34,8 +32,16 @@ def _run(hold_ms: int, model: object) -> tuple[list, int, list[tuple[bool, int]]
     s1, s2 = engine.session("s1"), engine.session("s2")
     for _ in range(2000):
         if s1.phase is Phase.FEED:
-            break
+            return s1, s2
         assert engine.step(), "s1 never had a token to feed"
+    raise AssertionError("s1 never had a token to feed")
+
+
+def _run(hold_ms: int, model: object) -> tuple[list, int, list[tuple[bool, int]]]:
+    """s1 gets its units; once it has a token to feed, s2 appends one unit. Returns the events, s2's cached
+    length at the append and, for each step after it, (s1 fed a token row, s2's cached length after it)."""
+    engine, events = make_engine(model, sessions=2, rules=RULES, prefill_hold_ms=hold_ms)
+    s1, s2 = _s1_speaking(engine)
     before = s2.cached_len
     engine.append("s2", Fence(1, 0, seq=0), unit_pcm(2, 0))
     trace = []
@@ -62,17 +68,8 @@ def test_a_new_unit_waits_while_another_session_feeds_tokens_and_ids_do_not_chan
 
 def test_the_hold_is_bounded() -> None:
     """A unit older than the hold is prefilled even while another session feeds tokens."""
-    engine, events = make_engine(tiny_llm(), sessions=2, rules=RULES, prefill_hold_ms=5)
-    for sid, seed in (("s1", 1), ("s2", 2)):
-        engine.open(sid, Fence(1, 0), params=params(seed))
-    engine.run_until_idle()
-    for k in range(SPEAKER_UNITS):
-        engine.append("s1", Fence(1, 0, seq=k), unit_pcm(1, k))
-    s1, s2 = engine.session("s1"), engine.session("s2")
-    for _ in range(2000):
-        if s1.phase is Phase.FEED:
-            break
-        engine.step()
+    engine, _ = make_engine(tiny_llm(), sessions=2, rules=RULES, prefill_hold_ms=5)
+    s1, s2 = _s1_speaking(engine)
     before = s2.cached_len
     engine.append("s2", Fence(1, 0, seq=0), unit_pcm(2, 0))
     engine.step()  # s2's unit starts, younger than the hold: waits
