@@ -139,7 +139,6 @@ class Qwen3LLM(nn.Module):
         finally:
             set_gemm_rows(self.model.layers, before)
 
-
     @property
     def fused(self) -> bool:
         return layers_fused(self.model.layers)

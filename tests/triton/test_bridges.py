@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -205,29 +205,25 @@ def test_unknown_engine_option_fails_the_load(tiny_checkpoint: Path) -> None:
         bridges.tts(settings("tts", tiny_checkpoint, engine_options='{"compile_stepp": true}'))
 
 
-def test_tts_max_turn_positions_option_sizes_the_kv_slot(tiny_checkpoint: Path) -> None:
+@pytest.mark.parametrize("name,bad,default,value,effect", [
+    # the TTS KV slot per session: one KV row per position (+1)
+    ("max_turn_positions", ('"4096"', "0", "true"), 8192, 1024, lambda e: (e.runner.kv.max_len - 1,)),
+    # every GEMM on exactly that many rows (0 = off): the backbone and code head, and the projector
+    ("gemm_tile_rows", ('"8"', "-1", "true"), 0, 16,
+     lambda e: (e.model.min_rows, e.model.projector_semantic.tile_rows)),
+])
+def test_tts_config_options(tiny_checkpoint: Path, name: str, bad: tuple[str, ...], default: int, value: int,
+                            effect: Callable[[Any], tuple[int, ...]]) -> None:
+    """The option reaches the engine config and the model (the config's default when absent); a value of the
+    wrong type or range fails the load."""
     from model_repository.common.settings import ConfigError
 
-    for bad in ('"4096"', "0", "true"):
-        with pytest.raises(ConfigError, match="max_turn_positions"):
-            bridges.tts(settings("tts", tiny_checkpoint, engine_options=f'{{"max_turn_positions": {bad}}}'))
-    for options, turn in (("{}", 8192), ('{"max_turn_positions": 1024}', 1024)):
-        bridge = bridges.tts(settings("tts", tiny_checkpoint, engine_options=options))
-        assert bridge.engine.cfg.max_turn_positions == turn
-        assert bridge.engine.runner.kv.max_len == turn + 1  # the slot: one KV row per position (+1)
-
-
-def test_tts_gemm_tile_rows_option(tiny_checkpoint: Path) -> None:
-    """Off (0) by default; the value reaches the TTS model's GEMMs; anything but an integer >= 0 fails the load."""
-    from model_repository.common.settings import ConfigError
-
-    for bad in ('"8"', "-1", "true"):
-        with pytest.raises(ConfigError, match="gemm_tile_rows"):
-            bridges.tts(settings("tts", tiny_checkpoint, engine_options=f'{{"gemm_tile_rows": {bad}}}'))
-    for options, rows in (("{}", 0), ('{"gemm_tile_rows": 16}', 16)):
-        bridge = bridges.tts(settings("tts", tiny_checkpoint, engine_options=options))
-        assert bridge.engine.cfg.gemm_tile_rows == rows and bridge.engine.model.min_rows == rows
-        assert bridge.engine.model.projector_semantic.tile_rows == rows
+    for raw in bad:
+        with pytest.raises(ConfigError, match=name):
+            bridges.tts(settings("tts", tiny_checkpoint, engine_options=f'{{"{name}": {raw}}}'))
+    for options, want in (("{}", default), (json.dumps({name: value}), value)):
+        engine = bridges.tts(settings("tts", tiny_checkpoint, engine_options=options)).engine
+        assert getattr(engine.cfg, name) == want and set(effect(engine)) == {want}
 
 
 def test_stage0_audio_worker_option(tiny_checkpoint: Path) -> None:
