@@ -6,6 +6,10 @@ steps, through `Token2WavEngine.step()` built as the Triton bridge builds it (sl
 made at warm-up on the GPU); its PCM is compared byte for byte. Full-size flow and HiFT, random weights, the h200
 profiles' float16 flow:
     python bench/token2wav_batch_invariance.py --json out.json
+The engine's batch-invariance options (stop 39): `--hift-tile-rows K` (every HiFT batch on exactly K rows),
+`--no-flow-cudnn` (the flow's convolutions without cuDNN); `--watched-last` puts the watched session last in the
+steps instead of first (a row's place in its batch must not matter either). Each row also gives the mean engine
+step time at n sessions (ms, the GPU synchronized), the price of the options.
 CPU smoke test (tiny dims, fp32): python bench/token2wav_batch_invariance.py --tiny
 """
 
@@ -14,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -36,20 +41,51 @@ def turn_codes(vocab: int, session: int) -> list[list[int]]:
     return [rng.integers(0, vocab, 25 if u < UNITS - 1 else 12).tolist() for u in range(UNITS)]
 
 
-def watched_pcm(engine: Token2WavEngine, vocab: int, n: int) -> bytes:
-    """The watched session's (t0's) PCM of one turn with n sessions rendering theirs in the same steps."""
-    sids = [f"t{i}" for i in range(n)]
-    for i, sid in enumerate(sids):
-        engine.open(sid, FENCE, "v", seed=1000 + i)
+def watched_pcm(engine: Token2WavEngine, vocab: int, n: int, last: bool = False
+                ) -> tuple[bytes, float, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """The watched session's (t0's) PCM of one turn with n sessions rendering theirs in the same steps, t0 the
+    first session of the steps or with `last` the last; the mean step time in ms; and per call the flow's mel
+    and the HiFT's float speech (which half makes a difference)."""
+    order = list(range(1, n)) + [0] if last else list(range(n))
+    for i in order:
+        engine.open(f"t{i}", FENCE, "v", seed=1000 + i)
+    stream, trace = engine.sessions["t0"].stream, []
+    finish = stream.finish_phase
+
+    def record(call, mel_in, speech, source):  # noqa: ANN001, ANN202
+        trace.append((call.mel.float().cpu(), speech.float().cpu()))
+        return finish(call, mel_in, speech, source)
+    stream.finish_phase = record  # type: ignore[method-assign]
     for unit in range(UNITS):
-        for i, sid in enumerate(sids):
-            engine.submit(sid, FENCE, unit, turn_codes(vocab, i)[unit], end_of_turn=unit == UNITS - 1)
-    pcm = []
+        for i in order:
+            engine.submit(f"t{i}", FENCE, unit, turn_codes(vocab, i)[unit], end_of_turn=unit == UNITS - 1)
+    pcm, steps, t0 = [], 0, time.perf_counter()
     while engine.pending():
         pcm += [c.pcm.tobytes() for c in engine.step() if c.session_id == "t0"]
-    for sid in sids:
-        engine.close(sid, FENCE)
-    return b"".join(pcm)
+        steps += 1
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    step_ms = 1e3 * (time.perf_counter() - t0) / max(steps, 1)
+    for i in order:
+        engine.close(f"t{i}", FENCE)
+    return b"".join(pcm), step_ms, trace
+
+
+def trace_diff(alone: list[tuple[torch.Tensor, torch.Tensor]], got: list[tuple[torch.Tensor, torch.Tensor]]
+               ) -> dict:
+    """Per half (flow mel, HiFT speech): '=' or the max |diff| over the calls, and the first call that differs."""
+    if len(alone) != len(got):
+        return dict(mel="calls differ", speech="calls differ", first_call=None)
+    out, first = {}, None
+    for k, name in enumerate(("mel", "speech")):
+        worst = 0.0
+        for c, (a, b) in enumerate(zip(alone, got, strict=True)):
+            d = float((a[k] - b[k]).abs().max()) if a[k].shape == b[k].shape else float("inf")
+            if d and first is None:
+                first = c
+            worst = max(worst, d)
+        out[name] = "=" if worst == 0 else f"{worst:.2g}"
+    return dict(out, first_call=first)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -59,6 +95,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--flow-dtype", choices=("fp32", "fp16"), default=None, help="default: fp16 on CUDA")
     ap.add_argument("--prompt-tokens", type=int, default=250, help="voice prompt tokens (250: 10 s)")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs (is a difference the graphs' or the kernels'?)")
+    ap.add_argument("--hift-tile-rows", type=int, default=0, help="every HiFT batch on exactly that many rows")
+    ap.add_argument("--no-flow-cudnn", action="store_true", help="the flow's convolutions without cuDNN")
+    ap.add_argument("--watched-last", action="store_true", help="the watched session last in the steps, not first")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
@@ -71,27 +110,34 @@ def main(argv: list[str] | None = None) -> None:
     graphs = device.type == "cuda" and not args.eager
     engine = Token2WavEngine(models, Token2WavEngineConfig(
         max_batch=top, use_cuda_graphs=graphs, pool=PoolConfig(slots=top),
-        max_graphs=GRAPHS_PER_BUCKET * len(buckets)))
+        max_graphs=GRAPHS_PER_BUCKET * len(buckets), hift_tile_rows=args.hift_tile_rows,
+        flow_cudnn=not args.no_flow_cudnn))
     vocab = models.flow_cfg.vocab_size
     engine.add_voice("v", make_voice(min(args.prompt_tokens, 20) if args.tiny else args.prompt_tokens, vocab))
     if graphs:
         engine.warm_up("v", lambda line: None)
-    alone = watched_pcm(engine, vocab, 1)
-    rows = []
+    alone, alone_ms, alone_trace = watched_pcm(engine, vocab, 1)
+    rows = [dict(sessions=1, step_ms=round(alone_ms, 2))]
     for n in counts:
-        got = watched_pcm(engine, vocab, n)
+        got, step_ms, trace = watched_pcm(engine, vocab, n, args.watched_last)
         a, b = np.frombuffer(alone, np.int16), np.frombuffer(got, np.int16)
         diff = int(np.abs(a.astype(np.int32) - b.astype(np.int32)).max()) if len(a) == len(b) else None
-        rows.append(dict(sessions=n, equal_alone=got == alone, samples=len(b), max_abs_diff_lsb=diff))
+        rows.append(dict(sessions=n, equal_alone=got == alone, samples=len(b), max_abs_diff_lsb=diff,
+                         step_ms=round(step_ms, 2), **trace_diff(alone_trace, trace)))
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    options = dict(hift_tile_rows=args.hift_tile_rows, flow_cudnn=not args.no_flow_cudnn,
+                   watched_last=args.watched_last)
     print(f"Token2Wav: the watched session's turn ({len(alone) // 2} samples) alone vs among n ({name}, flow "
-          f"{flow_dtype}, graphs {graphs}); misses {engine.misses.counts()}")
-    for r in rows:
+          f"{flow_dtype}, graphs {graphs}, {options}); misses {engine.misses.counts()}")
+    print(f"  n =   1: step {alone_ms:.1f} ms")
+    for r in rows[1:]:
         note = "equal" if r["equal_alone"] else f"DIFFER (max |diff| {r['max_abs_diff_lsb']} LSB)"
-        print(f"  n = {r['sessions']:3d}: {note}")
+        print(f"  n = {r['sessions']:3d}: {note}, step {r['step_ms']:.1f} ms; flow mel {r['mel']}, HiFT speech "
+              f"{r['speech']} (first differing call {r['first_call']})")
     if args.json:
         Path(args.json).write_text(json.dumps(dict(device=name, flow_dtype=str(flow_dtype), samples=len(alone) // 2,
-                                                   misses=engine.misses.counts(), results=rows), indent=2) + "\n")
+                                                   **options, misses=engine.misses.counts(), results=rows),
+                                              indent=2) + "\n")
 
 
 if __name__ == "__main__":
