@@ -6,10 +6,10 @@ steps, through `Token2WavEngine.step()` built as the Triton bridge builds it (sl
 made at warm-up on the GPU); its PCM is compared byte for byte. Full-size flow and HiFT, random weights, the h200
 profiles' float16 flow:
     python bench/token2wav_batch_invariance.py --json out.json
-The engine's batch-invariance options (stop 39): `--hift-tile-rows K` (every HiFT batch on exactly K rows),
-`--no-flow-cudnn` (the flow's convolutions without cuDNN); `--watched-last` puts the watched session last in the
-steps instead of first (a row's place in its batch must not matter either). Each row also gives the mean engine
-step time at n sessions (ms, the GPU synchronized), the price of the options.
+Per n it also says which part differs first: the watched row of the flow encoder's output, the flow's mel, the
+HiFT's float speech (max |diff| over the turn's calls, and the first call that differs), and the mean engine step
+time (ms, the GPU synchronized). `--watched-last` puts the watched session last in the steps instead of first (a
+row's place in its batch must not matter either); `--no-cudnn` turns cuDNN off for the whole run, graphs included.
 CPU smoke test (tiny dims, fp32): python bench/token2wav_batch_invariance.py --tiny
 """
 
@@ -20,6 +20,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -41,21 +42,49 @@ def turn_codes(vocab: int, session: int) -> list[list[int]]:
     return [rng.integers(0, vocab, 25 if u < UNITS - 1 else 12).tolist() for u in range(UNITS)]
 
 
-def watched_pcm(engine: Token2WavEngine, vocab: int, n: int, last: bool = False
-                ) -> tuple[bytes, float, list[tuple[torch.Tensor, torch.Tensor]]]:
+HALVES = ("mu", "mel", "speech")  # the flow encoder's output, the flow's mel, the HiFT's float speech
+
+
+class Tracer:
+    """Per call of the watched session (t0): its row of the flow encoder's output, its mel and its float speech,
+    recorded around the engine's own flow and HiFT code (which part makes a difference)."""
+
+    def __init__(self, engine: Token2WavEngine) -> None:
+        self.calls: list[dict[str, torch.Tensor]] = []
+        self.row: int | None = None
+        run_flow, encode = engine._run_flow, engine.solver.encode
+
+        def flow(work: list) -> None:   # the watched row among the step's flow rows
+            sids = [sid for sid, _, item in work if item.call is not None]
+            self.row = sids.index("t0") if "t0" in sids else None
+            run_flow(work)
+
+        def encoder(*args: Any) -> tuple[torch.Tensor, ...]:
+            out = encode(*args)
+            if self.row is not None:
+                self.calls.append({"mu": out[0][self.row].float().cpu()})
+            return out
+        engine._run_flow, engine.solver.encode = flow, encoder  # type: ignore[method-assign]
+
+    def watch(self, stream: Any) -> None:
+        """Record the watched stream's mel and speech as its HiFT output is finished (one per flow call)."""
+        self.calls, finish = [], stream.finish_phase
+
+        def record(call: Any, mel_in: torch.Tensor, speech: torch.Tensor, source: torch.Tensor) -> np.ndarray:
+            self.calls[len([c for c in self.calls if "mel" in c])].update(
+                mel=call.mel.float().cpu(), speech=speech.float().cpu())
+            return finish(call, mel_in, speech, source)
+        stream.finish_phase = record
+
+
+def watched_pcm(engine: Token2WavEngine, tracer: Tracer, vocab: int, n: int, last: bool = False
+                ) -> tuple[bytes, float, list[dict[str, torch.Tensor]]]:
     """The watched session's (t0's) PCM of one turn with n sessions rendering theirs in the same steps, t0 the
-    first session of the steps or with `last` the last; the mean step time in ms; and per call the flow's mel
-    and the HiFT's float speech (which half makes a difference)."""
+    first session of the steps or with `last` the last; the mean step time in ms; and the tracer's calls."""
     order = list(range(1, n)) + [0] if last else list(range(n))
     for i in order:
         engine.open(f"t{i}", FENCE, "v", seed=1000 + i)
-    stream, trace = engine.sessions["t0"].stream, []
-    finish = stream.finish_phase
-
-    def record(call, mel_in, speech, source):  # noqa: ANN001, ANN202
-        trace.append((call.mel.float().cpu(), speech.float().cpu()))
-        return finish(call, mel_in, speech, source)
-    stream.finish_phase = record  # type: ignore[method-assign]
+    tracer.watch(engine.sessions["t0"].stream)
     for unit in range(UNITS):
         for i in order:
             engine.submit(f"t{i}", FENCE, unit, turn_codes(vocab, i)[unit], end_of_turn=unit == UNITS - 1)
@@ -68,23 +97,22 @@ def watched_pcm(engine: Token2WavEngine, vocab: int, n: int, last: bool = False
     step_ms = 1e3 * (time.perf_counter() - t0) / max(steps, 1)
     for i in order:
         engine.close(f"t{i}", FENCE)
-    return b"".join(pcm), step_ms, trace
+    return b"".join(pcm), step_ms, tracer.calls
 
 
-def trace_diff(alone: list[tuple[torch.Tensor, torch.Tensor]], got: list[tuple[torch.Tensor, torch.Tensor]]
-               ) -> dict:
-    """Per half (flow mel, HiFT speech): '=' or the max |diff| over the calls, and the first call that differs."""
+def trace_diff(alone: list[dict[str, torch.Tensor]], got: list[dict[str, torch.Tensor]]) -> dict:
+    """Per traced half: '=' or the max |diff| over the calls; and the first call where any half differs."""
     if len(alone) != len(got):
-        return dict(mel="calls differ", speech="calls differ", first_call=None)
+        return dict({h: "calls differ" for h in HALVES}, first_call=None)
     out, first = {}, None
-    for k, name in enumerate(("mel", "speech")):
+    for h in HALVES:
         worst = 0.0
         for c, (a, b) in enumerate(zip(alone, got, strict=True)):
-            d = float((a[k] - b[k]).abs().max()) if a[k].shape == b[k].shape else float("inf")
-            if d and first is None:
+            d = float((a[h] - b[h]).abs().max()) if a[h].shape == b[h].shape else float("inf")
+            if d and (first is None or c < first):
                 first = c
             worst = max(worst, d)
-        out[name] = "=" if worst == 0 else f"{worst:.2g}"
+        out[h] = "=" if worst == 0 else f"{worst:.2g}"
     return dict(out, first_call=first)
 
 
@@ -95,12 +123,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--flow-dtype", choices=("fp32", "fp16"), default=None, help="default: fp16 on CUDA")
     ap.add_argument("--prompt-tokens", type=int, default=250, help="voice prompt tokens (250: 10 s)")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs (is a difference the graphs' or the kernels'?)")
-    ap.add_argument("--hift-tile-rows", type=int, default=0, help="every HiFT batch on exactly that many rows")
-    ap.add_argument("--no-flow-cudnn", action="store_true", help="the flow's convolutions without cuDNN")
+    ap.add_argument("--no-cudnn", action="store_true", help="torch.backends.cudnn.enabled = False (graphs too)")
     ap.add_argument("--watched-last", action="store_true", help="the watched session last in the steps, not first")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
+    torch.backends.cudnn.enabled = not args.no_cudnn
     flow_dtype = {"fp32": torch.float32, "fp16": torch.float16}[args.flow_dtype or (
         "fp16" if device.type == "cuda" else "fp32")]
     counts = [int(c) for c in args.counts.split(",") if c]
@@ -110,30 +138,29 @@ def main(argv: list[str] | None = None) -> None:
     graphs = device.type == "cuda" and not args.eager
     engine = Token2WavEngine(models, Token2WavEngineConfig(
         max_batch=top, use_cuda_graphs=graphs, pool=PoolConfig(slots=top),
-        max_graphs=GRAPHS_PER_BUCKET * len(buckets), hift_tile_rows=args.hift_tile_rows,
-        flow_cudnn=not args.no_flow_cudnn))
+        max_graphs=GRAPHS_PER_BUCKET * len(buckets)))
+    tracer = Tracer(engine)
     vocab = models.flow_cfg.vocab_size
     engine.add_voice("v", make_voice(min(args.prompt_tokens, 20) if args.tiny else args.prompt_tokens, vocab))
     if graphs:
         engine.warm_up("v", lambda line: None)
-    alone, alone_ms, alone_trace = watched_pcm(engine, vocab, 1)
+    alone, alone_ms, alone_trace = watched_pcm(engine, tracer, vocab, 1)
     rows = [dict(sessions=1, step_ms=round(alone_ms, 2))]
     for n in counts:
-        got, step_ms, trace = watched_pcm(engine, vocab, n, args.watched_last)
+        got, step_ms, trace = watched_pcm(engine, tracer, vocab, n, args.watched_last)
         a, b = np.frombuffer(alone, np.int16), np.frombuffer(got, np.int16)
         diff = int(np.abs(a.astype(np.int32) - b.astype(np.int32)).max()) if len(a) == len(b) else None
         rows.append(dict(sessions=n, equal_alone=got == alone, samples=len(b), max_abs_diff_lsb=diff,
                          step_ms=round(step_ms, 2), **trace_diff(alone_trace, trace)))
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-    options = dict(hift_tile_rows=args.hift_tile_rows, flow_cudnn=not args.no_flow_cudnn,
-                   watched_last=args.watched_last)
+    options = dict(cudnn=not args.no_cudnn, watched_last=args.watched_last)
     print(f"Token2Wav: the watched session's turn ({len(alone) // 2} samples) alone vs among n ({name}, flow "
           f"{flow_dtype}, graphs {graphs}, {options}); misses {engine.misses.counts()}")
     print(f"  n =   1: step {alone_ms:.1f} ms")
     for r in rows[1:]:
         note = "equal" if r["equal_alone"] else f"DIFFER (max |diff| {r['max_abs_diff_lsb']} LSB)"
-        print(f"  n = {r['sessions']:3d}: {note}, step {r['step_ms']:.1f} ms; flow mel {r['mel']}, HiFT speech "
-              f"{r['speech']} (first differing call {r['first_call']})")
+        print(f"  n = {r['sessions']:3d}: {note}, step {r['step_ms']:.1f} ms; flow encoder {r['mu']}, flow mel "
+              f"{r['mel']}, HiFT speech {r['speech']} (first differing call {r['first_call']})")
     if args.json:
         Path(args.json).write_text(json.dumps(dict(device=name, flow_dtype=str(flow_dtype), samples=len(alone) // 2,
                                                    **options, misses=engine.misses.counts(), results=rows),

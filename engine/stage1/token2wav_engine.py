@@ -18,8 +18,7 @@ later shape without a graph is a `misses` entry (counted, logged once).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,18 +70,6 @@ class Token2WavEngineConfig:
     # warm-up turns alternate between that and whole units, so the head's and rest's call shapes are built too
     # (served without them, every batch of heads ran its vocoder eagerly: bench/RESULTS.md, stop 33)
     head_codes: int = 0
-    # batch invariance (a session's PCM the same bits alone and among others, model.md I9). On the H200 the
-    # convolutions' kernels (cuDNN's algorithm, and the f0 predictor's even without cuDNN) follow the batch's row
-    # count: `hift_tile_rows` runs every HiFT batch on exactly that many rows (fewer padded with zero rows, more
-    # in chunks), 0 = one batch per group padded to its row bucket; `flow_cudnn` False runs the flow's
-    # convolutions (conformer and DiT) on PyTorch's own kernels (bench/RESULTS.md, stop 39)
-    hift_tile_rows: int = 0
-    flow_cudnn: bool = True
-
-    def __post_init__(self) -> None:
-        if self.hift_tile_rows < 0 or self.hift_tile_rows > self.max_batch:
-            raise ValueError(f"Token2WavEngineConfig.hift_tile_rows: must be 0..max_batch ({self.max_batch}), "
-                             f"got {self.hift_tile_rows}")
 
 
 @dataclass(frozen=True, kw_only=True)  # keywords: `unit_final` and `end_of_turn` are two flags side by side
@@ -178,8 +165,7 @@ class Token2WavEngine:
         hcfg, dev = self.models.hift_cfg, next(self.models.hift.parameters()).device
         n_over = s.mel_cache_frames * hcfg.samples_per_frame
         gen = torch.Generator(device=dev).manual_seed(0)
-        rows = (self.cfg.hift_tile_rows,) if self.cfg.hift_tile_rows else rows
-        shapes = [(r, kept, kept + up * k) for r in rows if r in self.buckets or r == self.cfg.hift_tile_rows
+        shapes = [(r, kept, kept + up * k) for r in rows if r in self.buckets
                   for kept in (0, s.mel_cache_frames) for k in range(1, s.chunk_call + 1)]
         before = len(self.graphs.hift_graphs)
         self.graphs.max_graphs += len(shapes)
@@ -383,10 +369,6 @@ class Token2WavEngine:
                 s.stream.reset_exec()
 
     def _run_flow(self, work: list[tuple[str, _Session, _Item]]) -> None:
-        with cudnn_enabled(self.cfg.flow_cudnn):
-            self._run_flow_batches(work)
-
-    def _run_flow_batches(self, work: list[tuple[str, _Session, _Item]]) -> None:
         if self.pool is not None:
             flows = [(s.stream, i.call) for _, s, i in work if i.call is not None]
             if flows:
@@ -404,8 +386,8 @@ class Token2WavEngine:
     def _run_hift(self, work: list[tuple[str, _Session, _Item]], out: list[PcmChunk]) -> None:
         inputs = [s.stream.hift_inputs(i.call) for _, s, i in work if i.call is not None]
         keys = [hift_bucket_key(x[0].shape[2], x[1].shape[2]) for x in inputs]
-        for group in self._hift_batches(group_by(keys)):
-            pad = self._hift_rows(len(group)) - len(group)
+        for group in group_by(keys):
+            pad = bucket_rows(len(group), self.buckets) - len(group) if self.graphs.enabled else 0
             mel, src, ini, noise = (torch.cat([inputs[g][k] for g in group] + [inputs[group[0]][k].new_zeros(
                 pad, *inputs[group[0]][k].shape[1:])], dim=0) for k in range(4))   # + dummy rows: zeros, dropped
             speech, source = self.graphs.vocoder(mel, src, ini, noise)
@@ -418,25 +400,3 @@ class Token2WavEngine:
                                     end_of_turn=item.end_of_turn))
                 if item.reset_after:
                     s.stream.reset_exec()
-
-    def _hift_batches(self, groups: list[list[int]]) -> list[list[int]]:
-        """Each same-shape group as one batch, or with `hift_tile_rows` K in chunks of at most K rows."""
-        k = self.cfg.hift_tile_rows
-        return [g[i:i + k] for g in groups for i in range(0, len(g), k)] if k else groups
-
-    def _hift_rows(self, n: int) -> int:
-        """The rows a HiFT batch of n runs on: the tile, the row bucket (graphs), or n itself (eager)."""
-        if self.cfg.hift_tile_rows:
-            return self.cfg.hift_tile_rows
-        return bucket_rows(n, self.buckets) if self.graphs.enabled else n
-
-
-@contextmanager
-def cudnn_enabled(enabled: bool) -> Iterator[None]:
-    """cuDNN off for the block when not `enabled` (graphs captured inside keep the kernels chosen there)."""
-    before = torch.backends.cudnn.enabled
-    torch.backends.cudnn.enabled = before and enabled
-    try:
-        yield
-    finally:
-        torch.backends.cudnn.enabled = before

@@ -21,7 +21,7 @@ def test_token2wav_batch_invariance_tiny(tmp_path: Path, last: bool) -> None:
     assert alone["sessions"] == 1 and alone["step_ms"] > 0
     assert {k: among[k] for k in ("sessions", "equal_alone", "samples", "max_abs_diff_lsb")} == dict(
         sessions=3, equal_alone=True, samples=66240, max_abs_diff_lsb=0)
-    # the flow's mel and the HiFT's float speech per call: '=' or a max |diff| (oneDNN's float32 rounding on the
+    # the flow encoder's output, its mel and the HiFT's float speech per call: '=' or a max |diff| (oneDNN's float32 rounding on the
     # CPU may differ below one LSB of PCM); a first differing call only when one of them differs
-    assert among["step_ms"] > 0 and all(isinstance(among[k], str) for k in ("mel", "speech"))
-    assert (among["first_call"] is None) == (among["mel"] == among["speech"] == "=")
+    assert among["step_ms"] > 0 and all(isinstance(among[k], str) for k in ("mu", "mel", "speech"))
+    assert (among["first_call"] is None) == (among["mu"] == among["mel"] == among["speech"] == "=")
