@@ -85,8 +85,6 @@ class TTSModel(nn.Module):
                                        for _ in range(cfg.num_vq))
         self.projector_semantic = SemanticProjector(cfg.llm_dim, h)
         self.model = LlamaBackbone(cfg)
-        for layer in self.model.layers:  # not cuDNN's: on the H200 a session's codes among 32 others then differed
-            layer.self_attn.sdpa_backends = NO_CUDNN_SDPA  # from its codes alone (bench/RESULTS.md stop 38)
         self.register_buffer("inv_freq", self._inv_freq(), persistent=False)  # [D/2]
         self.min_rows = 0  # `logits`' GEMM rows (`tile_gemm_rows`)
 
@@ -155,9 +153,13 @@ class TTSModel(nn.Module):
         """Every GEMM of the projector, the backbone and `logits` on exactly `rows` rows: fewer padded, more in
         chunks (`layers.linear`'s tile). cuBLAS picks its kernel by the row count, and the TTS's unit prefill runs
         sessions x text rows, past any fixed padding: on the H200 a session's codes then differed from 8 sessions
-        on (bench/RESULTS.md stop 38). 0: off."""
+        on (bench/RESULTS.md stop 38). With tiles the attention also leaves cuDNN's SDPA kernel out: with it a
+        session's codes among 32 others still differed. 0: off, and torch's kernel choice (served at 16 sessions a
+        TTS step took 74 ms without cuDNN's kernel, 62-63 at a commit with it; stop 39)."""
         set_gemm_rows(self.model.layers, rows, tile=True)
         self.projector_semantic.tile_rows = self.min_rows = rows
+        for layer in self.model.layers:
+            layer.self_attn.sdpa_backends = NO_CUDNN_SDPA if rows else None
         return self
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -162,13 +162,17 @@ def test_tts_gemm_tile_rows_tiles_every_tts_gemm_and_keeps_the_values() -> None:
         TTSEngineConfig(gemm_tile_rows=-1)
 
 
-def test_tts_attention_leaves_out_cudnn_sdpa() -> None:
+def test_tts_gemm_tiles_leave_out_cudnn_sdpa() -> None:
     """On the H200 cuDNN's SDPA kernel made a session's TTS codes among 32 others differ from its codes alone
-    (bench/RESULTS.md stop 38): every TTS layer attends through the other kernels; the LLM keeps torch's choice."""
+    (bench/RESULTS.md stop 38): with GEMM tiles every TTS layer attends through the other kernels; without tiles
+    (no invariance asked) and in the LLM, torch's choice."""
     from torch.nn.attention import SDPBackend
 
     from tests.engine.test_tts_helpers import tiny_model
 
-    kernels = {layer.self_attn.sdpa_backends for layer in tiny_model().model.layers}
-    assert len(kernels) == 1 and SDPBackend.CUDNN_ATTENTION not in next(iter(kernels))
+    model = tiny_model()
+    assert {layer.self_attn.sdpa_backends for layer in model.model.layers} == {None}
+    kernels = {layer.self_attn.sdpa_backends for layer in model.tile_gemm_rows(32).model.layers}
+    assert len(kernels) == 1 and SDPBackend.CUDNN_ATTENTION not in next(iter(kernels)) and None not in kernels
+    assert {layer.self_attn.sdpa_backends for layer in model.tile_gemm_rows(0).model.layers} == {None}
     assert {layer.self_attn.sdpa_backends for layer in tiny_llm().model.layers} == {None}
