@@ -8,6 +8,7 @@ is cancelled only when idle, so the oracle knows exactly where its turn was rese
 
 from __future__ import annotations
 
+import copy
 import random
 
 import numpy as np
@@ -88,3 +89,44 @@ def test_ragged_engine_equals_solo(models):
     assert any(e[0] == "unit" and e[4] for s in scripts.values() for e in s)
     assert eng.close("s0", fences["s0"])
     eng.open("again", Fence(1, 0), "v3", seed=0)                 # the freed slot is reused
+
+
+@pytest.mark.parametrize("last", [False, True])
+def test_flow_rows_do_not_mix_in_float64(models, last):
+    """The pooled flow holds no cross-row term: in float64 a session's mel per call is the same alone and in a
+    ragged batch (others with longer prompts, so wider histories, and at other points of their turns), first or
+    last in the batch, to 1e-12. The PCM tests above allow an LSB of rounding; this bound would catch a padded
+    or masked position that leaks into a row (on the GPU the float16 mel differs by one step, bench/RESULTS.md
+    stop 39: kernel rounding, not a leak)."""
+    flow64 = Token2WavModels(copy.deepcopy(models.flow).double(), models.hift, TINY_FLOW, TINY_HIFT, "A")
+    cfg = Token2WavEngineConfig(stream=StreamConfig(n_timesteps=N_TS), pool=PoolConfig(slots=5, max_prompt_frames=128))
+
+    def watched_mels(others: int) -> list[torch.Tensor]:
+        eng = Token2WavEngine(flow64, cfg)
+        mels, run_flow = [], eng._run_flow
+
+        def flow(work: list) -> None:
+            run_flow(work)
+            mels.extend(item.call.mel.clone() for sid, _, item in work if sid == "w" and item.call is not None)
+        eng._run_flow = flow  # type: ignore[method-assign]
+        for i, p in enumerate([8] + PROMPT_TOKENS[3:3 + others]):
+            eng.add_voice(f"v{i}", make_voice(40 + i, p))
+        sids = [f"o{i}" for i in range(1, others + 1)]
+        order = sids + ["w"] if last else ["w"] + sids
+        for sid in order:
+            eng.open(sid, Fence(1, 0), "v0" if sid == "w" else f"v{sid[1:]}", seed=len(sid) + 3)
+        for sid in sids:        # the others are a unit ahead, so the watched rows meet other calls
+            eng.submit(sid, Fence(1, 0), 0, codes(500 + int(sid[1:]), 12), False)
+        for u, n in enumerate((25, 25, 12)):
+            for sid in order:
+                eng.submit(sid, Fence(1, 0), u + (sid != "w"), codes(600 + 10 * u + len(sid), n), sid == "w" and u == 2)
+        while eng.pending():
+            eng.step()
+        return mels
+
+    alone = watched_mels(0)
+    assert len(alone) >= 3 and alone[0].dtype == torch.float64
+    for others in (1, 4):
+        got = watched_mels(others)
+        assert [m.shape for m in got] == [m.shape for m in alone]
+        assert max(float((a - b).abs().max()) for a, b in zip(alone, got, strict=True)) <= 1e-12
