@@ -5,6 +5,8 @@
 # a device call brings back at most 8 files. Run from the checkout, carrying dist and .cache/loadgen-fixtures:
 #   COMMIT=<12 hex of HEAD> bash bench/h200/ab_run.sh a:deploy/profiles/h200-scripted.yaml:16,32 b:deploy/profiles/ab-x.yaml:16,32
 # COMMIT is needed: the device copy's git is not this checkout's (it named an older commit at stop 35).
+# Variant profiles: bench/h200/variant_profile.py BASE OUT KEY=VALUE..., made here before the call (checked as a
+# profile, engine option names included); they travel untracked.
 # SECONDS defaults to 110 + 25 per load level, + 60 for the first variant (install and checkpoint); a variant
 # that runs out keeps the levels it finished. CANCEL_RUN (default 0 here), KEEP_GOING (default 1) and the other
 # knobs of final_run.sh / run_served.sh pass through.

@@ -1,0 +1,51 @@
+"""bench/h200/variant_profile.py: an A/B profile differs from its base in the named settings only, loads as `duplex
+serve` loads a profile, and a bad setting writes nothing."""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+
+from build.make_model_repository import DeployProfile, ProfileError
+
+REPO = Path(__file__).resolve().parents[2]
+BASE = REPO / "deploy" / "profiles" / "h200-scripted.yaml"
+_spec = importlib.util.spec_from_file_location("variant_profile", REPO / "bench" / "h200" / "variant_profile.py")
+variant_profile = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(variant_profile)
+
+
+def test_a_variant_changes_the_named_settings_only(tmp_path: Path) -> None:
+    out = tmp_path / "ab-fast.yaml"
+    variant_profile.main([str(BASE), str(out), "engine_options.stage0.decode_attention=matmul",
+                          "engine_options.stage0.gemm_pad_buckets=false", "engine_options.tts.gemm_tile_rows=null",
+                          "mps_thread_percentage={tts: 50}"])
+    base, got = asdict(DeployProfile.load(BASE)), asdict(DeployProfile.load(out))
+    assert got["engine_options"]["stage0"]["decode_attention"] == "matmul"
+    assert got["engine_options"]["stage0"]["gemm_pad_buckets"] is False
+    assert "gemm_tile_rows" not in got["engine_options"]["tts"] and "gemm_tile_rows" in base["engine_options"]["tts"]
+    assert got["mps_thread_percentage"] == {"tts": 50}
+    for opts in (base["engine_options"], got["engine_options"]):
+        opts["stage0"].pop("decode_attention"), opts["stage0"].pop("gemm_pad_buckets", None)
+        opts["tts"].pop("gemm_tile_rows", None)
+    base.pop("mps_thread_percentage"), got.pop("mps_thread_percentage")
+    assert got == base
+    assert out.read_text().startswith(f"# {BASE} with ")
+
+
+@pytest.mark.parametrize("setting,message", [
+    ("max_sessions=0", "max_sessions"),                                   # the profile's own check
+    ("max_sessionz=3", "unknown field 'max_sessionz'"),
+    ("engine_options.stage0.gemm_pad_bucket=false", "unknown option"),    # the bridge's option names
+    ("engine_options.stage0.compile_mode.x=1", "not a mapping"),
+    ("engine_options.tts.no_such_key=null", "nothing to remove"),
+    ("decode_attention", "KEY=VALUE"),
+])
+def test_a_bad_setting_writes_nothing(tmp_path: Path, setting: str, message: str) -> None:
+    out = tmp_path / "bad.yaml"
+    with pytest.raises(ProfileError, match=message):
+        variant_profile.variant(BASE, out, [setting])
+    assert not out.exists()
