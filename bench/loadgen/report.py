@@ -182,18 +182,23 @@ def in_phase(logs: list[UserLog]) -> float | None:
     return round(sum(near) / len(near), 3)
 
 
-FIRST_UNIT_STAGES = (("thinker_ttft", "0", "ttft_ms"), ("talker_first_output", "1", "first_output_ms"),
-                     ("code2wav_first_output", "2", "first_output_ms"))
+# (figure, stage key, field): *_first_output from the unit's send to stage0 (as before stop 39), *_own from the
+# stage's own input (the TTS's tts_input, the Token2Wav's first codes) to its first output
+FIRST_UNIT_STAGES = (("thinker_ttft", "0", "ttft_ms"), ("talker_first_output", "1", "from_unit_ms"),
+                     ("code2wav_first_output", "2", "from_unit_ms"), ("talker_own", "1", "first_output_ms"),
+                     ("code2wav_own", "2", "first_output_ms"))
 
 
 def first_unit_stages(responses: list[ResponseLog]) -> dict[str, Any]:
     """Where commit→first audio goes, from each response's `stage_metrics` (protocol.md §10.1): stage0's first token
     of the response's first unit after the engine took the unit, and the first TTS codes / first audio at the
-    gateway after it sent that unit to stage0. The rest of commit→first audio is the gateway before the send (the
-    unit's cut) and the socket."""
+    gateway after it sent that unit to stage0; and each of the two from its own input (so the time from stage0's first
+    token to the TTS's input is talker_first_output - talker_own - thinker_ttft, about). The rest of commit→first
+    audio is the gateway before the send (the unit's cut) and the socket."""
     out: dict[str, Any] = {"measures": "p50/p99 over responses of response.done duplex.stage_metrics: stage0 ttft "
                                        "(engine: unit taken -> first token), TTS and Token2Wav first output (gateway: "
-                                       "unit sent to stage0 -> first codes / first audio back)"}
+                                       "unit sent to stage0 -> first codes / first audio back; *_own: from the stage's "
+                                       "own input sent -> its first output)"}
     for name, key, field_ in FIRST_UNIT_STAGES:
         values = [float(v) for r in responses if r.stage_metrics
                   and (v := (r.stage_metrics.get(key) or {}).get(field_)) is not None]

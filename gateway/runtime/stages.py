@@ -182,7 +182,17 @@ class _Unit:
     stage0_open: bool = True  # stage0's request has not ended yet
     speech_calls: int = 0  # tts / token2wav requests of this unit not ended yet
     cancelled: bool = False  # a cancel moved the session past this unit's epoch: start no more stage calls
-    firsts: dict[str, float] = field(default_factory=dict)  # stage -> ms from the append to its first output
+    # stage -> when its first input of the unit was sent; its first output's times (`first_output`)
+    sent: dict[str, float] = field(default_factory=dict)
+    firsts: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    def first_output(self, stage: str) -> None:
+        """The stage's first output of the unit (protocol.md §10.1): ms from its input being sent
+        (`first_output_ms`) and from the unit's append (`from_unit_ms`, the stage's place in the unit's latency)."""
+        if stage not in self.firsts:
+            now = time.perf_counter()
+            self.firsts[stage] = {"first_output_ms": (now - self.sent[stage]) * MS_PER_S,
+                                  "from_unit_ms": (now - self.started) * MS_PER_S}
 
     @property
     def finished(self) -> bool:
@@ -261,12 +271,12 @@ class UnitOrder:
         self._units.clear()
 
 
-def _with_firsts(ev: UnitDone, firsts: dict[str, float]) -> UnitDone:
+def _with_firsts(ev: UnitDone, firsts: dict[str, dict[str, float]]) -> UnitDone:
     if not firsts:
         return ev
     metrics = dict(ev.metrics)
-    for stage, ms in firsts.items():
-        metrics[stage] = {"first_output_ms": ms}
+    for stage, times in firsts.items():
+        metrics[stage] = dict(times)
     return UnitDone(epoch=ev.epoch, unit=ev.unit, is_listen=ev.is_listen, end_of_turn=ev.end_of_turn, metrics=metrics,
                     forced=ev.forced)
 
@@ -382,7 +392,8 @@ class StagedTritonRuntime:
         def on_codes(out: dict[str, Any], res: Any) -> None:
             if out.get("type") != "audio_tokens" or out.get("dropped") or flow.cancelled or s.closing:
                 return  # nothing to render, or a cancel / the close overtook the unit: nobody would hear it
-            flow.firsts.setdefault("talker", _ms_since(flow.started))
+            flow.first_output("talker")
+            flow.sent.setdefault("code2wav", time.perf_counter())
             flow.speech_calls += 1
             s.stream.send(TOKEN2WAV, "append", s.stage_fence(fence, TOKEN2WAV), on_audio, ended,
                           tokens=_array(res, "TOKENS", np.int64), config=speech_config(flow.index, ev, out))
@@ -390,7 +401,7 @@ class StagedTritonRuntime:
         def on_audio(out: dict[str, Any], res: Any) -> None:
             if out.get("type") != "audio":
                 return
-            flow.firsts.setdefault("code2wav", _ms_since(flow.started))
+            flow.first_output("code2wav")
             piece = typed_event(out, _array(res, "AUDIO", np.int16), fence.epoch)
             if not isinstance(piece, dict):
                 s.order.emit(flow, piece)
@@ -402,6 +413,7 @@ class StagedTritonRuntime:
             s.order.settle()
 
         flow.speech_calls += 1
+        flow.sent.setdefault("talker", time.perf_counter())
         s.stream.send(TTS, "append", s.stage_fence(fence, TTS), on_codes, ended,
                       tokens=_array(result, "TOKENS", np.int64), hidden=hidden if hidden.size else None,
                       config={"unit": flow.index, **turn})
@@ -459,7 +471,3 @@ def speech_config(unit: int, tts_input: Mapping[str, Any], codes: Mapping[str, A
     where the TTS sent the unit in two parts, which part and how many codes the whole unit has."""
     return {"unit": unit, "end_of_turn": bool(tts_input.get("end_of_turn", False)) and codes.get("part") != "head",
             **{k: codes[k] for k in PART_KEYS if k in codes}}
-
-
-def _ms_since(t0: float) -> float:
-    return (time.perf_counter() - t0) * MS_PER_S

@@ -3,7 +3,8 @@
 Fed only with the per-unit timing snapshots the runtime attaches to `unit_done` of units owned by one
 response (SM-1, SM-2). Expected `unit_done.metrics` layout (engine monotonic clock, ms):
   {"thinker": {"tokens": n, "ttft_ms": x, "token_times_ms": [t0, t1, ...]},
-   "talker": {"first_output_ms": y}, "code2wav": {"first_output_ms": z}}
+   "talker": {"first_output_ms": y, "from_unit_ms": y'}, "code2wav": {"first_output_ms": z, "from_unit_ms": z'}}
+(first_output_ms from the stage's input, from_unit_ms from the unit's append: a project addition, §10.1)
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ class StageMetrics:
         self._itl: list[float] = []
         self._stage_units: dict[str, int] = {}
         self._first_output: dict[str, float] = {}
+        self._from_unit: dict[str, float] = {}
 
     def add_unit(self, metrics: Mapping[str, Any]) -> None:
         self.units += 1
@@ -56,6 +58,8 @@ class StageMetrics:
                 self._stage_units[key] = self._stage_units.get(key, 0) + 1
                 if key not in self._first_output and stage.get("first_output_ms") is not None:
                     self._first_output[key] = float(stage["first_output_ms"])
+                    if stage.get("from_unit_ms") is not None:
+                        self._from_unit[key] = float(stage["from_unit_ms"])
 
     def to_json(self, *, text_only: bool) -> dict[str, Any]:
         tpot = round(self._span_ms / self._span_div, 3) if self._span_div else None
@@ -65,5 +69,6 @@ class StageMetrics:
             for key, name in _STAGES:
                 if key in self._stage_units:
                     out[key] = {"stage": name, "units": self._stage_units[key],
-                                "first_output_ms": self._first_output.get(key)}
+                                "first_output_ms": self._first_output.get(key),
+                                "from_unit_ms": self._from_unit.get(key)}
         return out

@@ -163,7 +163,7 @@ class PipelineModel:
     def _append(self, req: StageRequest, client: _Client) -> None:
         """Stage0's decisions and text first, then speech (`tts_input` and `unit_done` are stage0's last
         events anyway); one BLS call at a time."""
-        started, firsts = time.perf_counter(), {}
+        started, firsts = time.perf_counter(), _Firsts()
         speak, done = [], None
         for out in self._call(STAGE0, req, req.fence, pcm=req.pcm, frames=req.frames, force_listen=req.force_listen):
             kind = out.event.get("type")
@@ -179,11 +179,12 @@ class PipelineModel:
             client.emit(StageOutput(_with_stage_metrics(done, firsts)))
 
     def _speak(self, req: StageRequest, tts_in: StageOutput, client: _Client, started: float,
-               firsts: dict[str, float]) -> None:
+               firsts: _Firsts) -> None:
         ev = tts_in.event
         unit = ev.get("unit")
         turn = {k: ev[k] for k in TURN_KEYS if k in ev}
         sub = StageRequest(corrid=req.corrid, op="append", fence=req.fence)
+        firsts.send("talker")
         codes = list(self._call(TTS, sub, self._next_fence(req, TTS), tokens=tts_in.tokens,
                            hidden=_or_none(tts_in.hidden), config={"unit": unit, **turn}))
         for tts_out in codes:
@@ -192,25 +193,40 @@ class PipelineModel:
                 continue
             if tts_out.event.get("dropped"):
                 continue  # cancelled inside tts: nothing to render
-            firsts.setdefault("talker", _ms_since(started))
+            firsts.output("talker", started)
+            firsts.send("code2wav")
             part = {k: tts_out.event[k] for k in PART_KEYS if k in tts_out.event}  # a turn's first codes, sent early
             end = bool(ev.get("end_of_turn", False)) and part.get("part") != "head"
             for wav in self._call(TOKEN2WAV, sub, self._next_fence(req, TOKEN2WAV), tokens=tts_out.tokens,
                                   config={"unit": unit, "end_of_turn": end, **part}):
                 if wav.event.get("type") == "audio":
-                    firsts.setdefault("code2wav", _ms_since(started))
+                    firsts.output("code2wav", started)
                 client.emit(StageOutput(wav.event, audio=wav.audio))
 
 
-def _ms_since(t0: float) -> float:
-    return (time.perf_counter() - t0) * MS_PER_S
+class _Firsts:
+    """Per stage: when its first input of the unit went out, and its first output's times (protocol.md §10.1):
+    ms from that input (`first_output_ms`) and from the unit's append (`from_unit_ms`)."""
+
+    def __init__(self) -> None:
+        self.sent: dict[str, float] = {}
+        self.times: dict[str, dict[str, float]] = {}
+
+    def send(self, stage: str) -> None:
+        self.sent.setdefault(stage, time.perf_counter())
+
+    def output(self, stage: str, started: float) -> None:
+        if stage not in self.times:
+            now = time.perf_counter()
+            self.times[stage] = {"first_output_ms": (now - self.sent[stage]) * MS_PER_S,
+                                 "from_unit_ms": (now - started) * MS_PER_S}
 
 
-def _with_stage_metrics(event: dict[str, Any], firsts: dict[str, float]) -> dict[str, Any]:
+def _with_stage_metrics(event: dict[str, Any], firsts: _Firsts) -> dict[str, Any]:
     """unit_done metrics as the gateway reads them: stage0's `thinker` + `talker`/`code2wav` first output."""
     metrics = dict(event.get("metrics") or {})
-    for stage, ms in firsts.items():
-        metrics[stage] = {"first_output_ms": ms}
+    for stage, times in firsts.times.items():
+        metrics[stage] = dict(times)
     return {**event, "metrics": metrics}
 
 

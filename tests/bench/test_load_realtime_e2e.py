@@ -65,8 +65,10 @@ def test_two_sessions_fill_every_field_and_the_stage_metrics(stack: Stack, tmp_p
     assert run["transcript_delay_ms"]["p50"] is not None
     # where commit -> first audio went: every response's stage_metrics on response.done, stage by stage
     firsts = run["first_unit_stages_ms"]
-    assert all(firsts[k]["count"] >= 1 for k in ("thinker_ttft", "talker_first_output", "code2wav_first_output")), firsts
+    assert all(firsts[k]["count"] >= 1 for k in ("thinker_ttft", "talker_first_output", "code2wav_first_output",
+                                                 "talker_own", "code2wav_own")), firsts
     assert firsts["talker_first_output"]["p50"] <= firsts["code2wav_first_output"]["p50"], firsts
+    assert firsts["talker_own"]["p50"] <= firsts["talker_first_output"]["p50"], firsts   # own input comes later
     # P13 from the gateway's /metrics: every delta timed from stage0's sampling stamp (one host, one clock)
     behind = run["transcript_behind_generation_ms"]
     assert behind["p50"] is not None and behind["p99"] is not None and behind["count"] >= 1, behind

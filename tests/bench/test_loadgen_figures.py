@@ -99,9 +99,11 @@ def test_a_session_without_audio_or_with_a_failure_does_not_hold() -> None:
 
 def test_first_unit_stages_come_from_each_responses_stage_metrics() -> None:
     rs = [_response(f"r{i}", 0.0, [0.5]) for i in range(3)]
-    rs[0].stage_metrics = {"0": {"stage": "thinker", "ttft_ms": 40.0}, "1": {"stage": "talker", "first_output_ms": 200.0},
-                           "2": {"stage": "code2wav", "first_output_ms": 300.0}}
-    rs[1].stage_metrics = {"0": {"stage": "thinker", "ttft_ms": 60.0}, "1": {"stage": "talker", "first_output_ms": 220.0},
+    rs[0].stage_metrics = {"0": {"stage": "thinker", "ttft_ms": 40.0},
+                           "1": {"stage": "talker", "first_output_ms": 60.0, "from_unit_ms": 200.0},
+                           "2": {"stage": "code2wav", "first_output_ms": 90.0, "from_unit_ms": 300.0}}
+    rs[1].stage_metrics = {"0": {"stage": "thinker", "ttft_ms": 60.0},
+                           "1": {"stage": "talker", "first_output_ms": 80.0, "from_unit_ms": 220.0},
                            "2": {"stage": "code2wav", "first_output_ms": None}}  # cancelled before any audio
     log = UserLog(0, opened_t=0.0)
     log.responses = {r.response_id: r for r in rs}  # rs[2]: no stage_metrics (the client turned them off)
@@ -109,6 +111,7 @@ def test_first_unit_stages_come_from_each_responses_stage_metrics() -> None:
     assert stages_ms["thinker_ttft"] == {"p50": 50.0, "p99": 59.8, "count": 2}
     assert stages_ms["talker_first_output"]["count"] == 2 and stages_ms["talker_first_output"]["p50"] == 210.0
     assert stages_ms["code2wav_first_output"] == {"p50": 300.0, "p99": 300.0, "count": 1}
+    assert stages_ms["talker_own"]["p50"] == 70.0 and stages_ms["code2wav_own"] == {"p50": 90.0, "p99": 90.0, "count": 1}
 
 
 def test_audio_delta_duration_from_base64_length() -> None:

@@ -62,7 +62,8 @@ def tone(ms: int) -> bytes:
 def unit_metrics(tokens: int) -> dict[str, Any]:
     times = [10.0 + 5.0 * i for i in range(tokens)]
     return {"thinker": {"tokens": tokens, "ttft_ms": 10.0, "token_times_ms": times},
-            "talker": {"first_output_ms": 7.0}, "code2wav": {"first_output_ms": 3.0}}
+            "talker": {"first_output_ms": 7.0, "from_unit_ms": 40.0},
+            "code2wav": {"first_output_ms": 3.0, "from_unit_ms": 45.0}}
 
 
 class FakeRuntime:

@@ -35,6 +35,9 @@ async def test_spoken_response_run() -> None:
     assert sm["0"]["units"] == 2 and sm["0"]["num_generation_tokens"] == 6
     assert sm["0"]["ttft_ms"] == 10.0 and sm["0"]["tpot_ms"] == 5.0 and sm["0"]["itl_ms"]["count"] == 4
     assert sm["1"]["stage"] == "talker" and sm["2"]["stage"] == "code2wav"
+    # the first owned unit's: from the stage's input, and from the unit's append (project addition, §10.1)
+    assert (sm["1"]["first_output_ms"], sm["1"]["from_unit_ms"]) == (7.0, 40.0)
+    assert (sm["2"]["first_output_ms"], sm["2"]["from_unit_ms"]) == (3.0, 45.0)
 
 
 async def test_a_unit_of_several_token2wav_calls_sends_each_call_as_it_comes() -> None:

@@ -52,9 +52,11 @@ def check_unit_reply(reply: Reply, index: int) -> None:
         # A unit renders at most its 25 codes (1 s); the TTS may stop early on EOS at a turn's start.
         assert sum(a.size for a in reply.audio) <= OUTPUT_SAMPLES_PER_UNIT
         assert all(a.dtype == np.int16 for a in reply.audio)
-        assert done["metrics"]["talker"]["first_output_ms"] > 0
+        talker = done["metrics"]["talker"]
+        assert talker["from_unit_ms"] >= talker["first_output_ms"] > 0  # from the append / from the TTS's input
         if reply.audio:
-            assert done["metrics"]["code2wav"]["first_output_ms"] >= done["metrics"]["talker"]["first_output_ms"]
+            code2wav = done["metrics"]["code2wav"]
+            assert code2wav["from_unit_ms"] >= talker["from_unit_ms"] + code2wav["first_output_ms"] > 0
     else:
         assert done["is_listen"] and not reply.audio
 
