@@ -73,6 +73,17 @@ def engine_options(settings: StageSettings, known: tuple[str, ...]) -> dict[str,
     return opts
 
 
+def count_option(opts: dict[str, Any], stage: str, name: str) -> dict[str, int]:
+    """An engine option that counts something (an int >= 0) as an engine config keyword; absent: {} (the
+    config's default). Anything else fails the load."""
+    if name not in opts:
+        return {}
+    value = opts[name]
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ConfigError(f"engine_options.{stage}.{name} must be an integer >= 0, not {value!r}")
+    return {name: value}
+
+
 def session_key(corrid: int) -> str:
     return str(corrid)
 

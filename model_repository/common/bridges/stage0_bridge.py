@@ -32,7 +32,15 @@ from engine.stage0.script import ScriptPlan
 
 from ..codec import RequestError, StageOutput, StageRequest
 from ..settings import ConfigError, StageSettings
-from .base import EngineBridge, configure_torch, control_event, engine_options, session_key, torch_dtype
+from .base import (
+    EngineBridge,
+    configure_torch,
+    control_event,
+    count_option,
+    engine_options,
+    session_key,
+    torch_dtype,
+)
 from .options import (
     check_config,
     decode_rules,
@@ -95,16 +103,6 @@ def _buckets(opts: dict[str, Any], name: str) -> dict[str, tuple[int, ...]]:
     return {name: tuple(value)}
 
 
-def _rows(opts: dict[str, Any], name: str) -> dict[str, int]:
-    """A row count (an int >= 0) as a Stage0Config keyword; absent: {} (the config's default)."""
-    if name not in opts:
-        return {}
-    value = opts[name]
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ConfigError(f"engine_options.stage0.{name} must be an integer >= 0, not {value!r}")
-    return {name: value}
-
-
 class Stage0Bridge(EngineBridge):
     def __init__(self, settings: StageSettings) -> None:
         super().__init__(settings)
@@ -130,8 +128,10 @@ class Stage0Bridge(EngineBridge):
                            mixed_step=opts.get("mixed_step", "split"),
                            prefill_attention=opts.get("prefill_attention", "auto"),
                            decode_attention=opts.get("decode_attention", "matmul"),
-                           **_rows(opts, "gemm_min_rows"), gemm_pad_buckets=_flag(opts, "gemm_pad_buckets", True),
-                           **_rows(opts, "prefix_chunk"), **_rows(opts, "prefill_hold_ms"),
+                           **count_option(opts, "stage0", "gemm_min_rows"),
+                           gemm_pad_buckets=_flag(opts, "gemm_pad_buckets", True),
+                           **count_option(opts, "stage0", "prefix_chunk"),
+                           **count_option(opts, "stage0", "prefill_hold_ms"),
                            **_buckets(opts, "prefill_batch_buckets"), **_buckets(opts, "shared_decode_buckets"),
                            **scripted_decisions(opts.get("scripted_decisions")))
         self.hidden_dim = ck.config.llm.hidden_size

@@ -25,7 +25,15 @@ from engine.stage1.types import Fence, TTSHeadCodes, TTSUnitRequest, TTSUnitResu
 
 from ..codec import RequestError, StageOutput, StageRequest
 from ..settings import ConfigError, StageSettings
-from .base import EngineBridge, configure_torch, control_event, engine_options, session_key, torch_dtype
+from .base import (
+    EngineBridge,
+    configure_torch,
+    control_event,
+    count_option,
+    engine_options,
+    session_key,
+    torch_dtype,
+)
 from .options import check_config, seed_of, talker_sampling
 
 # deploy profile `engine_options.tts` keys; max_turn_positions: the TTS KV slot per session (model.md §5.2; a
@@ -46,15 +54,13 @@ class TTSBridge(EngineBridge):
         first, most = opts.get("first_codes", 0), TTSEngineConfig.max_new_tokens - 2
         if isinstance(first, bool) or not isinstance(first, int) or not 0 <= first <= most:
             raise ConfigError(f"engine option first_codes={first!r} must be an integer in [0, {most}]")
-        rows = opts.get("gemm_tile_rows", 0)
-        if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
-            raise ConfigError(f"engine option gemm_tile_rows={rows!r} must be an integer >= 0")
+        tile = count_option(opts, "tts", "gemm_tile_rows")  # checked before the weights load
         ck = load_checkpoint(settings.checkpoint_dir, device=settings.device, dtype=torch_dtype(settings),
                              with_vision=False, with_token2wav=False, components=TTS_COMPONENTS)
         cfg = TTSEngineConfig(max_sessions=settings.max_sessions, max_batch=settings.max_sessions,
                               use_cuda_graphs=settings.device.startswith("cuda") and opts.get("cuda_graphs", True),
                               compile_step=bool(opts.get("compile_step", False)), max_turn_positions=turn,
-                              first_codes=first, gemm_tile_rows=rows)
+                              first_codes=first, **tile)
         self.llm_dim = ck.config.tts.llm_dim
         self.engine = TTSEngine(ck.model.tts, cfg)  # the process holds only the TTS weights
         self.pending: dict[str, list[tuple[TTSUnitRequest, Any]]] = {}
