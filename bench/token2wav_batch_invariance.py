@@ -16,6 +16,7 @@ CPU smoke test (tiny dims, fp32): python bench/token2wav_batch_invariance.py --t
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import time
@@ -68,11 +69,10 @@ class Tracer:
 
     def watch(self, stream: Any) -> None:
         """Record the watched stream's mel and speech as its HiFT output is finished (one per flow call)."""
-        self.calls, finish = [], stream.finish_phase
+        self.calls, finish, finished = [], stream.finish_phase, itertools.count()
 
         def record(call: Any, mel_in: torch.Tensor, speech: torch.Tensor, source: torch.Tensor) -> np.ndarray:
-            self.calls[len([c for c in self.calls if "mel" in c])].update(
-                mel=call.mel.float().cpu(), speech=speech.float().cpu())
+            self.calls[next(finished)].update(mel=call.mel.float().cpu(), speech=speech.float().cpu())
             return finish(call, mel_in, speech, source)
         stream.finish_phase = record
 

@@ -13,6 +13,7 @@ mask is causal within the slot.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
@@ -247,10 +248,8 @@ class SlotAttention(nn.Module):
     def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
                mode: str) -> torch.Tensor:
         """q [B, heads, T, D], keys/values [B, kvh, L, D], mask [B, 1, T, L] → [B, heads, T, D]."""
-        if self.sdpa_backends is None:
-            return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
-                                                  enable_gqa=self.n_kv != self.n_heads)
-        with sdpa_kernel(list(self.sdpa_backends)):
+        kernels = nullcontext() if self.sdpa_backends is None else sdpa_kernel(list(self.sdpa_backends))
+        with kernels:
             return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
                                                   enable_gqa=self.n_kv != self.n_heads)
 

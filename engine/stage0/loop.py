@@ -90,7 +90,8 @@ class StepScheduler:
                     self.recovery.close_failed(s, f"{type(exc).__name__}: {exc}")
             sessions = [s for s in sessions if table.holds(s)]
             held = self._held_units(sessions)
-            sessions = [s for s in sessions if s.session_id not in held]
+            if held:
+                sessions = [s for s in sessions if s.session_id not in held]
         # Outside the lock: requests are accepted while the front end runs. Only this thread (or the audio
         # worker it hands a unit to) touches a session's front-end state and its unit in PREFILL (a cancel
         # only marks that unit aborted).
