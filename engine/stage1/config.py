@@ -41,6 +41,10 @@ class TTSEngineConfig:
     # a session's codes then do not depend on who shares its step (on the H200 they did from 8 sessions on,
     # bench/tts_batch_invariance.py; bench/RESULTS.md stop 38). On in the h200 profiles.
     gemm_tile_rows: int = 0
+    # continuous batching: `TTSEngine.step` runs one single-code step, and a queued unit joins the next one
+    # (its prefill first) instead of waiting for the units in flight to finish their 26 samples; a unit leaves
+    # as soon as its own samples are drawn. The codes are the same either way. False: a step runs whole units.
+    continuous: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_sessions", "max_batch", "max_turn_positions", "repetition_window",

@@ -63,6 +63,8 @@ class TTSRunner:
         self.use_graphs = cfg.use_cuda_graphs and on_cuda
         self._states: dict[int, UnitState] = {}  # per batch bucket, shared by its graphs
         self._graphs: dict[tuple[int, ...], _Graph] = {}
+        self._lane_state: UnitState | None = None  # continuous engine only (`_lanes`)
+        self._in_flight: list[torch.cuda.Event] = []  # lane steps launched and not yet known finished
         self._pool: object | None = None
         self.misses = GraphMisses("tts")
         self._layer_fn: LayerFn | None = None
@@ -104,6 +106,8 @@ class TTSRunner:
         out = self._head_fn(h[:, 0], window, st, st.u.gather(1, t)[:, 0])
         st.samples.scatter_(1, t + w, out[:, None])
         st.t.add_(1)
+        if st.per_row:  # a lane past its unit's last step (a pad lane) stays in range until it is reused
+            st.t.clamp_(max=self.cfg.max_new_tokens - 1)
 
     def _head(self, hidden: torch.Tensor, window: torch.Tensor, st: UnitState, u: torch.Tensor) -> torch.Tensor:
         """Final-norm hidden [B, H] → codes [B]: logits, then `_sample`."""
@@ -127,6 +131,24 @@ class TTSRunner:
         graph, _ = capture(fn, pool=self._pool, warmup=3, reset=reset)
         self._pool = graph.pool()
         self._graphs[key] = _Graph(graph, None)
+
+    def _lanes(self) -> UnitState:
+        """The continuous engine's lanes: one row per unit in flight, as many as the largest batch bucket."""
+        if self._lane_state is None:
+            size = self.cfg.batch_bucket(self.cfg.max_batch)
+            self._lane_state = UnitState.allocate(size, self.cfg.repetition_window, self.cfg.max_new_tokens,
+                                                  self.vocab, self.kv.scratch, self.device, self.cfg.temperature,
+                                                  self.cfg.repetition_penalty, per_row=True)
+        return self._lane_state
+
+    def _lane_graph(self, bucket: int, kv_limit: int) -> _Graph:
+        """Captured at warm-up only: a capture runs the step on the lanes, which at warm-up are all pads."""
+        key = ("lanes", bucket, kv_limit)
+        if key not in self._graphs:
+            lanes = self._lanes()
+            view = lanes.view(bucket)
+            self._capture(key, lambda: self._step(view, kv_limit), lambda: lanes.t.fill_(1))
+        return self._graphs[key]
 
     def _bucket_state(self, bucket: int) -> UnitState:
         if bucket not in self._states:
@@ -173,7 +195,10 @@ class TTSRunner:
             progress = Progress("tts", len(batches) * len(kv_limits) * (1 + len(self.cfg.row_buckets)), emit)
             for b in batches:
                 for kv_limit in kv_limits:
-                    self._step_graph(b, kv_limit)
+                    if self.cfg.continuous:
+                        self._lane_graph(b, kv_limit)
+                    else:
+                        self._step_graph(b, kv_limit)
                     progress.step(f"step graph batch {b} kv {kv_limit}")
                     for rows in self.cfg.row_buckets:
                         self._prefill_graph(b, rows, kv_limit)
@@ -182,7 +207,7 @@ class TTSRunner:
         elif self.cfg.compile_step:
             progress = Progress("tts", len(batches) * len(kv_limits), emit)
             for b in batches:
-                st = self._bucket_state(b)
+                st = self._lanes().view(b) if self.cfg.continuous else self._bucket_state(b)
                 st.make_padding(self.kv.scratch)  # pad rows write to the scratch slot only
                 for kv_limit in kv_limits:
                     st.t.fill_(1)
@@ -255,6 +280,69 @@ class TTSRunner:
                 done.synchronize()  # waits for the head's copy only; the later steps keep running
             on_head(host)
         return st.samples[:b, w:].clone()
+
+
+    # -- continuous: lanes that join and leave between single-code steps (`TTSEngineConfig.continuous`) --
+    @torch.inference_mode()
+    def start_lanes(self, cond: torch.Tensor, n_rows: list[int], start_pos: list[int], slots: list[int],
+                    eos_allowed: list[bool], u: torch.Tensor, lanes: list[int], *, use_graphs: bool | None = None,
+                    temperature: list[float] | None = None, penalty: list[float] | None = None) -> None:
+        """Prefill k new units (arguments as `run_unit`'s), drawing their sample 0, and put them in `lanes`
+        [k] (free ones) at t = 1; lanes already in flight are not touched. No host sync."""
+        b, t_max = cond.shape[0], cond.shape[1]
+        code0 = max(s + n + 1 for s, n in zip(start_pos, n_rows, strict=True))
+        limit = self.cfg.kv_bucket(code0)
+        graphs = self.use_graphs if use_graphs is None else (use_graphs and self.use_graphs)
+        bucket = self.cfg.batch_bucket(b)
+        st = self._bucket_state(bucket) if graphs else self._state(b)
+        rows = next((r for r in self.cfg.row_buckets if r >= t_max), None) if graphs else None
+        if graphs and rows is None:
+            self.misses.record("prefill_rows", t_max, "eager")
+        prefill = self._prefill_graph(bucket, rows, limit) if rows is not None else None
+        st.load(start=start_pos, n_rows=n_rows, slots=slots, eos_allowed=eos_allowed, u=u, scratch=self.kv.scratch,
+                temperature=temperature or [self.cfg.temperature] * b,
+                penalty=penalty or [self.cfg.repetition_penalty] * b)
+        if prefill is not None and prefill.cond is not None:
+            prefill.cond[:b, :t_max].copy_(cond)
+            prefill.graph.replay()
+        else:
+            padded = cond if st.size == b else torch.cat([cond, cond.new_zeros(st.size - b, *cond.shape[1:])])
+            self._prefill(padded, st, limit)
+        self._lanes().adopt(torch.tensor(lanes, dtype=torch.int64).to(self.device, non_blocking=True), st)
+
+    @torch.inference_mode()
+    def step_lanes(self, top: int, kv_needed: int, *, use_graphs: bool | None = None) -> None:
+        """One single-code step for lanes 0 .. top-1 (the batch bucket above), attending over the kv bucket
+        of `kv_needed` positions. At most two such steps are queued ahead of the device: the host waits for
+        the one before the last, so a unit that arrives now starts within about a step."""
+        bucket = self.cfg.batch_bucket(top)
+        limit = self.cfg.kv_bucket(kv_needed)
+        graphs = self.use_graphs if use_graphs is None else (use_graphs and self.use_graphs)
+        graph = self._graphs.get(("lanes", bucket, limit)) if graphs else None
+        if graphs and graph is None:
+            self.misses.record("lanes", ("lanes", bucket, limit), "eager")
+        if graph is not None:
+            graph.graph.replay()
+        else:
+            self._step(self._lanes().view(bucket), limit)
+        if self.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+            self._in_flight.append(done)
+            if len(self._in_flight) > 2:
+                self._in_flight.pop(0).synchronize()
+
+    @torch.inference_mode()
+    def release_lanes(self, lanes: list[int]) -> None:
+        """Lanes whose unit ended (its samples copied out first) or was aborted become pad rows."""
+        self._lanes().release(torch.tensor(lanes, dtype=torch.int64).to(self.device, non_blocking=True),
+                              self.kv.scratch)
+
+    def copy_lane(self, lane: int, count: int) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """Queue the copy of a lane's samples 0 .. count-1 to the host: (host tensor [count], the event to
+        wait on before reading it; None off CUDA)."""
+        w = self.cfg.repetition_window
+        return _start_copy_out(self._lanes().samples[lane, w:w + count])
 
 
 def _start_copy_out(t: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:

@@ -1,7 +1,12 @@
-"""Static per-batch tensors of one TTS unit, shared by the prefill and single-code step graphs."""
+"""Static per-batch tensors of one TTS unit, shared by the prefill and single-code step graphs.
+
+The same layout also holds the continuous engine's lanes (`TTSEngineConfig.continuous`): one row per lane, each
+lane with its own step counter, rows joining (`adopt`) and leaving (`release`) between steps.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -13,6 +18,7 @@ class UnitState:
 
     The step reads its code, position, penalty window and uniform from `samples` / `u` at the device
     step counter `t`, writes its sample back and advances `t`: a replay needs no host-side copy-in.
+    `t` is one counter for the whole unit, or one per row (`per_row`: lanes that started at different steps).
     """
 
     samples: torch.Tensor  # [B, W + S] int64: W empty-window columns (= V), then sample t at W + t
@@ -25,14 +31,16 @@ class UnitState:
     u: torch.Tensor  # [B, S] fp64
     temperature: torch.Tensor  # [B] fp32, the row's session's talker temperature (pad rows keep a valid one)
     penalty: torch.Tensor  # [B] fp32, its repetition penalty
+    per_row: bool = False  # t is [B], one counter per row
 
     @classmethod
     def allocate(cls, size: int, window: int, steps: int, vocab: int, scratch: int,
-                 device: torch.device, temperature: float = 1.0, penalty: float = 1.0) -> UnitState:
+                 device: torch.device, temperature: float = 1.0, penalty: float = 1.0,
+                 per_row: bool = False) -> UnitState:
         i64 = dict(dtype=torch.int64, device=device)
         samples = torch.full((size, window + steps), vocab, **i64)
         samples[:, window:] = 0  # sample columns must always hold valid codes (graph warm-up feeds them)
-        return cls(samples=samples, t=torch.ones(1, **i64),
+        return cls(samples=samples, t=torch.ones(size if per_row else 1, **i64), per_row=per_row,
                    start=torch.zeros(size, **i64), n_rows=torch.zeros(size, **i64),
                    slot=torch.full((size,), scratch, **i64),
                    valid=torch.zeros(size, dtype=torch.bool, device=device),
@@ -74,3 +82,27 @@ class UnitState:
             self.n_rows[b:].fill_(0)
             self.slot[b:].fill_(scratch)
             self.valid[b:].fill_(False)
+
+    # -- lanes (per-row t) -----------------------------------------------------------------------------
+    _ROWS = ("samples", "start", "n_rows", "slot", "valid", "eos_blocked", "u", "temperature", "penalty")
+
+    def view(self, b: int) -> UnitState:
+        """The first b rows, sharing storage (a graph captured on the view replays on these rows)."""
+        assert self.per_row, "view: only lanes (per-row t) can be cut by rows"
+        rows = {name: getattr(self, name)[:b] for name in self._ROWS}
+        return dataclasses.replace(self, t=self.t[:b], **rows)
+
+    def adopt(self, lanes: torch.Tensor, src: UnitState) -> None:
+        """Rows 0..k-1 of `src` (a prefilled unit state: sample 0 drawn) become lanes `lanes` [k], at t = 1."""
+        k = lanes.shape[0]
+        for name in self._ROWS:
+            getattr(self, name).index_copy_(0, lanes, getattr(src, name)[:k])
+        self.t.index_fill_(0, lanes, 1)
+
+    def release(self, lanes: torch.Tensor, scratch: int) -> None:
+        """Lanes [k] become pad rows: later steps write only the scratch slot's KV through them."""
+        self.valid.index_fill_(0, lanes, False)
+        self.slot.index_fill_(0, lanes, scratch)
+        self.start.index_fill_(0, lanes, 0)
+        self.n_rows.index_fill_(0, lanes, 0)
+        self.t.index_fill_(0, lanes, 1)

@@ -8,6 +8,11 @@ draws, advance or reset the turn) → emit (results whose fence is still live).
 With `first_codes` = K > 0 and an `on_head` callback, a unit that starts a TTS turn also sends its first K
 codes (`TTSHeadCodes`) during the run, as soon as they are sampled, unless one of them is EOS; its result
 then says so (`TTSUnitResult.head`).
+
+With `continuous`, a `step()` is one single-code step of every unit in flight (a lane each): queued units of
+sessions with nothing in flight first prefill into free lanes, a unit leaves when its last sample is drawn,
+and its samples (and a head) come back through copies that the next steps collect once done. A session has
+at most one unit in flight, since its next unit starts where this one's codes end.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import dataclasses
 import functools
 import logging
 import math
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -55,6 +61,27 @@ class _Work:
     eos_allowed: bool
 
 
+@dataclass
+class _Flight:
+    """A unit in a lane (continuous engine): `t` = the sample its lane's next step draws."""
+
+    work: _Work
+    lane: int
+    t: int
+    kv_end: int  # positions its last step needs
+    head: bool = False  # its first codes were copied out as a head
+
+
+@dataclass
+class _Copy:
+    """Samples on their way to the host: a head (sent as `TTSHeadCodes`) or a finished unit."""
+
+    flight: _Flight
+    host: torch.Tensor
+    done: torch.cuda.Event | None
+    is_head: bool
+
+
 class TTSEngine:
     def __init__(self, model: TTSModel, cfg: TTSEngineConfig | None = None) -> None:
         self.model, self.cfg = model.eval(), cfg or TTSEngineConfig()
@@ -66,6 +93,9 @@ class TTSEngine:
         self.slots = SlotTable(self.cfg.max_sessions)
         self.sessions: dict[str, TTSSession] = {}
         self._order: list[str] = []  # sessions in first-come order, for fair batch selection
+        self._flights: list[_Flight] = []  # continuous: units in lanes
+        self._copies: deque[_Copy] = deque()  # continuous: copies out, in the order they were queued
+        self.rows_last_step = 0  # rows the last step served
 
     # -- session lifecycle ------------------------------------------------------------------------
     def open(self, session_id: str, fence: Fence, seed: int, *, temperature: float | None = None,
@@ -99,8 +129,18 @@ class TTSEngine:
         if s is None or s.fence.incarnation != fence.incarnation:
             return False
         del self.sessions[session_id]
+        self._abort(s)
         self.slots.release(s.slot)
         return True
+
+    def _abort(self, s: TTSSession) -> None:
+        """Continuous: take the session's unit out of its lane before the slot can go to another session
+        (the lane's later steps would write that slot's KV), and forget its copies."""
+        mine = [f for f in self._flights if f.work.session is s]
+        if mine:
+            self.runner.release_lanes([f.lane for f in mine])
+            self._flights = [f for f in self._flights if f.work.session is not s]
+        self._copies = deque(c for c in self._copies if c.flight.work.session is not s)
 
     def _session(self, session_id: str) -> TTSSession:
         try:
@@ -171,13 +211,27 @@ class TTSEngine:
 
     # -- the engine step -----------------------------------------------------------------------------
     def pending(self) -> int:
-        return sum(len(s.queue) for s in self.sessions.values())
+        """Units queued, in flight or with their codes still on the way (continuous)."""
+        return sum(len(s.queue) for s in self.sessions.values()) + len(self._flights) + \
+            sum(not c.is_head for c in self._copies)
+
+    def holds(self, session_id: str) -> set[int]:
+        """`id()` of the session's units that may still give a result: queued, in flight, on the way."""
+        s = self.sessions.get(session_id)
+        if s is None:
+            return set()
+        units = [*s.queue, *(f.work.req for f in self._flights if f.work.session is s),
+                 *(c.flight.work.req for c in self._copies if c.flight.work.session is s and not c.is_head)]
+        return {id(u) for u in units}
 
     def step(self, *, use_graphs: bool | None = None,
              on_head: Callable[[list[TTSHeadCodes]], None] | None = None) -> list[TTSUnitResult]:
-        """One batch of units. `on_head` (with `first_codes` > 0) gets the turn-start units' first codes
-        during the run, on this thread, before this returns their results."""
+        """One batch of units (continuous: one single-code step). `on_head` (with `first_codes` > 0) gets the
+        turn-start units' first codes during the run, on this thread, before this returns their results."""
+        if self.cfg.continuous:
+            return self._step_lanes(use_graphs, on_head)
         work = self._collect()
+        self.rows_last_step = len(work)
         if not work:
             return []
         cond = self._condition_rows(work)
@@ -191,12 +245,15 @@ class TTSEngine:
             [w.session.slot for w in work], [w.eos_allowed for w in work], u, use_graphs=use_graphs,
             temperature=[w.session.temperature for w in work], penalty=[w.session.repetition_penalty for w in work],
             head=self.cfg.first_codes if send is not None else 0, on_head=send)
-        return self._postprocess(work, samples.cpu().tolist(), heads)  # the step's one host sync (but a head's)
+        sent = [len(heads[b].codes) if b in heads else 0 for b in range(len(work))]
+        return self._postprocess(work, samples.cpu().tolist(), sent)  # the step's one host sync (but a head's)
 
-    def _collect(self) -> list[_Work]:
+    def _collect(self, room: int | None = None, busy: set[str] = frozenset()) -> list[_Work]:
+        """One queued unit from each of up to `room` (default max_batch) sessions not in `busy`."""
         work: list[_Work] = []
         self._order = [sid for sid in self._order if sid in self.sessions and self.sessions[sid].queue]
-        for sid in self._order[: self.cfg.max_batch]:
+        ready = [sid for sid in self._order if sid not in busy][: self.cfg.max_batch if room is None else room]
+        for sid in ready:
             s = self.sessions[sid]
             req = s.queue.popleft()
             if (req.restart or self.cfg.turn_start_resets_kv and req.turn_start) and s.tts_pos > 0:
@@ -205,8 +262,71 @@ class TTSEngine:
             # §5.3: EOS may end the unit at turn start (tts_pos == 0, the TTS's own state) or turn end
             work.append(_Work(s, req, state, u, s.tts_pos, s.tts_pos == 0 or req.end_of_turn))
         # round-robin: the sessions served now go to the back
-        self._order = self._order[len(work):] + self._order[: len(work)]
+        self._order = [sid for sid in self._order if sid not in ready] + ready
         return work
+
+    # -- the continuous step --------------------------------------------------------------------------
+    def _step_lanes(self, use_graphs: bool | None,
+                    on_head: Callable[[list[TTSHeadCodes]], None] | None) -> list[TTSUnitResult]:
+        out = self._collect_copies(on_head, wait=False)
+        busy = {f.work.session.session_id for f in self._flights} | \
+            {c.flight.work.session.session_id for c in self._copies if not c.is_head}
+        work = self._collect(self.cfg.max_batch - len(self._flights), busy)
+        if work:
+            self._start(work, use_graphs)
+        steps, head = self.cfg.max_new_tokens, self.cfg.first_codes if on_head is not None else 0
+        self.rows_last_step = len(self._flights)
+        if self._flights:
+            self.runner.step_lanes(max(f.lane for f in self._flights) + 1, max(f.kv_end for f in self._flights),
+                                   use_graphs=use_graphs)
+            for f in self._flights:
+                f.t += 1
+        for f in self._flights:
+            if head and f.t == head and f.work.start_pos == 0:  # samples 0 .. head-1 are drawn
+                self._copies.append(_Copy(f, *self.runner.copy_lane(f.lane, head), is_head=True))
+        done = [f for f in self._flights if f.t == steps]
+        if done:
+            for f in done:
+                self._copies.append(_Copy(f, *self.runner.copy_lane(f.lane, steps), is_head=False))
+            self.runner.release_lanes([f.lane for f in done])  # queued after the copies
+            self._flights = [f for f in self._flights if f.t < steps]
+        return out + self._collect_copies(on_head, wait=not self._flights)
+
+    def _start(self, work: list[_Work], use_graphs: bool | None) -> None:
+        used = {f.lane for f in self._flights}
+        lanes = [lane for lane in range(self.cfg.max_batch) if lane not in used][: len(work)]
+        self.runner.start_lanes(
+            self._condition_rows(work), [w.req.n_rows for w in work], [w.start_pos for w in work],
+            [w.session.slot for w in work], [w.eos_allowed for w in work], torch.stack([w.u for w in work]), lanes,
+            use_graphs=use_graphs, temperature=[w.session.temperature for w in work],
+            penalty=[w.session.repetition_penalty for w in work])
+        steps = self.cfg.max_new_tokens
+        self._flights += [_Flight(w, lane, 1, w.start_pos + w.req.n_rows + steps)
+                          for w, lane in zip(work, lanes, strict=True)]
+
+    def _collect_copies(self, on_head: Callable[[list[TTSHeadCodes]], None] | None,
+                        wait: bool) -> list[TTSUnitResult]:
+        """Hand out the copies that are done, in queue order (all of them with `wait`)."""
+        heads: list[TTSHeadCodes] = []
+        out: list[TTSUnitResult] = []
+        while self._copies:
+            c = self._copies[0]
+            if c.done is not None:
+                if not wait and not c.done.query():
+                    break
+                c.done.synchronize()
+            self._copies.popleft()
+            row, w = c.host.tolist(), c.flight.work
+            if c.is_head:
+                if self.mcfg.eos_code not in row and self._live(w):
+                    c.flight.head = True
+                    heads.append(TTSHeadCodes(w.session.session_id, w.req.fence, w.req.unit_index, tuple(row),
+                                              self.cfg.max_new_tokens - 1))
+            else:
+                out += self._postprocess([w], [row], [self.cfg.first_codes if c.flight.head else 0])
+        if heads and on_head is not None:
+            on_head(heads)
+        return out
 
     @torch.inference_mode()
     def _condition_rows(self, work: list[_Work]) -> torch.Tensor:
@@ -239,8 +359,8 @@ class TTSEngine:
     def _live(w: _Work) -> bool:
         return w.req.fence.epoch >= w.session.fence.epoch  # a cancel may have fenced it off meanwhile
 
-    def _postprocess(self, work: list[_Work], samples: list[list[int]],
-                     heads: dict[int, TTSHeadCodes]) -> list[TTSUnitResult]:
+    def _postprocess(self, work: list[_Work], samples: list[list[int]], sent: list[int]) -> list[TTSUnitResult]:
+        """`sent[b]`: how many of row b's codes already went out as a head."""
         eos, out = self.mcfg.eos_code, []
         for b, (w, row) in enumerate(zip(work, samples, strict=True)):
             e = row.index(eos) if eos in row else None
@@ -252,8 +372,7 @@ class TTSEngine:
             w.session.units_done += 1
             result = TTSUnitResult(session_id=w.session.session_id, fence=w.req.fence, unit_index=w.req.unit_index,
                                    codes=tuple(codes), eos=e is not None, draws=draws, start_pos=w.start_pos,
-                                   end_pos=end_pos, turn_closed=w.req.end_of_turn,
-                                   head=len(heads[b].codes) if b in heads else 0)
+                                   end_pos=end_pos, turn_closed=w.req.end_of_turn, head=sent[b])
             if self._live(w):
                 out.append(result)
         return out

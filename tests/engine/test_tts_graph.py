@@ -13,9 +13,13 @@ from tests.engine.test_tts_helpers import tiny_model, with_eos_bias
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 
 
-def _session_run(use_graphs: bool, max_batch: int, compile_step: bool = False) -> list[TTSUnitResult]:
+def _session_run(use_graphs: bool, max_batch: int, compile_step: bool = False,
+                 continuous: bool = False) -> list[TTSUnitResult]:
     model = with_eos_bias(tiny_model().cuda(), 6.0)
-    engine = TTSEngine(model, _cfg(max_batch=max_batch, max_turn_positions=1024, compile_step=compile_step))
+    engine = TTSEngine(model, _cfg(max_batch=max_batch, max_turn_positions=1024, compile_step=compile_step,
+                                   continuous=continuous))
+    if continuous and use_graphs:  # the lanes' step graphs are built at warm-up only
+        engine.runner.warm_up()
     out: list[TTSUnitResult] = []
     for s in range(6):
         engine.open(f"s{s}", F0, seed=10 + s)
@@ -27,6 +31,7 @@ def _session_run(use_graphs: bool, max_batch: int, compile_step: bool = False) -
             out.extend(engine.step(use_graphs=use_graphs))
     if use_graphs:
         assert engine.runner._graphs, "no graph was captured"
+        assert not engine.runner.misses.counts(), engine.runner.misses.counts()
     return sorted(out, key=lambda r: (r.session_id, r.unit_index))
 
 
@@ -34,6 +39,19 @@ def test_graph_equals_eager_and_batched_equals_solo() -> None:
     graph = _session_run(True, 8)
     assert graph == _session_run(False, 8)
     assert graph == _session_run(True, 1)
+
+
+def test_continuous_lanes_in_graphs_equal_whole_units() -> None:
+    """Units joining and leaving the lanes between graph replays: the codes of whole units, eager or graphs,
+    with room for every session and with lanes full (units wait for one)."""
+    whole = _session_run(True, 8)
+    assert _session_run(True, 8, continuous=True) == whole
+    assert _session_run(True, 2, continuous=True) == whole
+    assert _session_run(False, 8, continuous=True) == whole
+
+
+def test_compiled_continuous_lanes_equal_compiled_whole_units() -> None:
+    assert _session_run(True, 8, compile_step=True, continuous=True) == _session_run(True, 8, compile_step=True)
 
 
 def test_compiled_graph_equals_eager() -> None:

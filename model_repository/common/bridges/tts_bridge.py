@@ -39,8 +39,9 @@ from .options import check_config, seed_of, talker_sampling
 # deploy profile `engine_options.tts` keys; max_turn_positions: the TTS KV slot per session (model.md §5.2; a
 # longer turn goes on in a fresh TTS context), the engine default 8192 when absent; first_codes: a turn's first
 # codes sent early (module docstring), 0 (off) when absent; gemm_tile_rows: every TTS GEMM on exactly that many
-# rows, 0 (off) when absent (TTSEngineConfig)
-OPTIONS = ("compile_step", "cuda_graphs", "max_turn_positions", "first_codes", "gemm_tile_rows")
+# rows, 0 (off) when absent (TTSEngineConfig); continuous: units join and leave between single-code steps
+# (continuous batching, TTSEngineConfig.continuous), false when absent
+OPTIONS = ("compile_step", "cuda_graphs", "max_turn_positions", "first_codes", "gemm_tile_rows", "continuous")
 
 
 class TTSBridge(EngineBridge):
@@ -55,12 +56,15 @@ class TTSBridge(EngineBridge):
         if isinstance(first, bool) or not isinstance(first, int) or not 0 <= first <= most:
             raise ConfigError(f"engine option first_codes={first!r} must be an integer in [0, {most}]")
         tile = count_option(opts, "tts", "gemm_tile_rows")  # checked before the weights load
+        continuous = opts.get("continuous", False)
+        if not isinstance(continuous, bool):
+            raise ConfigError(f"engine_options.tts.continuous must be true or false, not {continuous!r}")
         ck = load_checkpoint(settings.checkpoint_dir, device=settings.device, dtype=torch_dtype(settings),
                              with_vision=False, with_token2wav=False, components=TTS_COMPONENTS)
         cfg = TTSEngineConfig(max_sessions=settings.max_sessions, max_batch=settings.max_sessions,
                               use_cuda_graphs=settings.device.startswith("cuda") and opts.get("cuda_graphs", True),
                               compile_step=bool(opts.get("compile_step", False)), max_turn_positions=turn,
-                              first_codes=first, **tile)
+                              first_codes=first, continuous=continuous, **tile)
         self.llm_dim = ck.config.tts.llm_dim
         self.engine = TTSEngine(ck.model.tts, cfg)  # the process holds only the TTS weights
         self.pending: dict[str, list[tuple[TTSUnitRequest, Any]]] = {}
@@ -133,8 +137,8 @@ class TTSBridge(EngineBridge):
                               turn_start=bool(cfg.get("turn_start", False)))
 
     def step(self) -> bool:
-        self.step_rows = min(self.engine.cfg.max_batch, sum(1 for s in self.engine.sessions.values() if s.queue))
         results = self.engine.step(on_head=self._heads)
+        self.step_rows = self.engine.rows_last_step
         for res in results:
             k = self._waiting(res.session_id, res.unit_index, res.fence)
             if k is not None:
@@ -143,7 +147,7 @@ class TTSBridge(EngineBridge):
                 sink.close()
         for sid in list(self.pending):
             self._sweep(sid)
-        return bool(results)
+        return bool(results) or self.engine.pending() > 0  # continuous: units still in flight
 
     def _heads(self, heads: list[TTSHeadCodes]) -> None:
         """A turn's first codes, sent while the engine step still runs; the request stays open for the rest."""
@@ -173,10 +177,10 @@ class TTSBridge(EngineBridge):
     def _sweep(self, sid: str, everything: bool = False) -> None:
         """End requests whose unit left the engine without a result (cancelled or fenced off)."""
         session = self.engine.sessions.get(sid)
-        queued = {id(u) for u in session.queue} if session is not None and not everything else set()
+        held = self.engine.holds(sid) if not everything else set()
         keep = []
         for unit, sink in self.pending.get(sid, []):
-            if id(unit) in queued:
+            if id(unit) in held:
                 keep.append((unit, sink))
             else:
                 sink.emit(StageOutput({"type": "audio_tokens", "unit": unit.unit_index, "count": 0,
