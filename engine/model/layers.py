@@ -398,6 +398,19 @@ def mark_static_kv(kv: SlotKVCache) -> None:
         torch._dynamo.mark_static(t)
 
 
+def allow_recompiles(limit: int) -> None:
+    """Room for the compiled layer's few shapes (and another engine's in the same process): raise
+    dynamo's per-function recompile cap.
+
+    NOTE: dynamo's config is process-global; this only ever raises the cap.
+    """
+    import torch._dynamo
+
+    conf = torch._dynamo.config
+    name = "recompile_limit" if hasattr(conf, "recompile_limit") else "cache_size_limit"
+    setattr(conf, name, max(getattr(conf, name), limit))
+
+
 def compile_symbolic(fn: Callable[..., torch.Tensor], mode: str | None = None,
                      dynamic: bool | None = True) -> Callable[..., torch.Tensor]:
     """torch.compile(fn) for a few compiles over many shape buckets. dynamic=True: every size (batch,

@@ -23,25 +23,12 @@ from dataclasses import dataclass
 import torch
 
 from engine.cuda_graph import capture
-from engine.model.layers import LayerFn, compile_layers, compile_symbolic, mark_static_kv
+from engine.model.layers import LayerFn, allow_recompiles, compile_layers, compile_symbolic, mark_static_kv
 from engine.model.tts import TTSKVCache, TTSModel
 from engine.stage1.config import TTSEngineConfig
 from engine.stage1.sampling import tts_sample
 from engine.stage1.state import UnitState
 from engine.warmup import GraphMisses, Progress
-
-
-def _allow_recompiles(limit: int) -> None:
-    """Room for the compiled layer's few shapes (and another engine's in the same process): raise
-    dynamo's per-function recompile cap.
-
-    NOTE: dynamo's config is process-global; this only ever raises the cap.
-    """
-    import torch._dynamo
-
-    conf = torch._dynamo.config
-    name = "recompile_limit" if hasattr(conf, "recompile_limit") else "cache_size_limit"
-    setattr(conf, name, max(getattr(conf, name), limit))
 
 
 @dataclass
@@ -70,7 +57,7 @@ class TTSRunner:
         self._layer_fn: LayerFn | None = None
         self._head_fn: Callable[..., torch.Tensor] = self._head
         if cfg.compile_step:  # fuse the ~45 small kernels per layer; graphs replay the result
-            _allow_recompiles(8)
+            allow_recompiles(8)
             # NOTE: regional compilation: one decoder layer is compiled once and runs all layers, with the
             # batch and kv span symbolic from the start, so warm-up compiles it twice (batch 1 and batch > 1)
             # rather than the whole step per (batch, kv) shape. Graphs still replay per bucket.

@@ -69,7 +69,8 @@ class _Flight:
     lane: int
     t: int
     kv_end: int  # positions its last step needs
-    head: bool = False  # its first codes were copied out as a head
+    head_queued: bool = False  # the copy of its first codes is queued
+    head: bool = False  # they went out as a head
 
 
 @dataclass
@@ -282,7 +283,8 @@ class TTSEngine:
             for f in self._flights:
                 f.t += 1
         for f in self._flights:
-            if head and f.t == head and f.work.start_pos == 0:  # samples 0 .. head-1 are drawn
+            if head and f.t >= head and f.work.start_pos == 0 and not f.head_queued:  # samples 0 .. head-1 drawn
+                f.head_queued = True
                 self._copies.append(_Copy(f, *self.runner.copy_lane(f.lane, head), is_head=True))
         done = [f for f in self._flights if f.t == steps]
         if done:

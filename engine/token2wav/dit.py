@@ -6,6 +6,8 @@ module state (the reference writes them into module scratch buffers, §6.8):
   att cache [depth, B, H, T, 2·hd]   k ‖ v, stored newest-first ([new, older …]) like the reference
 `key_mask` (optional, True = attend): [B, F + T] per key, or [B, F, F + T] per query (the offline
 block-causal check of streaming == offline uses the latter).
+Every block runs through `DiT.block_fn`: eager by default, or one torch.compile'd block for all blocks
+(`compile_blocks`, regional compilation as in the LLM and TTS).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.model.layers import LayerFn, allow_recompiles, compile_layers, run_layer
 from engine.token2wav.config import FlowConfig
 
 
@@ -158,6 +161,14 @@ class DiT(nn.Module):
         self.in_proj = nn.Linear(cfg.dit_in_channels, cfg.dit_hidden)
         self.blocks = nn.ModuleList([DiTBlock(cfg) for _ in range(cfg.dit_depth)])
         self.final_layer = FinalLayer(cfg.dit_hidden, cfg.dit_out_channels, cfg.dit_ln_eps)
+        self.block_fn: LayerFn = run_layer
+
+    def compile_blocks(self) -> None:
+        """Run every block through one torch.compile'd block (dynamic sizes): its ~40 small kernels fuse
+        into fewer, and a CUDA graph captured after that replays the fused ones. Fused kernels round
+        differently from eager, so the mel is close to, not bit-equal with, the eager blocks'."""
+        allow_recompiles(8)  # a few shapes: one row and more, the chunk and ragged calls
+        self.block_fn = compile_layers(dynamic=True)
 
     def cnn_cache_shape(self, batch: int) -> tuple[int, ...]:
         return (self.cfg.dit_depth, batch, 2 * self.cfg.dit_hidden, self.cfg.dit_conv_kernel - 1)
@@ -182,7 +193,8 @@ class DiT(nn.Module):
         new_att = x.new_empty(cfg.dit_depth, b, cfg.dit_heads, t + past, 2 * cfg.dit_head_dim)
         new_cnn = []
         for i, block in enumerate(self.blocks):
-            h, nc = block(h, c, cnn_cache[i], att_cache[i] if att_cache is not None else None, key_mask, new_att[i])
+            h, nc = self.block_fn(block, h, c, cnn_cache[i], att_cache[i] if att_cache is not None else None,
+                                  key_mask, new_att[i])
             new_cnn.append(nc)
         out = self.final_layer(h, c).transpose(1, 2)                           # [B, 80, F]
         return out, torch.stack(new_cnn), new_att
@@ -196,6 +208,6 @@ class DiT(nn.Module):
         h, c = self._embed(x, mu, t, spks, cond)
         new_cnn = []
         for i, block in enumerate(self.blocks):
-            h, nc = block(h, c, cnn_cache[i], None, key_mask, kv[i], wpos, cnn_end)
+            h, nc = self.block_fn(block, h, c, cnn_cache[i], None, key_mask, kv[i], wpos, cnn_end)
             new_cnn.append(nc)
         return self.final_layer(h, c).transpose(1, 2), torch.stack(new_cnn)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 
 from engine.stage1.tts_engine import TTSEngine
@@ -84,8 +85,9 @@ def test_a_unit_joins_the_next_step_and_leaves_after_its_own_samples() -> None:
     assert engine.pending() == 0
 
 
-def test_heads_leave_before_their_unit_and_equal_its_first_codes() -> None:
-    model, k = tiny_model(), 3
+@pytest.mark.parametrize("k", [1, 3])
+def test_heads_leave_before_their_unit_and_equal_its_first_codes(k: int) -> None:
+    model = tiny_model()
     script = [[_unit(f"s{s}", 0, 2 + s, start=True, seed=s), _unit(f"s{s}", 1, 3, seed=s)] for s in range(4)]
     want = _whole(model, script)
     rec = Recorder()
@@ -108,7 +110,7 @@ def _all_queued(model: torch.nn.Module, script: list[list[TTSUnitRequest]], rec:
     for s in range(len(script)):
         engine.open(f"s{s}", F0, seed=100 + s)
     out: list[TTSUnitResult] = []
-    for s, units in enumerate(script):  # all units queued at once: each session's second waits for its first
+    for units in script:  # all units queued at once: each session's second waits for its first
         for req in units:
             engine.submit(req)
     while engine.pending():

@@ -90,3 +90,20 @@ def test_a_bad_head_codes_option_fails_the_load(tiny_checkpoint: Path, value: An
 def test_head_codes_reach_the_engine(tiny_checkpoint: Path) -> None:
     bridge = bridges.token2wav(settings("token2wav", tiny_checkpoint, engine_options='{"head_codes": 8}'))
     assert bridge.engine.cfg.head_codes == 8
+
+
+@pytest.mark.parametrize("value", [1, "true", None])
+def test_a_bad_compile_dit_option_fails_the_load(tiny_checkpoint: Path, value: Any) -> None:
+    from model_repository.common.settings import ConfigError
+
+    with pytest.raises(ConfigError, match="compile_dit"):
+        bridges.token2wav(settings("token2wav", tiny_checkpoint, engine_options=f'{{"compile_dit": {json.dumps(value)}}}'))
+
+
+def test_compile_dit_reaches_the_flow(tiny_checkpoint: Path) -> None:
+    from engine.model.layers import run_layer
+
+    for options, on in (("{}", False), ('{"compile_dit": true}', True)):
+        bridge = bridges.token2wav(settings("token2wav", tiny_checkpoint, engine_options=options))
+        assert bridge.engine.cfg.compile_dit is on
+        assert (bridge.engine.models.flow.decoder.estimator.block_fn is not run_layer) is on

@@ -55,8 +55,9 @@ GRAPHS_PER_BUCKET = 10
 HEAD_GRAPHS = 2  # with heads: a head's and a rest's vocoder shapes more per row bucket
 
 # deploy profile `engine_options.token2wav` keys; head_codes: the TTS's first_codes, which the model repository
-# builder copies here (build/make_model_repository.py), so warm-up builds the head's and rest's call shapes
-OPTIONS = ("flow_dtype", "cuda_graphs", "head_codes")
+# builder copies here (build/make_model_repository.py), so warm-up builds the head's and rest's call shapes;
+# compile_dit: the flow's DiT blocks torch.compile'd before graph capture (Token2WavEngineConfig), false when absent
+OPTIONS = ("flow_dtype", "cuda_graphs", "head_codes", "compile_dit")
 
 
 class Token2WavBridge(EngineBridge):
@@ -74,10 +75,13 @@ class Token2WavBridge(EngineBridge):
         head = opts.get("head_codes", 0)
         if isinstance(head, bool) or not isinstance(head, int) or head < 0:
             raise ConfigError(f"engine option head_codes={head!r} must be an integer >= 0")
+        compile_dit = opts.get("compile_dit", False)
+        if not isinstance(compile_dit, bool):
+            raise ConfigError(f"engine option compile_dit={compile_dit!r} must be true or false")
         cuda = settings.device.startswith("cuda")
         per_bucket = GRAPHS_PER_BUCKET + (HEAD_GRAPHS if head else 0)
         cfg = Token2WavEngineConfig(max_batch=settings.max_sessions, use_cuda_graphs=cuda and opts.get("cuda_graphs", True),
-                                    pool=PoolConfig(slots=settings.max_sessions), head_codes=head,
+                                    pool=PoolConfig(slots=settings.max_sessions), head_codes=head, compile_dit=compile_dit,
                                     max_graphs=per_bucket * len(row_buckets(settings.max_sessions)))
         self.engine = Token2WavEngine(ck.token2wav, cfg)
         self.voices = ck.voices()
