@@ -73,6 +73,8 @@ class Token2WavEngineConfig:
     # the flow's DiT blocks torch.compile'd (`DiT.compile_blocks`, regional: one block compiled for all 16) before
     # its graphs are captured: fewer, fused kernels in each of the 5 Euler steps. Mel close to, not equal with, eager
     compile_dit: bool = False
+    # the HiFT's ResBlocks torch.compile'd the same way (`HiFT.compile_resblocks`): Snake activations fused
+    compile_hift: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)  # keywords: `unit_final` and `end_of_turn` are two flags side by side
@@ -122,6 +124,8 @@ class Token2WavEngine:
         self.models, self.cfg = models, cfg or Token2WavEngineConfig()
         if self.cfg.compile_dit:
             models.flow.decoder.estimator.compile_blocks()  # the caller's model: its blocks now run compiled
+        if self.cfg.compile_hift:
+            models.hift.compile_resblocks()
         self.graphs = GraphCache(models.flow.decoder.estimator, models.hift, self.cfg.use_cuda_graphs,
                                  self.cfg.max_graphs, encoder=models.flow.encoder)
         dtype = next(models.flow.parameters()).dtype

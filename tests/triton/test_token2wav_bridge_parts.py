@@ -92,18 +92,21 @@ def test_head_codes_reach_the_engine(tiny_checkpoint: Path) -> None:
     assert bridge.engine.cfg.head_codes == 8
 
 
+@pytest.mark.parametrize("name", ["compile_dit", "compile_hift"])
 @pytest.mark.parametrize("value", [1, "true", None])
-def test_a_bad_compile_dit_option_fails_the_load(tiny_checkpoint: Path, value: Any) -> None:
+def test_a_bad_compile_option_fails_the_load(tiny_checkpoint: Path, name: str, value: Any) -> None:
     from model_repository.common.settings import ConfigError
 
-    with pytest.raises(ConfigError, match="compile_dit"):
-        bridges.token2wav(settings("token2wav", tiny_checkpoint, engine_options=f'{{"compile_dit": {json.dumps(value)}}}'))
+    with pytest.raises(ConfigError, match=name):
+        bridges.token2wav(settings("token2wav", tiny_checkpoint, engine_options=json.dumps({name: value})))
 
 
-def test_compile_dit_reaches_the_flow(tiny_checkpoint: Path) -> None:
+def test_compile_options_reach_the_flow_and_the_hift(tiny_checkpoint: Path) -> None:
     from engine.model.layers import run_layer
 
-    for options, on in (("{}", False), ('{"compile_dit": true}', True)):
+    for options, dit, hift in (("{}", False, False), ('{"compile_dit": true}', True, False),
+                               ('{"compile_hift": true}', False, True)):
         bridge = bridges.token2wav(settings("token2wav", tiny_checkpoint, engine_options=options))
-        assert bridge.engine.cfg.compile_dit is on
-        assert (bridge.engine.models.flow.decoder.estimator.block_fn is not run_layer) is on
+        assert (bridge.engine.cfg.compile_dit, bridge.engine.cfg.compile_hift) == (dit, hift)
+        assert (bridge.engine.models.flow.decoder.estimator.block_fn is not run_layer) is dit
+        assert (bridge.engine.models.hift.block_fn is not run_layer) is hift

@@ -56,8 +56,9 @@ HEAD_GRAPHS = 2  # with heads: a head's and a rest's vocoder shapes more per row
 
 # deploy profile `engine_options.token2wav` keys; head_codes: the TTS's first_codes, which the model repository
 # builder copies here (build/make_model_repository.py), so warm-up builds the head's and rest's call shapes;
-# compile_dit: the flow's DiT blocks torch.compile'd before graph capture (Token2WavEngineConfig), false when absent
-OPTIONS = ("flow_dtype", "cuda_graphs", "head_codes", "compile_dit")
+# compile_dit / compile_hift: the flow's DiT blocks / the HiFT's ResBlocks torch.compile'd before graph capture
+# (Token2WavEngineConfig), false when absent
+OPTIONS = ("flow_dtype", "cuda_graphs", "head_codes", "compile_dit", "compile_hift")
 
 
 class Token2WavBridge(EngineBridge):
@@ -75,13 +76,14 @@ class Token2WavBridge(EngineBridge):
         head = opts.get("head_codes", 0)
         if isinstance(head, bool) or not isinstance(head, int) or head < 0:
             raise ConfigError(f"engine option head_codes={head!r} must be an integer >= 0")
-        compile_dit = opts.get("compile_dit", False)
-        if not isinstance(compile_dit, bool):
-            raise ConfigError(f"engine option compile_dit={compile_dit!r} must be true or false")
+        compiled = {name: opts.get(name, False) for name in ("compile_dit", "compile_hift")}
+        for name, value in compiled.items():
+            if not isinstance(value, bool):
+                raise ConfigError(f"engine option {name}={value!r} must be true or false")
         cuda = settings.device.startswith("cuda")
         per_bucket = GRAPHS_PER_BUCKET + (HEAD_GRAPHS if head else 0)
         cfg = Token2WavEngineConfig(max_batch=settings.max_sessions, use_cuda_graphs=cuda and opts.get("cuda_graphs", True),
-                                    pool=PoolConfig(slots=settings.max_sessions), head_codes=head, compile_dit=compile_dit,
+                                    pool=PoolConfig(slots=settings.max_sessions), head_codes=head, **compiled,
                                     max_graphs=per_bucket * len(row_buckets(settings.max_sessions)))
         self.engine = Token2WavEngine(ck.token2wav, cfg)
         self.voices = ck.voices()
