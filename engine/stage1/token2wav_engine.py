@@ -70,9 +70,10 @@ class Token2WavEngineConfig:
     # warm-up turns alternate between that and whole units, so the head's and rest's call shapes are built too
     # (served without them, every batch of heads ran its vocoder eagerly: bench/RESULTS.md, stop 33)
     head_codes: int = 0
-    # the flow's DiT blocks torch.compile'd (`DiT.compile_blocks`, regional: one block compiled for all 16) before
-    # its graphs are captured: fewer, fused kernels in each of the 5 Euler steps. Mel close to, not equal with, eager
-    compile_dit: bool = False
+    # the flow's conformer and DiT blocks torch.compile'd (`Flow.compile_blocks`, regional: one block compiled for
+    # all blocks of a kind) before its graphs are captured: fewer, fused kernels in the encoder and in each of the 5
+    # Euler steps. Mel close to, not equal with, eager
+    compile_flow: bool = False
     # the HiFT's ResBlocks torch.compile'd the same way (`HiFT.compile_resblocks`): Snake activations fused
     compile_hift: bool = False
 
@@ -122,8 +123,8 @@ class _Session:
 class Token2WavEngine:
     def __init__(self, models: Token2WavModels, cfg: Token2WavEngineConfig | None = None) -> None:
         self.models, self.cfg = models, cfg or Token2WavEngineConfig()
-        if self.cfg.compile_dit:
-            models.flow.decoder.estimator.compile_blocks()  # the caller's model: its blocks now run compiled
+        if self.cfg.compile_flow:
+            models.flow.compile_blocks()  # the caller's model: its blocks now run compiled
         if self.cfg.compile_hift:
             models.hift.compile_resblocks()
         self.graphs = GraphCache(models.flow.decoder.estimator, models.hift, self.cfg.use_cuda_graphs,

@@ -5,6 +5,8 @@ Parameter names match `flow.pt` under `encoder.`. Caches are plain tensors passe
   cnn cache  [B, D, 6]          2 frames of the pre-lookahead conv2 input + 4 of the upsample conv
   att cache  [Lt + Lm, B, H, T, 2·dk]   token-rate layers store their history tiled twice along T
                                         (reference packing), so all layers share T = mel frames.
+Every conformer block runs through `UpsampleConformerEncoder.block_fn` (eager, or one torch.compile'd block
+for all ten: `CausalMaskedDiffWithXvec.compile_blocks`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.model.layers import LayerFn, run_layer
 from engine.token2wav.config import FlowConfig
 
 
@@ -160,6 +163,7 @@ class UpsampleConformerEncoder(nn.Module):
         self.up_encoders = nn.ModuleList([block() for _ in range(cfg.enc_up_blocks)])
         self.after_norm = nn.LayerNorm(d, eps=cfg.enc_ln_eps)
         self.register_buffer("pe", rel_pos_table(cfg.rel_pos_max_len, d), persistent=False)
+        self.block_fn: LayerFn = run_layer
 
     def _pos(self, size: int) -> torch.Tensor:
         # [2·size − 1, D] centred on distance 0 (EspnetRelPositionalEncoding.position_encoding)
@@ -183,7 +187,7 @@ class UpsampleConformerEncoder(nn.Module):
         new_att1 = []
         for i, layer in enumerate(self.encoders):
             cache = att_cache[i, :, :, :half] if att_cache is not None else None
-            xs, c = layer(xs, pos, cache)
+            xs, c = self.block_fn(layer, xs, pos, cache)
             new_att1.append(c)
         xs, new_cnn2 = self.up_layer(xs.transpose(1, 2), cnn_cache[:, :, k2:])
         xs = self.up_embed(xs.transpose(1, 2))
@@ -191,7 +195,7 @@ class UpsampleConformerEncoder(nn.Module):
         new_att2 = []
         for i, layer in enumerate(self.up_encoders):
             cache = att_cache[n_tok + i] if att_cache is not None else None
-            xs, c = layer(xs, pos, cache)
+            xs, c = self.block_fn(layer, xs, pos, cache)
             new_att2.append(c)
         xs = self.after_norm(xs)
         tok = torch.stack(new_att1, dim=0)

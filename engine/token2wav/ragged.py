@@ -57,7 +57,7 @@ def encode_ragged(flow: Flow, tokens: torch.Tensor, m: torch.Tensor, t_new: torc
     pos = enc._pos(hist + tq)
     new_tok = []
     for i, layer in enumerate(enc.encoders):
-        xs, c = layer(xs, pos, tok_kv[i] if hist else None, mask)
+        xs, c = enc.block_fn(layer, xs, pos, tok_kv[i] if hist else None, mask)
         new_tok.append(c[:, :, hist:])
     # upsample: repeat ×stride, causal conv with 2·stride frames of history per row
     up = torch.cat([cnn[:, :, k2:], xs.transpose(1, 2).repeat_interleave(stride, dim=2)], dim=2)
@@ -68,7 +68,7 @@ def encode_ragged(flow: Flow, tokens: torch.Tensor, m: torch.Tensor, t_new: torc
     pos = enc._pos(hist + stride * tq)
     new_mel = []
     for i, layer in enumerate(enc.up_encoders):
-        xs, c = layer(xs, pos, mel_kv[i] if hist else None, mask)
+        xs, c = enc.block_fn(layer, xs, pos, mel_kv[i] if hist else None, mask)
         new_mel.append(c[:, :, hist:])
     mu = flow.encoder_proj(enc.after_norm(xs)).transpose(1, 2).contiguous()          # [B, 80, 2·Tq]
     return mu, torch.cat([new_cnn1, new_cnn2], dim=2), torch.stack(new_tok), torch.stack(new_mel)

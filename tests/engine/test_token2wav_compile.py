@@ -1,5 +1,5 @@
-"""Token2Wav `compile_dit` / `compile_hift`: the flow's DiT blocks, the HiFT's ResBlocks, run through one
-torch.compile'd block each and the engine's PCM stays that of the eager blocks (tiny checkpoint; on the GPU with the
+"""Token2Wav `compile_flow` / `compile_hift`: the flow's conformer and DiT blocks, the HiFT's ResBlocks, run through
+one torch.compile'd block of each kind and the engine's PCM stays that of the eager blocks (tiny checkpoint; on the GPU with the
 CUDA graphs as well)."""
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ def _pcm(models: Token2WavModels, device: str, **cfg: object) -> dict[str, dict[
         m = Token2WavModels(m.flow.to(device), m.hift.to(device), m.flow_cfg, m.hift_cfg, m.layout)
     eng = Token2WavEngine(m, Token2WavEngineConfig(stream=StreamConfig(n_timesteps=2),
                                                    pool=PoolConfig(slots=4, max_prompt_frames=128), **cfg))
-    assert (eng.models.flow.decoder.estimator.block_fn is run_layer) != bool(cfg.get("compile_dit"))
+    assert (eng.models.flow.decoder.estimator.block_fn is run_layer) != bool(cfg.get("compile_flow"))
+    assert (eng.models.flow.encoder.block_fn is run_layer) != bool(cfg.get("compile_flow"))
     assert (eng.models.hift.block_fn is run_layer) != bool(cfg.get("compile_hift"))
     for i in range(SESSIONS):
         eng.add_voice(f"v{i}", make_voice(20 + i, PROMPT_TOKENS[i]))
@@ -56,7 +57,7 @@ def _max_lsb(a: dict[str, dict[int, np.ndarray]], b: dict[str, dict[int, np.ndar
     return max(int(np.abs(a[s][u].astype(np.int32) - b[s][u].astype(np.int32)).max()) for s in a for u in a[s])
 
 
-@pytest.mark.parametrize("part", ["compile_dit", "compile_hift"])
+@pytest.mark.parametrize("part", ["compile_flow", "compile_hift"])
 def test_compiled_blocks_give_the_eager_pcm(models: Token2WavModels, part: str) -> None:
     import torch._dynamo.utils
 
@@ -71,5 +72,5 @@ def test_compiled_blocks_in_the_graphs(models: Token2WavModels) -> None:
     """Compiled before capture, replayed from the ragged solve and vocoder graphs: within 2 LSB of the eager
     engine, as the uncompiled graphs are (test_token2wav_engine's graph == eager)."""
     eager = _pcm(models, "cuda", use_cuda_graphs=False)
-    assert _max_lsb(_pcm(models, "cuda", compile_dit=True, compile_hift=True), eager) <= 2
+    assert _max_lsb(_pcm(models, "cuda", compile_flow=True, compile_hift=True), eager) <= 2
     assert _max_lsb(_pcm(models, "cuda"), eager) <= 2  # the uncompiled graphs, for scale

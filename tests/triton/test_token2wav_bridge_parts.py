@@ -92,7 +92,7 @@ def test_head_codes_reach_the_engine(tiny_checkpoint: Path) -> None:
     assert bridge.engine.cfg.head_codes == 8
 
 
-@pytest.mark.parametrize("name", ["compile_dit", "compile_hift"])
+@pytest.mark.parametrize("name", ["compile_flow", "compile_hift"])
 @pytest.mark.parametrize("value", [1, "true", None])
 def test_a_bad_compile_option_fails_the_load(tiny_checkpoint: Path, name: str, value: Any) -> None:
     from model_repository.common.settings import ConfigError
@@ -104,9 +104,10 @@ def test_a_bad_compile_option_fails_the_load(tiny_checkpoint: Path, name: str, v
 def test_compile_options_reach_the_flow_and_the_hift(tiny_checkpoint: Path) -> None:
     from engine.model.layers import run_layer
 
-    for options, dit, hift in (("{}", False, False), ('{"compile_dit": true}', True, False),
-                               ('{"compile_hift": true}', False, True)):
+    for options, flow, hift in (("{}", False, False), ('{"compile_flow": true}', True, False),
+                                ('{"compile_hift": true}', False, True)):
         bridge = bridges.token2wav(settings("token2wav", tiny_checkpoint, engine_options=options))
-        assert (bridge.engine.cfg.compile_dit, bridge.engine.cfg.compile_hift) == (dit, hift)
-        assert (bridge.engine.models.flow.decoder.estimator.block_fn is not run_layer) is dit
+        assert (bridge.engine.cfg.compile_flow, bridge.engine.cfg.compile_hift) == (flow, hift)
+        assert (bridge.engine.models.flow.decoder.estimator.block_fn is not run_layer) is flow
+        assert (bridge.engine.models.flow.encoder.block_fn is not run_layer) is flow
         assert (bridge.engine.models.hift.block_fn is not run_layer) is hift

@@ -56,9 +56,9 @@ HEAD_GRAPHS = 2  # with heads: a head's and a rest's vocoder shapes more per row
 
 # deploy profile `engine_options.token2wav` keys; head_codes: the TTS's first_codes, which the model repository
 # builder copies here (build/make_model_repository.py), so warm-up builds the head's and rest's call shapes;
-# compile_dit / compile_hift: the flow's DiT blocks / the HiFT's ResBlocks torch.compile'd before graph capture
-# (Token2WavEngineConfig), false when absent
-OPTIONS = ("flow_dtype", "cuda_graphs", "head_codes", "compile_dit", "compile_hift")
+# compile_flow / compile_hift: the flow's conformer and DiT blocks / the HiFT's ResBlocks torch.compile'd before graph
+# capture (Token2WavEngineConfig), false when absent
+OPTIONS = ("flow_dtype", "cuda_graphs", "head_codes", "compile_flow", "compile_hift")
 
 
 class Token2WavBridge(EngineBridge):
@@ -76,7 +76,7 @@ class Token2WavBridge(EngineBridge):
         head = opts.get("head_codes", 0)
         if isinstance(head, bool) or not isinstance(head, int) or head < 0:
             raise ConfigError(f"engine option head_codes={head!r} must be an integer >= 0")
-        compiled = {name: opts.get(name, False) for name in ("compile_dit", "compile_hift")}
+        compiled = {name: opts.get(name, False) for name in ("compile_flow", "compile_hift")}
         for name, value in compiled.items():
             if not isinstance(value, bool):
                 raise ConfigError(f"engine option {name}={value!r} must be true or false")
