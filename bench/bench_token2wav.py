@@ -334,6 +334,10 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="print a torch.profiler table per run")
     ap.add_argument("--flow-dtype", choices=("fp32", "fp16"), default="fp32")
     ap.add_argument("--tf32", action="store_true", help="allow TF32 matmuls (changes fp32 numerics)")
+    ap.add_argument("--compile-flow", action="store_true",
+                    help="the conformer and DiT blocks torch.compile'd (the engine option compile_flow)")
+    ap.add_argument("--compile-hift", action="store_true",
+                    help="the HiFT's Snake activations torch.compile'd (the engine option compile_hift)")
     ap.add_argument("--warm-up", type=int, default=0, metavar="MAX_SESSIONS",
                     help="only the engine warm-up at this many sessions: graphs, seconds, memory")
     args = ap.parse_args()
@@ -344,6 +348,10 @@ def main() -> None:
     torch.backends.cuda.matmul.allow_tf32 = args.tf32
     flow_dtype = torch.float16 if args.flow_dtype == "fp16" else torch.float32
     models = build_models(args.tiny, device, flow_dtype)
+    if args.compile_flow:  # the first call of each shape compiles: the timed runs come after a warm-up
+        models.flow.compile_blocks()
+    if args.compile_hift:
+        models.hift.compile_snakes()
     scfg = StreamConfig()
     voice = make_voice(8 if args.tiny else args.prompt_tokens, models.flow_cfg.vocab_size)
     vc = build_voice_cache(models.flow, voice, scfg)
@@ -362,7 +370,8 @@ def main() -> None:
     timer = Timer(device)
     results: dict = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                      "tiny": args.tiny, "prompt_frames": vc.prompt_frames, "n_timesteps": scfg.n_timesteps,
-                     "flow_dtype": args.flow_dtype, "tf32": args.tf32}
+                     "flow_dtype": args.flow_dtype, "tf32": args.tf32, "compile_flow": args.compile_flow,
+                     "compile_hift": args.compile_hift}
     for graphs_on in (False, True):
         graphs = GraphCache(models.flow.decoder.estimator, models.hift, graphs_on, encoder=models.flow.encoder)
         mode = "graph" if graphs.enabled else "eager"

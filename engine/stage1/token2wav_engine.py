@@ -74,7 +74,7 @@ class Token2WavEngineConfig:
     # all blocks of a kind) before its graphs are captured: fewer, fused kernels in the encoder and in each of the 5
     # Euler steps. Mel close to, not equal with, eager
     compile_flow: bool = False
-    # the HiFT's ResBlocks torch.compile'd the same way (`HiFT.compile_resblocks`): Snake activations fused
+    # the HiFT's Snake activations torch.compile'd (`HiFT.compile_snakes`): five elementwise kernels each fuse into one
     compile_hift: bool = False
 
 
@@ -126,7 +126,7 @@ class Token2WavEngine:
         if self.cfg.compile_flow:
             models.flow.compile_blocks()  # the caller's model: its blocks now run compiled
         if self.cfg.compile_hift:
-            models.hift.compile_resblocks()
+            models.hift.compile_snakes()
         self.graphs = GraphCache(models.flow.decoder.estimator, models.hift, self.cfg.use_cuda_graphs,
                                  self.cfg.max_graphs, encoder=models.flow.encoder)
         dtype = next(models.flow.parameters()).dtype

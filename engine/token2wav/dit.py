@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.model.layers import LayerFn, allow_recompiles, compile_layers, run_layer
+from engine.model.layers import LayerFn, allow_recompiles, compile_symbolic, run_layer
 from engine.token2wav.config import FlowConfig
 
 
@@ -153,6 +153,12 @@ class FinalLayer(nn.Module):
         return self.linear(modulate(self.norm_final(x), shift, scale))
 
 
+def run_dit_block(block: DiTBlock, *args: object) -> tuple[torch.Tensor, torch.Tensor]:
+    """block(*args): the DiT's unit of regional compilation. Its own code object (not `run_layer`): dynamo
+    caps the compiled variants per code object, and the conformer's and HiFT's blocks have theirs."""
+    return block(*args)
+
+
 class DiT(nn.Module):
     def __init__(self, cfg: FlowConfig) -> None:
         super().__init__()
@@ -168,7 +174,7 @@ class DiT(nn.Module):
         into fewer, and a CUDA graph captured after that replays the fused ones. Fused kernels round
         differently from eager, so the mel is close to, not bit-equal with, the eager blocks'."""
         allow_recompiles(8)  # a few shapes: one row and more, the chunk and ragged calls
-        self.block_fn = compile_layers(dynamic=True)
+        self.block_fn = compile_symbolic(run_dit_block)
 
     def cnn_cache_shape(self, batch: int) -> tuple[int, ...]:
         return (self.cfg.dit_depth, batch, 2 * self.cfg.dit_hidden, self.cfg.dit_conv_kernel - 1)

@@ -148,6 +148,11 @@ class Upsample1D(nn.Module):
         return self.conv(up), up[..., -self.stride * 2:]
 
 
+def run_conformer_block(block: ConformerBlock, *args: object) -> tuple[torch.Tensor, torch.Tensor]:
+    """block(*args): the conformer's unit of regional compilation, its own code object (see `run_dit_block`)."""
+    return block(*args)
+
+
 class UpsampleConformerEncoder(nn.Module):
     def __init__(self, cfg: FlowConfig) -> None:
         super().__init__()

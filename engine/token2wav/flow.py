@@ -14,11 +14,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.model.layers import allow_recompiles, compile_layers
+from engine.model.layers import allow_recompiles, compile_symbolic
 from engine.token2wav.cfm import EstimatorFn, solve_chunk
 from engine.token2wav.config import FlowConfig
 from engine.token2wav.dit import DiT
-from engine.token2wav.encoder import UpsampleConformerEncoder
+from engine.token2wav.encoder import UpsampleConformerEncoder, run_conformer_block
 
 # (embedded tokens, last, cnn cache, att cache) → (h, cnn cache, att cache); a CUDA-graph runner or
 # `UpsampleConformerEncoder.forward_chunk` itself.
@@ -70,8 +70,8 @@ class CausalMaskedDiffWithXvec(nn.Module):
     def compile_blocks(self) -> None:
         """The conformer's ten blocks and the DiT's sixteen each through one torch.compile'd block (regional
         compilation, dynamic sizes), before any graph is captured: fewer, fused kernels per call."""
-        allow_recompiles(8)
-        self.encoder.block_fn = compile_layers(dynamic=True)
+        allow_recompiles(16)  # the conformer: with and without history, one row and more, two layouts
+        self.encoder.block_fn = compile_symbolic(run_conformer_block)
         self.decoder.estimator.compile_blocks()
 
     def project_spk(self, spk: torch.Tensor) -> torch.Tensor:

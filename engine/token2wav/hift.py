@@ -4,8 +4,8 @@ Parameter names are the `hift.pt` keys minus `generator.`, with weight norm fuse
 The NSF randomness (initial phase, additive noise) is an *input*: each session draws it from its own
 generator with `draw_nsf`, in the reference's draw order, so batched and graph-captured calls stay
 deterministic per session.
-Every ResBlock runs through `HiFT.block_fn`: eager by default, or one torch.compile'd ResBlock for all of them
-(`compile_resblocks`: its Snake activations, five elementwise kernels each, fuse into one).
+Every Snake activation runs through `Snake.fn`: eager by default, or one torch.compile'd function for all of them
+(`HiFT.compile_snakes`: five elementwise kernels each fuse into one).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.model.layers import LayerFn, allow_recompiles, compile_layers, run_layer
+from engine.model.layers import allow_recompiles, compile_symbolic
 from engine.token2wav.config import HiFTConfig
 
 
@@ -22,14 +22,21 @@ def _pad(kernel: int, dilation: int = 1) -> int:
     return (kernel * dilation - dilation) // 2
 
 
+def snake(x: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+    """x [B, C, T], alpha [C]: x + sin²(αx) / α. Its own function with α as a plain input, so one compile with
+    symbolic sizes serves every width (as a parameter, α's size would be a guard: one compile per width)."""
+    a = alpha[None, :, None]
+    return x + (1.0 / (a + 1e-9)) * torch.pow(torch.sin(x * a), 2)
+
+
 class Snake(nn.Module):
     def __init__(self, channels: int) -> None:
         super().__init__()
         self.alpha = nn.Parameter(torch.ones(channels))
+        self.fn = snake
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        alpha = self.alpha[None, :, None]
-        return x + (1.0 / (alpha + 1e-9)) * torch.pow(torch.sin(x * alpha), 2)
+        return self.fn(x, self.alpha.detach())  # a plain tensor: a parameter's sizes would be guarded static
 
 
 class ResBlock(nn.Module):
@@ -136,14 +143,17 @@ class HiFT(nn.Module):
         # periodic Hann computed in float64 and cast, as scipy.signal.get_window does
         window = torch.hann_window(cfg.istft_n_fft, periodic=True, dtype=torch.float64).float()
         self.register_buffer("stft_window", window, persistent=False)
-        self.block_fn: LayerFn = run_layer
 
-    def compile_resblocks(self) -> None:
-        """Run every ResBlock (the upsampling path's and the source path's) through one torch.compile'd
-        ResBlock with dynamic sizes, before the vocoder's graphs are captured. Fused kernels round
-        differently, so the speech is close to, not bit-equal with, the eager blocks'."""
-        allow_recompiles(16)  # ResBlocks of three widths and kernel sizes, one row and more
-        self.block_fn = compile_layers(dynamic=True)
+    def compile_snakes(self) -> None:
+        """Every Snake activation through one torch.compile'd `snake` (dynamic sizes), before the vocoder's
+        graphs are captured. Compiling whole ResBlocks instead took a compile per kernel size, padding and
+        width (16 on the tiny checkpoint) for little more: their convolutions stay cuDNN calls either way.
+        Fused kernels round differently, so the speech is close to, not bit-equal with, eager."""
+        allow_recompiles(8)
+        fn = compile_symbolic(snake)
+        for m in self.modules():
+            if isinstance(m, Snake):
+                m.fn = fn
 
     def _stft(self, x: torch.Tensor) -> torch.Tensor:
         c = self.cfg
@@ -160,10 +170,10 @@ class HiFT(nn.Module):
             x = up(F.leaky_relu(x, c.lrelu_slope))
             if i == len(self.ups) - 1:
                 x = F.pad(x, (1, 0), mode="reflect")
-            x = x + self.block_fn(self.source_resblocks[i], self.source_downs[i](s_stft))
-            xs = self.block_fn(self.resblocks[i * n_k], x)
+            x = x + self.source_resblocks[i](self.source_downs[i](s_stft))
+            xs = self.resblocks[i * n_k](x)
             for j in range(1, n_k):
-                xs = xs + self.block_fn(self.resblocks[i * n_k + j], x)
+                xs = xs + self.resblocks[i * n_k + j](x)
             x = xs / n_k
         x = self.conv_post(F.leaky_relu(x, c.post_lrelu_slope))
         half = c.istft_n_fft // 2 + 1

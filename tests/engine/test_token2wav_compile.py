@@ -1,5 +1,5 @@
-"""Token2Wav `compile_flow` / `compile_hift`: the flow's conformer and DiT blocks, the HiFT's ResBlocks, run through
-one torch.compile'd block of each kind and the engine's PCM stays that of the eager blocks (tiny checkpoint; on the GPU with the
+"""Token2Wav `compile_flow` / `compile_hift`: the flow's conformer and DiT blocks, and the HiFT's Snake activations,
+run through one torch.compile'd function of each kind and the engine's PCM stays that of the eager blocks (tiny checkpoint; on the GPU with the
 CUDA graphs as well)."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from engine.stage1.token2wav_engine import Token2WavEngine, Token2WavEngineConfi
 from engine.stage1.types import Fence
 from engine.token2wav.assets import Token2WavModels
 from engine.token2wav.config import StreamConfig
+from engine.token2wav.hift import HiFT, Snake, snake
 from engine.token2wav.pool import PoolConfig
 from tests.engine.test_token2wav_engine import per_unit
 from tests.engine.test_token2wav_engine_ragged import PROMPT_TOKENS
@@ -23,6 +24,13 @@ from tests.engine.test_token2wav_stream import codes, make_voice
 
 F0 = Fence(1, 0)
 SESSIONS = 3
+
+
+def snake_fn(hift: HiFT) -> object:
+    """What the HiFT's Snake activations run (all share one)."""
+    fns = {id(m.fn): m.fn for m in hift.modules() if isinstance(m, Snake)}
+    assert len(fns) == 1
+    return next(iter(fns.values()))
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +47,7 @@ def _pcm(models: Token2WavModels, device: str, **cfg: object) -> dict[str, dict[
                                                    pool=PoolConfig(slots=4, max_prompt_frames=128), **cfg))
     assert (eng.models.flow.decoder.estimator.block_fn is run_layer) != bool(cfg.get("compile_flow"))
     assert (eng.models.flow.encoder.block_fn is run_layer) != bool(cfg.get("compile_flow"))
-    assert (eng.models.hift.block_fn is run_layer) != bool(cfg.get("compile_hift"))
+    assert (snake_fn(eng.models.hift) is snake) != bool(cfg.get("compile_hift"))
     for i in range(SESSIONS):
         eng.add_voice(f"v{i}", make_voice(20 + i, PROMPT_TOKENS[i]))
         eng.open(f"s{i}", F0, f"v{i}", seed=i)

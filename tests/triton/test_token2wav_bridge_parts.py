@@ -103,6 +103,8 @@ def test_a_bad_compile_option_fails_the_load(tiny_checkpoint: Path, name: str, v
 
 def test_compile_options_reach_the_flow_and_the_hift(tiny_checkpoint: Path) -> None:
     from engine.model.layers import run_layer
+    from engine.token2wav.hift import snake
+    from tests.engine.test_token2wav_compile import snake_fn
 
     for options, flow, hift in (("{}", False, False), ('{"compile_flow": true}', True, False),
                                 ('{"compile_hift": true}', False, True)):
@@ -110,4 +112,4 @@ def test_compile_options_reach_the_flow_and_the_hift(tiny_checkpoint: Path) -> N
         assert (bridge.engine.cfg.compile_flow, bridge.engine.cfg.compile_hift) == (flow, hift)
         assert (bridge.engine.models.flow.decoder.estimator.block_fn is not run_layer) is flow
         assert (bridge.engine.models.flow.encoder.block_fn is not run_layer) is flow
-        assert (bridge.engine.models.hift.block_fn is not run_layer) is hift
+        assert (snake_fn(bridge.engine.models.hift) is not snake) is hift

@@ -56,8 +56,8 @@ HEAD_GRAPHS = 2  # with heads: a head's and a rest's vocoder shapes more per row
 
 # deploy profile `engine_options.token2wav` keys; head_codes: the TTS's first_codes, which the model repository
 # builder copies here (build/make_model_repository.py), so warm-up builds the head's and rest's call shapes;
-# compile_flow / compile_hift: the flow's conformer and DiT blocks / the HiFT's ResBlocks torch.compile'd before graph
-# capture (Token2WavEngineConfig), false when absent
+# compile_flow / compile_hift: the flow's conformer and DiT blocks / the HiFT's Snake activations torch.compile'd
+# before graph capture (Token2WavEngineConfig), false when absent
 OPTIONS = ("flow_dtype", "cuda_graphs", "head_codes", "compile_flow", "compile_hift")
 
 
