@@ -73,8 +73,11 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def torch_repo(tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: Path) -> Path:
-    # The default profile plus an option that changes nothing on CPU: the engine_options path is served too.
-    profile = default_profile(engine_options={"token2wav": {"flow_dtype": "float32"}})
+    # The default profile plus options that change no output: the engine_options path is served too, and the TTS
+    # batches continuously here (units join and leave between single-code steps), so the real-engine e2e tests
+    # (streams, cancels, closes, the stress test) cover that path; the gateway's e2e tests serve the default
+    # (whole units) through deploy/profiles/default.yaml.
+    profile = default_profile(engine_options={"token2wav": {"flow_dtype": "float32"}, "tts": {"continuous": True}})
     return build_repository(str(tiny_checkpoint), profile, tmp_path_factory.mktemp("repo") / "models")
 
 
