@@ -229,29 +229,16 @@ class TTSRunner:
         them [B, head] int64 on the host, on this thread, once that copy is done: on CUDA while the rest of
         the unit's steps, already launched, still run. The samples themselves are the same either way.
         """
-        b, t_max = cond.shape[0], cond.shape[1]
+        b = cond.shape[0]
         steps, w = self.cfg.max_new_tokens, self.cfg.repetition_window
         if not 0 <= head < steps:
             raise ValueError(f"run_unit: head {head} must be in [0, max_new_tokens {steps})")
         code0 = max(s + n + 1 for s, n in zip(start_pos, n_rows, strict=True))  # highest position of sample 0
-        prefill_limit, step_limit = self.cfg.kv_bucket(code0), self.cfg.kv_bucket(code0 + steps - 1)
+        step_limit = self.cfg.kv_bucket(code0 + steps - 1)
         graphs = self.use_graphs if use_graphs is None else (use_graphs and self.use_graphs)
-        bucket = self.cfg.batch_bucket(b)
-        st = self._bucket_state(bucket) if graphs else self._state(b)
-        step = self._step_graph(bucket, step_limit) if graphs else None
-        rows = next((r for r in self.cfg.row_buckets if r >= t_max), None) if graphs else None
-        if graphs and rows is None:
-            self.misses.record("prefill_rows", t_max, "eager")
-        prefill = self._prefill_graph(bucket, rows, prefill_limit) if rows is not None else None
-        st.load(start=start_pos, n_rows=n_rows, slots=slots, eos_allowed=eos_allowed, u=u, scratch=self.kv.scratch,
-                temperature=temperature or [self.cfg.temperature] * b,
-                penalty=penalty or [self.cfg.repetition_penalty] * b)
-        if prefill is not None and prefill.cond is not None:
-            prefill.cond[:b, :t_max].copy_(cond)
-            prefill.graph.replay()
-        else:
-            padded = cond if st.size == b else torch.cat([cond, cond.new_zeros(st.size - b, *cond.shape[1:])])
-            self._prefill(padded, st, prefill_limit)
+        step = self._step_graph(self.cfg.batch_bucket(b), step_limit) if graphs else None  # before the load: a
+        st = self._prefill_rows(cond, n_rows, start_pos, slots, eos_allowed, u, graphs,  # capture pads the state
+                                temperature, penalty)
         early: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
         for t in range(1, steps):
             if t == head and on_head is not None:  # samples 0 .. head-1 are drawn: queue their copy before
@@ -268,18 +255,13 @@ class TTSRunner:
             on_head(host)
         return st.samples[:b, w:].clone()
 
-
-    # -- continuous: lanes that join and leave between single-code steps (`TTSEngineConfig.continuous`) --
-    @torch.inference_mode()
-    def start_lanes(self, cond: torch.Tensor, n_rows: list[int], start_pos: list[int], slots: list[int],
-                    eos_allowed: list[bool], u: torch.Tensor, lanes: list[int], *, use_graphs: bool | None = None,
-                    temperature: list[float] | None = None, penalty: list[float] | None = None) -> None:
-        """Prefill k new units (arguments as `run_unit`'s), drawing their sample 0, and put them in `lanes`
-        [k] (free ones) at t = 1; lanes already in flight are not touched. No host sync."""
+    def _prefill_rows(self, cond: torch.Tensor, n_rows: list[int], start_pos: list[int], slots: list[int],
+                      eos_allowed: list[bool], u: torch.Tensor, graphs: bool, temperature: list[float] | None,
+                      penalty: list[float] | None) -> UnitState:
+        """Load b units (arguments as `run_unit`'s) into their batch bucket's state (a fresh one without graphs)
+        and run their condition prefill, from a graph when one fits, drawing sample 0 → that state."""
         b, t_max = cond.shape[0], cond.shape[1]
-        code0 = max(s + n + 1 for s, n in zip(start_pos, n_rows, strict=True))
-        limit = self.cfg.kv_bucket(code0)
-        graphs = self.use_graphs if use_graphs is None else (use_graphs and self.use_graphs)
+        limit = self.cfg.kv_bucket(max(s + n + 1 for s, n in zip(start_pos, n_rows, strict=True)))
         bucket = self.cfg.batch_bucket(b)
         st = self._bucket_state(bucket) if graphs else self._state(b)
         rows = next((r for r in self.cfg.row_buckets if r >= t_max), None) if graphs else None
@@ -295,6 +277,17 @@ class TTSRunner:
         else:
             padded = cond if st.size == b else torch.cat([cond, cond.new_zeros(st.size - b, *cond.shape[1:])])
             self._prefill(padded, st, limit)
+        return st
+
+    # -- continuous: lanes that join and leave between single-code steps (`TTSEngineConfig.continuous`) --
+    @torch.inference_mode()
+    def start_lanes(self, cond: torch.Tensor, n_rows: list[int], start_pos: list[int], slots: list[int],
+                    eos_allowed: list[bool], u: torch.Tensor, lanes: list[int], *, use_graphs: bool | None = None,
+                    temperature: list[float] | None = None, penalty: list[float] | None = None) -> None:
+        """Prefill k new units (arguments as `run_unit`'s), drawing their sample 0, and put them in `lanes`
+        [k] (free ones) at t = 1; lanes already in flight are not touched. No host sync."""
+        graphs = self.use_graphs if use_graphs is None else (use_graphs and self.use_graphs)
+        st = self._prefill_rows(cond, n_rows, start_pos, slots, eos_allowed, u, graphs, temperature, penalty)
         self._lanes().adopt(torch.tensor(lanes, dtype=torch.int64).to(self.device, non_blocking=True), st)
 
     @torch.inference_mode()

@@ -97,6 +97,7 @@ class TTSEngine:
         self._flights: list[_Flight] = []  # continuous: units in lanes
         self._copies: deque[_Copy] = deque()  # continuous: copies out, in the order they were queued
         self.rows_last_step = 0  # rows the last step served
+        self.units_finished = 0  # units that left the engine after running, with a result or fenced off
 
     # -- session lifecycle ------------------------------------------------------------------------
     def open(self, session_id: str, fence: Fence, seed: int, *, temperature: float | None = None,
@@ -372,6 +373,7 @@ class TTSEngine:
             end_pos = w.start_pos + w.req.n_rows + 1 + len(codes)
             w.session.tts_pos = 0 if w.req.end_of_turn else end_pos
             w.session.units_done += 1
+            self.units_finished += 1
             result = TTSUnitResult(session_id=w.session.session_id, fence=w.req.fence, unit_index=w.req.unit_index,
                                    codes=tuple(codes), eos=e is not None, draws=draws, start_pos=w.start_pos,
                                    end_pos=end_pos, turn_closed=w.req.end_of_turn, head=sent[b])

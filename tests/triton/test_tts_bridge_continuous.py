@@ -3,6 +3,7 @@ requests open until their codes are out, and the events equal those of units run
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -67,3 +68,26 @@ def test_continuous_option_is_checked_at_load(tiny_checkpoint: Path) -> None:
             bridges.tts(settings("tts", tiny_checkpoint, engine_options=f'{{"continuous": {bad}}}'))
     for options, on in (("{}", False), ('{"continuous": true}', True)):
         assert bridges.tts(settings("tts", tiny_checkpoint, engine_options=options)).engine.cfg.continuous is on
+
+
+def test_a_unit_fenced_off_in_flight_still_closes_its_request(ttses: dict[str, Any]) -> None:
+    """A cancel while the unit runs in its lane (its head is out, so it is part way): the unit finishes there, its
+    other codes are not sent, and its request ends as dropped, once; the session goes on."""
+    tts, c = ttses["lanes"], 51
+    send(tts, corrid=c, op="open", fence=(1, 1, 0), config={"seed": 2})
+    rows = 3
+    hidden = np.random.default_rng(c).standard_normal(rows * tts.llm_dim).astype(np.float32)
+    unit = send(tts, wait=False, corrid=c, op="append", fence=(1, 1, 1), tokens=np.arange(rows), hidden=hidden,
+                config={"unit": 0, "is_turn_eos": [False] * rows, "turn_start": True})
+    deadline = time.monotonic() + WAIT_S
+    while not unit.outs and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert unit.outs and unit.outs[0].event["part"] == "head" and not unit.closes  # in flight now
+    send(tts, corrid=c, op="cancel", fence=(1, 1, 1), next_fence=(1, 2, 1))
+    assert unit.done.wait(WAIT_S) and unit.closes == 1
+    head, end = unit.outs
+    assert end.event.get("dropped") and end.tokens.size == 0, end.event
+    again = send(tts, corrid=c, op="append", fence=(1, 2, 2), tokens=np.arange(rows), hidden=hidden,
+                 config={"unit": 1, "is_turn_eos": [False] * rows})
+    assert again.closes == 1 and again.outs[0].event["type"] == "audio_tokens" and again.outs[0].tokens.size > 0
+    send(tts, corrid=c, op="close", fence=(1, 2, 0))

@@ -68,6 +68,7 @@ class TTSBridge(EngineBridge):
         self.llm_dim = ck.config.tts.llm_dim
         self.engine = TTSEngine(ck.model.tts, cfg)  # the process holds only the TTS weights
         self.pending: dict[str, list[tuple[TTSUnitRequest, Any]]] = {}
+        self._finished = 0  # engine.units_finished at the last sweep
         self.seeds: dict[str, int] = {}
 
     def warm_up(self, emit: Callable[[str], None]) -> None:
@@ -145,8 +146,10 @@ class TTSBridge(EngineBridge):
                 _, sink = self.pending[res.session_id].pop(k)
                 sink.emit(self._codes(res))
                 sink.close()
-        for sid in list(self.pending):
-            self._sweep(sid)
+        if self.engine.units_finished != self._finished:  # a unit fenced off in flight ends without a result
+            self._finished = self.engine.units_finished
+            for sid in list(self.pending):
+                self._sweep(sid)
         return bool(results) or self.engine.pending() > 0  # continuous: units still in flight
 
     def _heads(self, heads: list[TTSHeadCodes]) -> None:
