@@ -84,6 +84,14 @@ def count_option(opts: dict[str, Any], stage: str, name: str) -> dict[str, int]:
     return {name: value}
 
 
+def flag_option(opts: dict[str, Any], stage: str, name: str, default: bool = False) -> bool:
+    """A boolean engine option; anything but a bool fails the load."""
+    value = opts.get(name, default)
+    if not isinstance(value, bool):
+        raise ConfigError(f"engine_options.{stage}.{name} must be true or false, not {value!r}")
+    return value
+
+
 def session_key(corrid: int) -> str:
     return str(corrid)
 

@@ -38,6 +38,7 @@ from .base import (
     control_event,
     count_option,
     engine_options,
+    flag_option,
     session_key,
     torch_dtype,
 )
@@ -85,14 +86,6 @@ class _Session:
     in_turn: bool = False  # a speak unit opened a turn that no `end_of_turn` has closed yet
 
 
-def _flag(opts: dict[str, Any], name: str, default: bool = False) -> bool:
-    """A boolean engine option; anything but a bool fails the load."""
-    value = opts.get(name, default)
-    if not isinstance(value, bool):
-        raise ConfigError(f"engine_options.stage0.{name} must be true or false, not {value!r}")
-    return value
-
-
 def _buckets(opts: dict[str, Any], name: str) -> dict[str, tuple[int, ...]]:
     """A list of batch buckets (positive ints) as a Stage0Config keyword; absent: {} (the config's default)."""
     if name not in opts:
@@ -129,7 +122,7 @@ class Stage0Bridge(EngineBridge):
                            prefill_attention=opts.get("prefill_attention", "auto"),
                            decode_attention=opts.get("decode_attention", "matmul"),
                            **count_option(opts, "stage0", "gemm_min_rows"),
-                           gemm_pad_buckets=_flag(opts, "gemm_pad_buckets", True),
+                           gemm_pad_buckets=flag_option(opts, "stage0", "gemm_pad_buckets", True),
                            **count_option(opts, "stage0", "prefix_chunk"),
                            **count_option(opts, "stage0", "prefill_hold_ms"),
                            **_buckets(opts, "prefill_batch_buckets"), **_buckets(opts, "shared_decode_buckets"),
@@ -139,7 +132,7 @@ class Stage0Bridge(EngineBridge):
         # off by default: measured on the H200 at 16 sessions (bench/RESULTS.md), the worker halves the stage0
         # step and commit->first audio p50 but the two threads then share one GIL-bound core and the tails grow
         # (unit->decision p99 1724 vs 732 ms, underruns 8.5 vs 1.9 s)
-        self.use_audio_worker = _flag(opts, "audio_worker")
+        self.use_audio_worker = flag_option(opts, "stage0", "audio_worker")
         self.terminators = self.engine.ids.terminators
         self.sessions: dict[str, _Session] = {}
 

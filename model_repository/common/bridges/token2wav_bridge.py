@@ -38,6 +38,7 @@ from .base import (
     control_event,
     engine_error,
     engine_options,
+    flag_option,
     session_key,
     torch_dtype,
 )
@@ -76,10 +77,7 @@ class Token2WavBridge(EngineBridge):
         head = opts.get("head_codes", 0)
         if isinstance(head, bool) or not isinstance(head, int) or head < 0:
             raise ConfigError(f"engine option head_codes={head!r} must be an integer >= 0")
-        compiled = {name: opts.get(name, False) for name in ("compile_flow", "compile_hift")}
-        for name, value in compiled.items():
-            if not isinstance(value, bool):
-                raise ConfigError(f"engine option {name}={value!r} must be true or false")
+        compiled = {name: flag_option(opts, "token2wav", name) for name in ("compile_flow", "compile_hift")}
         cuda = settings.device.startswith("cuda")
         per_bucket = GRAPHS_PER_BUCKET + (HEAD_GRAPHS if head else 0)
         cfg = Token2WavEngineConfig(max_batch=settings.max_sessions, use_cuda_graphs=cuda and opts.get("cuda_graphs", True),

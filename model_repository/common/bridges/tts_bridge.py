@@ -31,6 +31,7 @@ from .base import (
     control_event,
     count_option,
     engine_options,
+    flag_option,
     session_key,
     torch_dtype,
 )
@@ -56,9 +57,7 @@ class TTSBridge(EngineBridge):
         if isinstance(first, bool) or not isinstance(first, int) or not 0 <= first <= most:
             raise ConfigError(f"engine option first_codes={first!r} must be an integer in [0, {most}]")
         tile = count_option(opts, "tts", "gemm_tile_rows")  # checked before the weights load
-        continuous = opts.get("continuous", False)
-        if not isinstance(continuous, bool):
-            raise ConfigError(f"engine_options.tts.continuous must be true or false, not {continuous!r}")
+        continuous = flag_option(opts, "tts", "continuous")
         ck = load_checkpoint(settings.checkpoint_dir, device=settings.device, dtype=torch_dtype(settings),
                              with_vision=False, with_token2wav=False, components=TTS_COMPONENTS)
         cfg = TTSEngineConfig(max_sessions=settings.max_sessions, max_batch=settings.max_sessions,
