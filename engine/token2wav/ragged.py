@@ -50,7 +50,7 @@ def encode_ragged(flow: Flow, tokens: torch.Tensor, m: torch.Tensor, t_new: torc
     h = F.leaky_relu(pl.conv1(xs.transpose(1, 2)), pl.slope)                          # [B, D, Tq]
     hc = torch.cat([cnn[:, :, :k2], h], dim=2)
     new_cnn1 = hc.gather(2, tail_index(t_new, k2, hc.shape[1]))                       # last k2 valid frames
-    xs = (pl.conv2(hc).transpose(1, 2) + xs[:, :-la]).contiguous()                    # [B, Tq, D], one layout
+    xs = xs[:, :-la] + pl.conv2(hc).transpose(1, 2)  # [B, Tq, D]; the row-major operand first: a row-major sum
     tq = n - la
     hist = tok_kv.shape[3]
     mask = torch.cat([tok_mask, valid_mask(t_new, tq)], dim=1)                        # [B, Hc + Tq]
