@@ -146,8 +146,11 @@ class Token2WavEngine:
                 seed: int = 0) -> None:
         """Build the graphs of every row bucket up to the one of `warm_batch` (default max_batch): per
         bucket, that many sessions speak `WARMUP_UNITS`-unit turns of random codes in lock step, until a
-        turn builds no new graph (at most `WARMUP_TURNS`). No-op without graphs."""
-        if self.graphs.enabled or self.solver.enabled:
+        turn builds no new graph (at most `WARMUP_TURNS`). Without graphs but with compiled blocks
+        (`compile_flow` / `compile_hift`, e.g. on a CPU) two turns per bucket, with and without heads, so
+        that dynamo compiles here and not on the first sessions' audio. No-op otherwise."""
+        graphs = self.graphs.enabled or self.solver.enabled
+        if graphs or self.cfg.compile_flow or self.cfg.compile_hift:
             top = bucket_rows(min(warm_batch or self.cfg.max_batch, self.cfg.max_batch), self.buckets)
             sizes = self.warm_sizes(top)
             progress = Progress("token2wav", len(sizes) + int(self.graphs.enabled), emit)
@@ -159,7 +162,8 @@ class Token2WavEngine:
                 while grew and turns < WARMUP_TURNS:
                     before = self.graph_count()
                     self._warm_turn(voice_id, b, rng, heads=turns % 2 == 0 and self.cfg.head_codes > 0)
-                    turns, grew = turns + 1, self.graph_count() > before
+                    turns += 1
+                    grew = self.graph_count() > before if graphs else turns < 2
                 progress.step(f"batch {b}: {turns} turns, {self.graph_count()} graphs")
             if self.graphs.enabled:
                 progress.step(f"vocoder: {self._warm_vocoder_lengths()} more call lengths")

@@ -82,3 +82,29 @@ def test_compiled_blocks_in_the_graphs(models: Token2WavModels) -> None:
     eager = _pcm(models, "cuda", use_cuda_graphs=False)
     assert _max_lsb(_pcm(models, "cuda", compile_flow=True, compile_hift=True), eager) <= 2
     assert _max_lsb(_pcm(models, "cuda"), eager) <= 2  # the uncompiled graphs, for scale
+
+
+def test_warm_up_compiles_without_graphs(models: Token2WavModels) -> None:
+    """Without CUDA graphs (a CPU) warm-up still runs turns when blocks are compiled, so that dynamo compiles
+    there and not on the first sessions' audio (served on the CPU, that first audio came 11 s late); a turn like
+    the warm-up's then compiles nothing new."""
+    import torch._dynamo.utils
+
+    stats = torch._dynamo.utils.counters["stats"]
+    m = copy.deepcopy(models)
+    eng = Token2WavEngine(m, Token2WavEngineConfig(stream=StreamConfig(n_timesteps=2), use_cuda_graphs=False,
+                                                   pool=PoolConfig(slots=4, max_prompt_frames=128), max_batch=2,
+                                                   compile_flow=True, compile_hift=True))
+    eng.add_voice("v", make_voice(20, PROMPT_TOKENS[0]))
+    before = stats["unique_graphs"]
+    eng.warm_up("v")
+    warmed = stats["unique_graphs"]
+    assert warmed > before
+    eng.open("s", F0, "v", seed=0)
+    out = []
+    for unit in range(3):
+        eng.submit("s", F0, unit, codes(unit, eng.cfg.stream.chunk_new), unit == 2)
+        while eng.pending():
+            out += eng.step()
+    assert len(per_unit(out, "s")) == 3
+    assert stats["unique_graphs"] == warmed
