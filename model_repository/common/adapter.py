@@ -35,7 +35,7 @@ from .codec import (
 from .occupancy import SessionGauge
 from .sessions import SessionTable
 from .settings import StageSettings, cap_mps_threads, instance_device, load_factory, session_expiry_s
-from .workarounds import pin_object_dtype, report_fatal_signals
+from .workarounds import pin_object_dtype, report_fatal_signals, utf8_text_files
 
 _SENTINEL = object()
 
@@ -89,6 +89,7 @@ def decoupled_setup(args: dict[str, Any]) -> tuple[StageSettings, SessionTable]:
     """What every model here does first: stub workarounds, the decoupled check, settings, sessions."""
     pin_object_dtype()
     report_fatal_signals()
+    utf8_text_files()
     model_config = json.loads(args["model_config"])
     if not pb_utils.using_decoupled_model_transaction_policy(model_config):
         raise pb_utils.TritonModelException(f"{args['model_name']}: must be decoupled (model_transaction_policy)")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import collections
 import ctypes
 import faulthandler
+import locale
 import sys
 import time
 from typing import Any
@@ -34,6 +35,29 @@ def report_fatal_signals() -> None:
     faulthandler writes every thread's Python stack to stderr (the tritonserver log) first."""
     if not faulthandler.is_enabled():
         faulthandler.enable(all_threads=True)
+
+
+UTF8_LOCALES = ("", "C.UTF-8", "en_US.UTF-8")  # "": the environment's (LANG / LC_ALL), when it names a UTF-8 one
+
+
+def utf8_text_files() -> str:
+    """NOTE: the stub's embedded interpreter starts in the C locale whatever LANG says (no locale coercion,
+    and PYTHONUTF8 is not read), so `open()` without an encoding reads ASCII. torch.compile's inductor reads
+    its templates that way, and some hold UTF-8 (torch 2.13's mm_grouped): any compiled option then failed
+    the model's load with a UnicodeDecodeError. Switch LC_CTYPE to a UTF-8 locale (from `initialize`, before
+    any engine thread). Returns the codeset in effect afterwards."""
+    for name in UTF8_LOCALES:
+        if _codeset() == "UTF-8":
+            break
+        try:
+            locale.setlocale(locale.LC_CTYPE, name)
+        except locale.Error:
+            continue
+    return _codeset()
+
+
+def _codeset() -> str:
+    return locale.nl_langinfo(locale.CODESET).upper().replace("UTF8", "UTF-8")
 
 
 # How long a finished BLS call's Python objects are kept (see Graveyard); the stub's cleanup of a call
