@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from ..codec import RequestError, StageOutput, StageRequest, error_output
+from ..gpu_gate import GpuGate
 from ..metrics import StageMetrics
 from ..settings import ConfigError, StageSettings
 
@@ -115,6 +116,8 @@ class EngineBridge:
         self.metrics = StageMetrics(settings.stage)
         self.metrics.watch_misses(self.graph_misses)
         self.step_rows = 0  # rows the running step serves; each bridge's `step` sets it (batch occupancy)
+        # deploy profile `gpu_gate`: each step with work runs alone on the device (gpu_gate.py)
+        self.gate = GpuGate(settings.device, settings.gpu_gate_priority) if settings.gpu_gate_priority >= 0 else None
 
     # ---- StageEngine protocol (adapter thread) ------------------------------------------------------
     def start(self) -> None:
@@ -131,6 +134,8 @@ class EngineBridge:
         self._queue.put(_STOP)
         self._thread.join()
         self.metrics.stop()
+        if self.gate is not None:
+            self.gate.close()
 
     # ---- the engine thread ------------------------------------------------------------------------
     def handle(self, req: StageRequest, sink: Any) -> None:
@@ -139,6 +144,10 @@ class EngineBridge:
 
     def step(self) -> bool:
         """One engine step; False when there was no work. Sets `step_rows` to the rows the step serves."""
+        raise NotImplementedError
+
+    def has_work(self) -> bool:
+        """Whether the next `step` has work (then it takes the GPU gate, when the stage has one)."""
         raise NotImplementedError
 
     def forget(self, corrid: int) -> None:
@@ -176,14 +185,33 @@ class EngineBridge:
                 except queue.Empty:
                     item = None
             try:
-                self.step_rows, started = 0, time.perf_counter()
-                busy = self.step()
+                self.step_rows = 0
+                if self.gate is not None and self.has_work():
+                    busy, started, seconds = self._gated_step()
+                else:
+                    started = time.perf_counter()
+                    busy = self.step()
+                    seconds = time.perf_counter() - started
                 if self.step_rows:
-                    self.metrics.step(self.step_rows, time.perf_counter() - started)
+                    self.metrics.step(self.step_rows, seconds)
             except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, not the engine
                 traceback.print_exc()
                 self.fail_all(engine_error(exc))
                 busy = False
+
+    def _gated_step(self) -> tuple[bool, float, float]:
+        """One step holding the device's gate, until its GPU work is done (its outputs may be read back before
+        its last kernels finish, so the device is synchronised before the gate opens) -> (busy, its start, its
+        seconds: the gate's wait excluded)."""
+        assert self.gate is not None
+        asked = time.perf_counter()
+        with self.gate.hold():
+            started = time.perf_counter()
+            self.metrics.gate_wait(started - asked)
+            busy = self.step()
+            if self.settings.device.startswith("cuda"):
+                torch.cuda.synchronize()
+            return busy, started, time.perf_counter() - started
 
     def _apply(self, req: StageRequest | int, sink: Any) -> None:
         if sink is None:
