@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from make_model_repository import DeployProfile, ProfileError, render_config
 
 from model_repository.common import gpu_gate
@@ -125,6 +126,16 @@ def test_a_dead_holder_leaves_the_gate_open(gate, tmp_path: Path) -> None:  # ty
     finally:
         child.kill()
         child.join()
+
+
+def test_the_gate_of_a_cpu_stage_is_keyed_by_its_name() -> None:
+    assert base.gate_device("cpu") == "cpu"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_a_bare_cuda_and_its_index_share_one_gate() -> None:
+    assert base.gate_device("cuda") == base.gate_device(f"cuda:{torch.cuda.current_device()}")
+    assert base.gate_device("cuda").startswith(("gpu-", "cuda:"))
 
 
 # -- profile, config, settings --------------------------------------------------------------------------------

@@ -106,6 +106,17 @@ def configure_torch(settings: StageSettings) -> None:
         torch.cuda.set_device(torch.device(settings.device))
 
 
+def gate_device(device: str) -> str:
+    """What a GPU gate is keyed by: the GPU's UUID (processes may number one GPU differently, and a bare `cuda`
+    means the current one), else the device's name."""
+    if device.startswith("cuda") and torch.cuda.is_available():
+        index = torch.device(device).index
+        index = torch.cuda.current_device() if index is None else index
+        uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
+        return f"gpu-{uuid}" if uuid is not None else f"cuda:{index}"
+    return device
+
+
 class EngineBridge:
     """Base of the three bridges: subclasses implement `handle`, `step`, `forget` and `fail_all`."""
 
@@ -117,7 +128,8 @@ class EngineBridge:
         self.metrics.watch_misses(self.graph_misses)
         self.step_rows = 0  # rows the running step serves; each bridge's `step` sets it (batch occupancy)
         # deploy profile `gpu_gate`: each step with work runs alone on the device (gpu_gate.py)
-        self.gate = GpuGate(settings.device, settings.gpu_gate_priority) if settings.gpu_gate_priority >= 0 else None
+        self.gate = GpuGate(gate_device(settings.device), settings.gpu_gate_priority) \
+            if settings.gpu_gate_priority >= 0 else None
 
     # ---- StageEngine protocol (adapter thread) ------------------------------------------------------
     def start(self) -> None:
