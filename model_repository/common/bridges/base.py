@@ -118,7 +118,7 @@ def gate_device(device: str) -> str:
 
 
 class EngineBridge:
-    """Base of the three bridges: subclasses implement `handle`, `step`, `forget` and `fail_all`."""
+    """Base of the three bridges: subclasses implement `handle`, `step`, `has_work`, `forget` and `fail_all`."""
 
     def __init__(self, settings: StageSettings) -> None:
         self.settings = settings
@@ -199,7 +199,7 @@ class EngineBridge:
             try:
                 self.step_rows = 0
                 if self.gate is not None and self.has_work():
-                    busy, started, seconds = self._gated_step()
+                    busy, seconds = self._gated_step()
                 else:
                     started = time.perf_counter()
                     busy = self.step()
@@ -211,10 +211,10 @@ class EngineBridge:
                 self.fail_all(engine_error(exc))
                 busy = False
 
-    def _gated_step(self) -> tuple[bool, float, float]:
+    def _gated_step(self) -> tuple[bool, float]:
         """One step holding the device's gate, until its GPU work is done (its outputs may be read back before
-        its last kernels finish, so the device is synchronised before the gate opens) -> (busy, its start, its
-        seconds: the gate's wait excluded)."""
+        its last kernels finish, so the device is synchronised before the gate opens) -> (busy, its seconds, the
+        wait for the gate excluded)."""
         assert self.gate is not None
         asked = time.perf_counter()
         with self.gate.hold():
@@ -223,7 +223,7 @@ class EngineBridge:
             busy = self.step()
             if self.settings.device.startswith("cuda"):
                 torch.cuda.synchronize()
-            return busy, started, time.perf_counter() - started
+            return busy, time.perf_counter() - started
 
     def _apply(self, req: StageRequest | int, sink: Any) -> None:
         if sink is None:
