@@ -211,7 +211,8 @@ async def run_step(n: int, args: argparse.Namespace, speech: list[Any],
 
 def step_record(n: int, logs: list[UserLog], scripted: bool | None, before: stages.Sample | None,
                 after: stages.Sample | None, gw_before: text_wait.Sample | None = None,
-                gw_after: text_wait.Sample | None = None) -> dict[str, Any]:
+                gw_after: text_wait.Sample | None = None, seconds: float = 0.0) -> dict[str, Any]:
+    """`seconds`: between the two scrapes of the stage metrics."""
     run = run_figures(n, logs, scripted)
     run["transcript_behind_generation_ms"] = text_wait.figures(gw_before, gw_after)
     empty = {s: None for s in stages.STAGES}
@@ -220,6 +221,7 @@ def step_record(n: int, logs: list[UserLog], scripted: bool | None, before: stag
     run["stage_step_ms"] = m["step_ms"] if m else empty
     run["stage_queue_wait_ms"] = m["queue_wait_ms"] if m else empty
     run["stage_gate_wait_ms"] = m["gate_wait_ms"] if m else empty  # None for a stage without the GPU gate
+    run["stage_busy_ms_per_s"] = stages.busy(before, after, seconds) if m else empty
     t = stages.tails(before, after) if before is not None and after is not None else None
     for key in ("step_p99_ms", "slow_steps", "graph_misses"):
         run[f"stage_{key}"] = t[key] if t else empty
@@ -276,12 +278,12 @@ async def sweep(args: argparse.Namespace) -> dict[str, Any]:
         if i:
             await asyncio.sleep(SETTLE_S)
         print(f"[N={n}] {n} sessions for {args.duration:.0f}s", file=sys.stderr, flush=True)
-        before, gw_before = scrape(args.triton_metrics), scrape_gateway(args.gateway_metrics)
+        before, gw_before, t0 = scrape(args.triton_metrics), scrape_gateway(args.gateway_metrics), time.monotonic()
         logs = await run_step(n, args, speech, plan)
         if not any(log.opened_t is not None for log in logs):
             raise Unreachable(f"no session of {n} could open at {args.url}: {logs[0].failure}")
-        run = step_record(n, logs, scripted, before, scrape(args.triton_metrics), gw_before,
-                          scrape_gateway(args.gateway_metrics))
+        after, t1 = scrape(args.triton_metrics), time.monotonic()
+        run = step_record(n, logs, scripted, before, after, gw_before, scrape_gateway(args.gateway_metrics), t1 - t0)
         doc["runs"].append(run)
         write(args.out, doc)
         print(f"[N={n}] held real time: {run['held_realtime']}"

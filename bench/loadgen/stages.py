@@ -80,3 +80,14 @@ def means(before: Sample, after: Sample) -> dict[str, dict[str, float | None]]:
             d_count = after.get((f"{family}_count", stage), 0.0) - before.get((f"{family}_count", stage), 0.0)
             out[key][stage] = round(d_sum / d_count * SCALE[key], 3) if d_count > 0 else None
     return out
+
+
+def busy(before: Sample, after: Sample, seconds: float) -> dict[str, float | None]:
+    """{stage: ms of engine steps per second of the interval}: how much of the device each stage's steps took
+    (under the GPU gate the stages' sum stays under 1000; without it steps overlap and the sum can pass 1000)."""
+    family = FAMILIES["step_ms"]
+    out: dict[str, float | None] = {}
+    for stage in STAGES:
+        d_sum = after.get((f"{family}_sum", stage), 0.0) - before.get((f"{family}_sum", stage), 0.0)
+        out[stage] = round(d_sum * 1000.0 / seconds, 1) if seconds > 0 else None
+    return out
