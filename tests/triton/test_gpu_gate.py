@@ -37,10 +37,11 @@ def gate(tmp_path: Path):  # type: ignore[no-untyped-def]
 
 
 PARAM = re.compile(r'key: "([^"]+)" value: \{ string_value: "((?:[^"\\]|\\.)*)" \}')
-HOLD_S = 0.15
+HOLD_S = 0.5  # the waiters start 0.1 and 0.2 s into the hold: room for a loaded CI machine
 
 
 def _enter(gate: GpuGate, entered: threading.Event) -> None:
+    """Hold the gate once; join the thread before the gate's files close (a release on a closed file fails)."""
     with gate.hold():
         entered.set()
 
@@ -86,8 +87,10 @@ def test_the_same_device_only(gate) -> None:  # type: ignore[no-untyped-def]
     a, b = gate("cuda:0", 1), gate("cuda:1", 1)
     with a.hold():
         done = threading.Event()
-        threading.Thread(target=_enter, args=(b, done)).start()
+        thread = threading.Thread(target=_enter, args=(b, done))
+        thread.start()
         assert done.wait(2.0)
+        thread.join()
 
 
 def test_a_lower_stage_is_deferred_for_a_while_but_not_starved(gate, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
@@ -119,10 +122,12 @@ def test_a_dead_holder_leaves_the_gate_open(gate, tmp_path: Path) -> None:  # ty
     try:
         assert held.wait(30)
         entered = threading.Event()
-        threading.Thread(target=_enter, args=(gate("cuda:0", 0), entered), daemon=True).start()
+        thread = threading.Thread(target=_enter, args=(gate("cuda:0", 0), entered), daemon=True)
+        thread.start()
         assert not entered.wait(0.3)  # the child holds it
         child.kill()
         assert entered.wait(5.0)
+        thread.join(5.0)
     finally:
         child.kill()
         child.join()
@@ -169,6 +174,7 @@ class _Bridge(EngineBridge):
     def __init__(self, settings: StageSettings, work: int, probe: GpuGate) -> None:
         super().__init__(settings)
         self.work, self.probe, self.steps, self.outsider_got_in = work, probe, 0, []
+        self.probes: list[threading.Thread] = []
 
     def has_work(self) -> bool:
         return self.work > 0
@@ -177,7 +183,8 @@ class _Bridge(EngineBridge):
         if self.work <= 0:
             return False
         got = threading.Event()
-        threading.Thread(target=_enter, args=(self.probe, got), daemon=True).start()
+        self.probes.append(threading.Thread(target=_enter, args=(self.probe, got), daemon=True))
+        self.probes[-1].start()
         self.outsider_got_in.append(got.wait(0.05))
         self.work -= 1
         self.steps += 1
@@ -198,6 +205,8 @@ def test_the_bridge_holds_the_gate_through_each_step_with_work(gate, tmp_path: P
             time.sleep(0.01)
     finally:
         bridge.stop()
+        for probe in bridge.probes:  # each got in once the step let go
+            probe.join(5.0)
     assert bridge.steps == 3
     assert bridge.outsider_got_in == [False, False, False]  # the gate was held during every step
     assert bridge.metrics.totals["gate"].count == 3 and bridge.metrics.totals["step"].count == 3
