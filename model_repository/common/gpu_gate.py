@@ -46,7 +46,7 @@ class GpuGate:
         stem = directory / re.sub(r"[^A-Za-z0-9_.-]", "_", device)
         self._lock = _open(stem.with_suffix(".lock"))
         self._intents = [_open(Path(f"{stem}.intent{p}")) for p in range(priority + 1)]
-        self.deferrals = 0  # times this stage gave the lock back to a higher one (tests, logs)
+        self.deferrals = 0  # times this stage gave the lock back to a higher one
 
     @contextmanager
     def hold(self) -> Iterator[None]:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import fcntl
 import multiprocessing
-import re
 import threading
 import time
 from pathlib import Path
@@ -21,6 +20,10 @@ from model_repository.common.bridges import base
 from model_repository.common.bridges.base import EngineBridge
 from model_repository.common.gpu_gate import GpuGate
 from model_repository.common.settings import ConfigError, StageSettings
+from tests.triton.test_mps_threads import (  # the config a stage reads, as Triton hands it over
+    PARAM,
+    _settings,
+)
 
 
 @pytest.fixture
@@ -36,7 +39,6 @@ def gate(tmp_path: Path):  # type: ignore[no-untyped-def]
         g.close()
 
 
-PARAM = re.compile(r'key: "([^"]+)" value: \{ string_value: "((?:[^"\\]|\\.)*)" \}')
 HOLD_S = 0.5  # the waiters start 0.1 and 0.2 s into the hold: room for a loaded CI machine
 
 
@@ -144,11 +146,6 @@ def test_a_bare_cuda_and_its_index_share_one_gate() -> None:
 
 
 # -- profile, config, settings --------------------------------------------------------------------------------
-
-def _settings(model: str, profile: DeployProfile) -> StageSettings:
-    params = {k: {"string_value": v} for k, v in PARAM.findall(render_config(model, profile, "/ckpt"))}
-    return StageSettings.from_model_config({"name": model, "parameters": params})
-
 
 @pytest.mark.parametrize("value", [{"stage0": -1}, {"stage0": 8}, {"vocoder": 1}, {"tts": True}, {"tts": 1.0},
                                    ["stage0"]])

@@ -11,7 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from make_model_repository import REPO_ROOT
+
 READ_UTF8 = """
 import sys
 from pathlib import Path
