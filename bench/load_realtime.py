@@ -220,7 +220,6 @@ def step_record(n: int, logs: list[UserLog], scripted: bool | None, before: stag
     run["stage_rows_per_step"] = m["rows_per_step"] if m else empty
     run["stage_step_ms"] = m["step_ms"] if m else empty
     run["stage_queue_wait_ms"] = m["queue_wait_ms"] if m else empty
-    run["stage_gate_wait_ms"] = m["gate_wait_ms"] if m else empty  # None for a stage without the GPU gate
     run["stage_busy_ms_per_s"] = stages.busy(before, after, seconds) if m else empty
     t = stages.tails(before, after) if before is not None and after is not None else None
     for key in ("step_p99_ms", "slow_steps", "graph_misses"):

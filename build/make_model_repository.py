@@ -76,10 +76,6 @@ class DeployProfile:
     # (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, set in the stage process before CUDA starts), e.g. {"stage0": 70}: a cap
     # on stage0's large kernels leaves SMs free for the TTS and Token2Wav steps. A stage left out is not capped.
     mps_thread_percentage: dict[str, int] = field(default_factory=dict)
-    # stage -> its priority at the GPU gate (0..7, lower first; model_repository/common/gpu_gate.py): a gated stage
-    # runs each engine step alone on its device, e.g. {"stage0": 0, "tts": 1, "token2wav": 2}; a stage left out
-    # is not gated. Off ({}) by default.
-    gpu_gate: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if isinstance(self.mps, bool):
@@ -94,7 +90,6 @@ class DeployProfile:
             "mps": self.mps in MPS_MODES and (self.mps != "on" or self.device.startswith("cuda")),
             "mps_thread_percentage": _percentages(self.mps_thread_percentage)
             and (not self.mps_thread_percentage or self.device.startswith("cuda")),
-            "gpu_gate": _priorities(self.gpu_gate),
             "dtype": self.dtype in ("float32", "bfloat16", "float16"),
             "max_sessions": _positive_int(self.max_sessions),
             "kv_window": _positive_int(self.kv_window),
@@ -135,7 +130,6 @@ _HINTS = {
     "unit_align_s": " (a number of seconds >= 0; 0: off)",
     "mps": f" ({', '.join(MPS_MODES)}; on needs device: cuda)",
     "mps_thread_percentage": f" (a mapping of {', '.join(STAGES)} to integers 1..100; needs device: cuda)",
-    "gpu_gate": f" (a mapping of {', '.join(STAGES)} to integers 0..7, lower first)",
     "gpus": f" (a mapping of {', '.join(MODELS)} to non-empty lists of distinct GPU ids >= 0; needs device: cuda)",
 }
 
@@ -165,11 +159,6 @@ def _script_plan_ok(options: dict[str, Any]) -> bool:
 def _percentages(caps: Any) -> bool:
     return isinstance(caps, dict) and set(caps) <= set(STAGES) and all(
         isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 100 for v in caps.values())
-
-
-def _priorities(gate: Any) -> bool:
-    return isinstance(gate, dict) and set(gate) <= set(STAGES) and all(
-        isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 7 for v in gate.values())
 
 
 def _gpu_lists(gpus: Any) -> bool:
@@ -221,8 +210,6 @@ def render_config(model: str, profile: DeployProfile, checkpoint: str) -> str:
         if model != PIPELINE else PIPELINE_FACTORY
     if profile.mps_thread_percentage.get(model):
         params["mps_thread_percentage"] = str(profile.mps_thread_percentage[model])
-    if model in profile.gpu_gate:
-        params["gpu_gate_priority"] = str(profile.gpu_gate[model])
     options = dict(profile.engine_options.get(model) or {})
     head = (profile.engine_options.get("tts") or {}).get("first_codes")
     if model == "token2wav" and head:  # the TTS sends a turn's first codes early: Token2Wav warms up their shapes

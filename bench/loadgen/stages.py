@@ -12,9 +12,8 @@ import urllib.request
 STAGES = ("stage0", "tts", "token2wav")
 FAMILIES = {"rows_per_step": "duplex_stage_rows_per_step",
             "step_ms": "duplex_stage_step_seconds",
-            "queue_wait_ms": "duplex_stage_queue_wait_seconds",
-            "gate_wait_ms": "duplex_stage_gate_wait_seconds"}  # gated stages only (profile gpu_gate)
-SCALE = {"rows_per_step": 1.0, "step_ms": 1000.0, "queue_wait_ms": 1000.0, "gate_wait_ms": 1000.0}
+            "queue_wait_ms": "duplex_stage_queue_wait_seconds"}
+SCALE = {"rows_per_step": 1.0, "step_ms": 1000.0, "queue_wait_ms": 1000.0}
 SCRAPE_TIMEOUT_S = 5.0
 SLOW_STEP_S = 0.25  # a histogram bucket edge (model_repository/common/metrics.py SECONDS_BUCKETS)
 _LINE = re.compile(r'^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)')
@@ -70,8 +69,7 @@ def tails(before: Sample, after: Sample) -> dict[str, dict[str, float | None]]:
 
 
 def means(before: Sample, after: Sample) -> dict[str, dict[str, float | None]]:
-    """{"rows_per_step": {stage: mean}, "step_ms": {...}, "queue_wait_ms": {...}, "gate_wait_ms": {...}} over the
-    interval."""
+    """{"rows_per_step": {stage: mean}, "step_ms": {...}, "queue_wait_ms": {...}} over the interval."""
     out: dict[str, dict[str, float | None]] = {}
     for key, family in FAMILIES.items():
         out[key] = {}

@@ -1,14 +1,12 @@
 """Stage metrics on Triton's Prometheus endpoint: rows per engine step, step time, queue wait (issue 13).
 
-Four histograms, labelled by `stage` (stage0 | tts | token2wav), through the Python backend's custom
+Three histograms, labelled by `stage` (stage0 | tts | token2wav), through the Python backend's custom
 metrics API (`pb_utils.MetricFamily`, histograms present in Triton 2.51):
   duplex_stage_rows_per_step        rows one engine step served (batch occupancy; a row is one session's
                                     unit, token or chunk in that step)
   duplex_stage_step_seconds         wall time of one engine step that had work
   duplex_stage_queue_wait_seconds   a request's wait from `submit` (adapter thread) until the engine
                                     thread took it (it waits while a step runs)
-  duplex_stage_gate_wait_seconds    a step with work: its wait for the device's GPU gate (deploy profile
-                                    `gpu_gate`; gated stages only)
 `_sum / _count` of a histogram is its mean; the load generator diffs them around a run.
 A step slower than SLOW_STEP_S is also logged (WARNING, at most one line per SLOW_LOG_EVERY_S, with the count
 since the last line): a stall that a mean hides shows in the log with its rows.
@@ -43,7 +41,6 @@ FAMILIES = {  # key -> (name, description, buckets)
     "rows": ("duplex_stage_rows_per_step", "Rows one engine step served (batch occupancy)", ROW_BUCKETS),
     "step": ("duplex_stage_step_seconds", "Wall time of one engine step that had work", SECONDS_BUCKETS),
     "wait": ("duplex_stage_queue_wait_seconds", "Request submit -> taken by the engine thread", SECONDS_BUCKETS),
-    "gate": ("duplex_stage_gate_wait_seconds", "Step with work -> the device's GPU gate held", SECONDS_BUCKETS),
 }
 MISSES = ("duplex_stage_graph_misses_total", "Engine calls whose shape had no graph built at warm-up")
 
@@ -140,9 +137,6 @@ class StageMetrics:
 
     def queue_wait(self, seconds: float) -> None:
         self._add("wait", seconds)
-
-    def gate_wait(self, seconds: float) -> None:
-        self._add("gate", seconds)
 
     def _add(self, key: str, value: float) -> None:
         with self._lock:

@@ -29,14 +29,11 @@ class StageSettings:
     session_idle_ttl_s: float
     engine_options: str = "{}"  # JSON object of engine-specific options (deploy profile `engine_options`)
     mps_thread_percentage: int = 0  # share of the GPU's SMs under MPS (deploy profile); 0: not capped
-    gpu_gate_priority: int = -1  # this stage's priority at its device's gate (gpu_gate.py, deploy profile); -1: none
 
     def __post_init__(self) -> None:
         if not 0 <= self.mps_thread_percentage <= 100:
             raise ConfigError(f"parameter mps_thread_percentage must be in 1..100 (0: not capped), got "
                               f"{self.mps_thread_percentage}")
-        if not -1 <= self.gpu_gate_priority <= 7:
-            raise ConfigError(f"parameter gpu_gate_priority must be in 0..7 (-1: not gated), got {self.gpu_gate_priority}")
         if self.device.split(":")[0] not in DEVICES:
             raise ConfigError(f"parameter device={self.device!r} must be one of {DEVICES} (optionally cuda:N)")
         if self.dtype not in DTYPES:
@@ -70,7 +67,6 @@ class StageSettings:
             kv_window=number("kv_window", int), session_idle_ttl_s=number("session_idle_ttl_s", float),
             engine_options=params.get("engine_options") or "{}",
             mps_thread_percentage=number("mps_thread_percentage", int) if params.get("mps_thread_percentage") else 0,
-            gpu_gate_priority=number("gpu_gate_priority", int) if params.get("gpu_gate_priority") else -1,
         )
 
 

@@ -82,10 +82,10 @@ def test_two_sessions_fill_every_field_and_the_stage_metrics(stack: Stack, tmp_p
     assert all(p["audio_s"] > 0 for p in run["per_session"]), run["per_session"]
     # every stage batched rows during the run, and says so on Triton's endpoint
     assert all(run["stage_rows_per_step"][s] >= 1 for s in stages.STAGES), run["stage_rows_per_step"]
-    # the profile gates every stage: gate waits reported, and the stages' steps together under the run's time
-    assert all(run["stage_gate_wait_ms"][s] is not None for s in stages.STAGES), run["stage_gate_wait_ms"]
+    # every stage was busy, and one stage's steps (one engine thread) fit in the run's time, give or take the
+    # step that straddles its start
     busy = run["stage_busy_ms_per_s"]
-    assert all(busy[s] > 0 for s in stages.STAGES) and sum(busy.values()) <= 1000.0, busy
+    assert all(0 < busy[s] < 1100.0 for s in stages.STAGES), busy
     with urllib.request.urlopen(metrics_url, timeout=5) as resp:
         sample = stages.parse(resp.read().decode())
     for stage in stages.STAGES:

@@ -139,7 +139,6 @@ def test_stage_means_are_deltas_over_the_run() -> None:
     m = stages.means(before, after)
     assert m["rows_per_step"] == {"stage0": 3.0, "tts": None, "token2wav": None}
     assert m["step_ms"]["tts"] == pytest.approx(50.0)
-    assert m["gate_wait_ms"] == {"stage0": None, "tts": None, "token2wav": None}  # no stage is gated here
     # 0.1 s more of TTS steps over 2 s: 50 ms of steps per second; no step of the others
     assert stages.busy(before, after, 2.0) == {"stage0": 0.0, "tts": pytest.approx(50.0), "token2wav": 0.0}
 

@@ -19,7 +19,6 @@ from typing import Any
 import torch
 
 from ..codec import RequestError, StageOutput, StageRequest, error_output
-from ..gpu_gate import GpuGate
 from ..metrics import StageMetrics
 from ..settings import ConfigError, StageSettings
 
@@ -106,19 +105,8 @@ def configure_torch(settings: StageSettings) -> None:
         torch.cuda.set_device(torch.device(settings.device))
 
 
-def gate_device(device: str) -> str:
-    """What a GPU gate is keyed by: the GPU's UUID (processes may number one GPU differently, and a bare `cuda`
-    means the current one), else the device's name."""
-    if device.startswith("cuda") and torch.cuda.is_available():
-        index = torch.device(device).index
-        index = torch.cuda.current_device() if index is None else index
-        uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
-        return f"gpu-{uuid}" if uuid is not None else f"cuda:{index}"
-    return device
-
-
 class EngineBridge:
-    """Base of the three bridges: subclasses implement `handle`, `step`, `has_work`, `forget` and `fail_all`."""
+    """Base of the three bridges: subclasses implement `handle`, `step`, `forget` and `fail_all`."""
 
     def __init__(self, settings: StageSettings) -> None:
         self.settings = settings
@@ -127,9 +115,6 @@ class EngineBridge:
         self.metrics = StageMetrics(settings.stage)
         self.metrics.watch_misses(self.graph_misses)
         self.step_rows = 0  # rows the running step serves; each bridge's `step` sets it (batch occupancy)
-        # deploy profile `gpu_gate`: each step with work runs alone on the device (gpu_gate.py)
-        self.gate = GpuGate(gate_device(settings.device), settings.gpu_gate_priority) \
-            if settings.gpu_gate_priority >= 0 else None
 
     # ---- StageEngine protocol (adapter thread) ------------------------------------------------------
     def start(self) -> None:
@@ -146,8 +131,6 @@ class EngineBridge:
         self._queue.put(_STOP)
         self._thread.join()
         self.metrics.stop()
-        if self.gate is not None:
-            self.gate.close()
 
     # ---- the engine thread ------------------------------------------------------------------------
     def handle(self, req: StageRequest, sink: Any) -> None:
@@ -156,10 +139,6 @@ class EngineBridge:
 
     def step(self) -> bool:
         """One engine step; False when there was no work. Sets `step_rows` to the rows the step serves."""
-        raise NotImplementedError
-
-    def has_work(self) -> bool:
-        """Whether the next `step` has work (then it takes the GPU gate, when the stage has one)."""
         raise NotImplementedError
 
     def forget(self, corrid: int) -> None:
@@ -197,33 +176,14 @@ class EngineBridge:
                 except queue.Empty:
                     item = None
             try:
-                self.step_rows = 0
-                if self.gate is not None and self.has_work():
-                    busy, seconds = self._gated_step()
-                else:
-                    started = time.perf_counter()
-                    busy = self.step()
-                    seconds = time.perf_counter() - started
+                self.step_rows, started = 0, time.perf_counter()
+                busy = self.step()
                 if self.step_rows:
-                    self.metrics.step(self.step_rows, seconds)
+                    self.metrics.step(self.step_rows, time.perf_counter() - started)
             except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, not the engine
                 traceback.print_exc()
                 self.fail_all(engine_error(exc))
                 busy = False
-
-    def _gated_step(self) -> tuple[bool, float]:
-        """One step holding the device's gate, until its GPU work is done (its outputs may be read back before
-        its last kernels finish, so the device is synchronised before the gate opens) -> (busy, its seconds, the
-        wait for the gate excluded)."""
-        assert self.gate is not None
-        asked = time.perf_counter()
-        with self.gate.hold():
-            started = time.perf_counter()
-            self.metrics.gate_wait(started - asked)
-            busy = self.step()
-            if self.settings.device.startswith("cuda"):
-                torch.cuda.synchronize()
-            return busy, time.perf_counter() - started
 
     def _apply(self, req: StageRequest | int, sink: Any) -> None:
         if sink is None:

@@ -275,9 +275,6 @@ class Stage0Bridge(EngineBridge):
         super().stop()
         self.engine.stop_audio_worker()
 
-    def has_work(self) -> bool:
-        return self.engine.has_work()
-
     def step(self) -> bool:
         busy = self.engine.step()
         # a row is one session's forward in this step (prefix, unit prefill, token or close)

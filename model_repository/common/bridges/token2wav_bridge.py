@@ -241,9 +241,6 @@ class Token2WavBridge(EngineBridge):
         if voice.startswith(CLIP_VOICE) and all(v != voice for v, *_ in self.opened.values()):
             self.engine.voices.pop(voice, None)
 
-    def has_work(self) -> bool:
-        return self.engine.pending() > 0
-
     def step(self) -> bool:
         # a row is one session's flow + vocoder call (queued silence is no row)
         self.step_rows = min(self.engine.cfg.max_batch, sum(

@@ -136,9 +136,6 @@ class TTSBridge(EngineBridge):
                               end_of_turn=bool(cfg.get("end_of_turn", False)),
                               turn_start=bool(cfg.get("turn_start", False)))
 
-    def has_work(self) -> bool:
-        return self.engine.pending() > 0
-
     def step(self) -> bool:
         results = self.engine.step(on_head=self._heads)
         self.step_rows = self.engine.rows_last_step
