@@ -141,6 +141,7 @@ def engine_config(b: int, args: argparse.Namespace, dev: torch.device) -> tuple[
         compile_dynamic=False if args.compile_static else None,
         fuse_projections=not args.no_fuse, merge_unit_close=True, scripted_decisions=True, benchmark_mode=True,
         prefill_attention=args.prefill_attention[0], decode_attention=args.decode_attention[0],
+        flex_keys_per_split=args.flex_keys_per_split,
         # all speak units, so every session decodes in lock step (turn-end every `speak_units`)
         script_plan=ScriptPlan(listen_units=0, tail_listen_units=0))
     return config, rules
@@ -549,7 +550,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prefill-batches", default="32",
                     help="sessions' merged unit prefills per graph for the batched prefill rows ('' = none)")
     ap.add_argument("--flex-keys-per-split", type=int, default=flex.KEYS_PER_SPLIT,
-                    help="the flex decoding kernel's split length (engine/model/flex.py KEYS_PER_SPLIT)")
+                    help="the flex decoding kernel's split length (Stage0Config.flex_keys_per_split; 0: torch's)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--results", default=None,
                     help="write issue 16's JSON (commit, device, rows of what/batch/context/median_ms/p99_ms)")
@@ -564,7 +565,7 @@ def main(argv: list[str] | None = None) -> None:
     with torch.device(dev):
         model = Qwen3LLM(cfg).to(dtype).eval()
     dummy_init(model)
-    flex.KEYS_PER_SPLIT = args.flex_keys_per_split
+    Qwen3LLM.flex_keys_per_split = args.flex_keys_per_split  # the graph rows; the engine rows take it from config
     Qwen3LLM.fold_gqa = not args.no_fold
     Qwen3LLM.decode_attention = args.decode_attention[0]
     if not args.no_fuse:

@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--flex", action="store_true",
                     help="the rows attend over the slot KV with FlexAttention (the served prefill), not a gathered copy")
     ap.add_argument("--keys-per-split", default="",
-                    help="with --flex: flex.KEYS_PER_SPLIT values to sweep (the decoding kernel's split length)")
+                    help="with --flex: split lengths of the decoding kernel to sweep (Qwen3LLM.flex_keys_per_split; 0: torch's)")
     ap.add_argument("--tiny", action="store_true")
     args = ap.parse_args(argv)
     model, cfg, dev, dtype = profiled_model(args.tiny)
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> None:
     for b in (int(x) for x in args.batches.split(",")):
         for name in args.sdpa.split(","):
             for keys in programs:
-                flex.KEYS_PER_SPLIT = keys
+                model.flex_keys_per_split = keys
                 try:
                     with sdpa_kernel(SDPA_SETS[name]) if name != "default" else contextlib.nullcontext():
                         summary.append((name, keys, b, *profile_one(model, cfg, b, args, dev, dtype)))

@@ -33,6 +33,8 @@ FLEX_DECODING_MAX_POSITIONS = 16
 # each program walked a slot's whole 8 k keys alone, latency-bound (26 of the 44 ms of 32 units' prefill at 8 k on
 # the H200, stop 29). A split length fixed per engine, not a count from the batch, also keeps a row's sum order the
 # same whatever rows share its step (batch invariance). The value is the H200 sweep's (bench/RESULTS.md, stop 29).
+# Stage0's engine option `flex_keys_per_split` overrides it per model (`Qwen3LLM.flex_keys_per_split`); 0 gives
+# torch's choice, which is fixed per engine too (the kernel's batch is the cache's slot count).
 KEYS_PER_SPLIT = 512
 
 
@@ -44,13 +46,16 @@ class SlotBlocks(NamedTuple):
     split_kv: int | None = None  # the decoding kernel's splits of each row's keys (None: torch's choice)
 
 
-def decode_splits(max_len: int, device: torch.device) -> int | None:
-    """SPLIT_KV for the flex decoding kernel over cache rows of `max_len` positions: one split per KEYS_PER_SPLIT
-    keys; None off CUDA (eager flex takes no kernel options)."""
-    return max(1, -(-max_len // KEYS_PER_SPLIT)) if device.type == "cuda" else None
+def decode_splits(max_len: int, device: torch.device, keys_per_split: int = KEYS_PER_SPLIT) -> int | None:
+    """SPLIT_KV for the flex decoding kernel over cache rows of `max_len` positions: one split per `keys_per_split`
+    keys; None (torch's choice) for 0 and off CUDA (eager flex takes no kernel options)."""
+    if device.type != "cuda" or keys_per_split == 0:
+        return None
+    return max(1, -(-max_len // keys_per_split))
 
 
-def dense_blocks(write_pos: torch.Tensor, idle_pos: int, slots: int, max_len: int) -> SlotBlocks:
+def dense_blocks(write_pos: torch.Tensor, idle_pos: int, slots: int, max_len: int,
+                 keys_per_split: int = KEYS_PER_SPLIT) -> SlotBlocks:
     """Single-token rows of the dense layout (row i = slot i, write_pos [B, 1]): each row reads its own key blocks
     up to its position; an idle row (at `idle_pos`, output discarded) reads none. The rows attend as gathered rows
     of slots 0..B-1 over all `slots` cache rows, so the kernel's batch is the cache's static size: a compiled layer
@@ -59,11 +64,11 @@ def dense_blocks(write_pos: torch.Tensor, idle_pos: int, slots: int, max_len: in
     b = write_pos.shape[0]
     pos = torch.where(write_pos == idle_pos, -1, write_pos)
     rows = torch.arange(b, device=write_pos.device)
-    return slot_blocks(pos, torch.ones_like(pos, dtype=torch.bool), rows, slots, max_len)
+    return slot_blocks(pos, torch.ones_like(pos, dtype=torch.bool), rows, slots, max_len, keys_per_split)
 
 
 def slot_blocks(write_pos: torch.Tensor, valid: torch.Tensor, slot_ids: torch.Tensor, slots: int,
-                max_len: int) -> SlotBlocks:
+                max_len: int, keys_per_split: int = KEYS_PER_SPLIT) -> SlotBlocks:
     """write_pos, valid [B, T]; slot_ids [B]; `slots` cache rows (the scratch slot included), `max_len`
     positions each. A padded query attends as its row's first query does (it is discarded)."""
     b, t = write_pos.shape
@@ -92,7 +97,7 @@ def slot_blocks(write_pos: torch.Tensor, valid: torch.Tensor, slot_ids: torch.Te
         partial[:, None].to(torch.int32), kv_indices[:, None].contiguous(),
         full[:, None].to(torch.int32), full_indices[:, None].contiguous(),
         BLOCK_SIZE=(Q_BLOCK, KV_BLOCK), mask_mod=mask_mod, seq_lengths=(t, max_len), compute_q_blocks=False)
-    return SlotBlocks(mask, slot_ids, decode_splits(max_len, device))
+    return SlotBlocks(mask, slot_ids, decode_splits(max_len, device, keys_per_split))
 
 
 # Shapes one process compiles the standalone flex kernel for (batch bucket x length bucket x dtype x kernel options:

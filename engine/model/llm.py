@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import LLMConfig
-from engine.model.flex import dense_blocks, slot_blocks
+from engine.model.flex import KEYS_PER_SPLIT, dense_blocks, slot_blocks
 from engine.model.layers import (
     DecoderLayer,
     GatedMLP,
@@ -97,6 +97,8 @@ class Qwen3LLM(nn.Module):
     # single-token (decode) attention: "matmul" (two GEMMs over the folded rows), "sdpa", or "flex" (dense
     # layout only: FlexAttention over each row's own key blocks, engine/model/flex.py; bench_stage0 measures it)
     decode_attention: str = "matmul"
+    # keys per split of the flex decoding kernel (unit prefills, flex decode rows; engine/model/flex.py); 0: torch's
+    flex_keys_per_split: int = KEYS_PER_SPLIT
 
     def __init__(self, cfg: LLMConfig) -> None:
         super().__init__()
@@ -188,10 +190,11 @@ class Qwen3LLM(nn.Module):
         use_flex = (flex and slot_ids is not None) or dense_flex
         lay = slot_layout(pos, slot_ids, kv, valid, kv_limit, with_visible=not use_flex)
         if dense_flex:
-            return lay, "flex", dense_blocks(lay.write_pos, kv.reserved_pos, kv.slots + 1, kv.max_len)
+            return lay, "flex", dense_blocks(lay.write_pos, kv.reserved_pos, kv.slots + 1, kv.max_len,
+                                             self.flex_keys_per_split)
         if use_flex:
             return lay, "flex", slot_blocks(lay.write_pos, lay.write_slot != kv.scratch, slot_ids, kv.slots + 1,
-                                            kv.max_len)
+                                            kv.max_len, self.flex_keys_per_split)
         mode = "matmul" if t == 1 and decode_attention == "matmul" else "fold" if self.fold_gqa else "gqa"
         return lay, mode, self._mask(lay.visible, mode, dtype)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.model.flex import KV_BLOCK, Q_BLOCK, slot_blocks
+from engine.model.flex import KV_BLOCK, Q_BLOCK, decode_splits, slot_blocks
 from engine.model.llm import SlotKVCache
 from tests.engine.test_stage0_helpers import TINY, tiny_llm
 
@@ -120,3 +120,30 @@ def test_standalone_compiled_flex_compiles_every_shape_past_dynamos_limit() -> N
     # one compiled frame per shape (a bare compile: 8 of 10, then "Dynamo recompile limit exceeded")
     assert dynamo.utils.counters["frames"]["ok"] - before == shapes
     assert dynamo.config.recompile_limit == 8  # the patch is local to the call
+
+
+def test_decode_splits_follow_the_split_length_and_zero_leaves_torchs_choice() -> None:
+    """The flex decoding kernel's SPLIT_KV: one split per `keys_per_split` keys of a cache row (at least one), None
+    (torch's own count) for 0 and off CUDA, where eager flex takes no kernel options."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")  # device objects only: nothing is allocated
+    assert decode_splits(8200, cuda) == 17  # the default split, 512 keys
+    assert decode_splits(8200, cuda, 4096) == 3 and decode_splits(100, cuda, 4096) == 1
+    assert decode_splits(8200, cuda, 0) is None and decode_splits(8200, cpu) is None
+
+
+def test_the_models_split_length_reaches_its_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`Qwen3LLM.flex_keys_per_split` (stage0's engine option) is the split length of the blocks its forward builds,
+    for unit rows (gathered) and flex decode rows (dense)."""
+    import engine.model.llm as llm
+
+    seen: list[int] = []
+    for name in ("slot_blocks", "dense_blocks"):
+        real = getattr(llm, name)
+        monkeypatch.setattr(llm, name, lambda *a, _real=real: seen.append(a[-1]) or _real(*a))
+    model = tiny_llm()
+    model.flex_keys_per_split = 16
+    kv = SlotKVCache.allocate(TINY, 2, 64, dtype=torch.float32)
+    model._attention(torch.arange(3)[None].expand(2, 3), torch.tensor([0, 1]), kv, None, None, True, "matmul",
+                     torch.float32)
+    model._attention(torch.tensor([[4], [5]]), None, kv, None, None, False, "flex", torch.float32)
+    assert seen == [16, 16]

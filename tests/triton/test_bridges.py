@@ -285,6 +285,7 @@ def test_stage0_gemm_min_rows_option(tiny_checkpoint: Path) -> None:
     ("prefix_chunk", ("-1", "8.5", "false"), 512, 64),  # system-prefix positions per step (0 = whole)
     ("prefill_hold_ms", ("-1", "2.5", "true"), 0, 20),  # a unit waits for token rows (0 = off)
     ("gemm_pad_buckets", ("1", '"false"', "null"), True, False),  # graphs pad their GEMMs over their buckets
+    ("flex_keys_per_split", ("-1", "512.0", "true"), 512, 0),  # the flex decoding kernel's split (0 = torch's)
 ])
 def test_stage0_config_options(tiny_checkpoint: Path, name: str, bad: tuple[str, ...], default: object,
                                value: object) -> None:
@@ -297,8 +298,10 @@ def test_stage0_config_options(tiny_checkpoint: Path, name: str, bad: tuple[str,
             bridges.stage0(settings("stage0", tiny_checkpoint, engine_options=f'{{"{name}": {raw}}}'))
     assert getattr(bridges.stage0(settings("stage0", tiny_checkpoint)).engine.config, name) == default
     options = json.dumps({name: value})
-    assert getattr(bridges.stage0(settings("stage0", tiny_checkpoint, engine_options=options)).engine.config,
-                   name) == value
+    bridge = bridges.stage0(settings("stage0", tiny_checkpoint, engine_options=options))
+    assert getattr(bridge.engine.config, name) == value
+    if name == "flex_keys_per_split":  # the model's attention reads it from the model
+        assert bridge.engine.model.flex_keys_per_split == value
 
 
 def test_stage0_session_warm_up_leaves_no_trace(tiny_checkpoint: Path) -> None:
