@@ -41,6 +41,7 @@ def main(argv: list[str] | None = None) -> None:
     # the rest of what bench_stage0.engine_config reads: the engine rows' slot length and buckets
     args.engine_units, args.slot_len, args.no_graphs, args.compile_static, args.no_fuse = 5, None, False, False, False
     args.prefill_attention, args.decode_attention, args.compile = ["gather"], ["matmul"], args.compile or None
+    args.flex_keys_per_split = Qwen3LLM.flex_keys_per_split
     model, cfg, dev, dtype = profiled_model(args.tiny)
     n_params = sum(p.numel() for p in model.parameters())  # bench_stage0's floor (the embedding table counted)
     summary = []

@@ -152,6 +152,7 @@ def main(argv: list[str] | None = None) -> None:
     args.engine_units, args.slot_len, args.no_graphs, args.compile_static, args.no_fuse = args.units, None, False, \
         False, False
     args.prefill_attention, args.decode_attention = ["auto"], ["matmul"]
+    args.flex_keys_per_split = Qwen3LLM.flex_keys_per_split
     with torch.device(dev):
         model = Qwen3LLM(cfg).to(dtype).eval()
     dummy_init(model)

@@ -55,7 +55,7 @@ def test_slot_len_too_short_for_the_engine_rows_is_refused() -> None:
 
     args = argparse.Namespace(context=64, engine_units=1, slot_len=100, no_graphs=False, compile=None,
                               compile_static=False, no_fuse=False, prefill_attention=["gather"],
-                              decode_attention=["matmul"])
+                              decode_attention=["matmul"], flex_keys_per_split=512)
     with pytest.raises(SystemExit, match="needs 197"):
         engine_config(1, args, torch.device("cpu"))
     args.slot_len = 197
