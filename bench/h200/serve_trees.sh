@@ -14,7 +14,8 @@ here="$PWD" out="${OUT:-/tmp/duplex-out}" profile="${PROFILE:-deploy/profiles/h2
 [[ -f "$profile" ]] || { echo "no profile $profile" >&2; exit 2; }
 (( $# )) || { echo "usage: PROFILE=... $0 REV:SECONDS [REV:SECONDS ...]" >&2; exit 2; }
 for spec in "$@"; do
-  rev="${spec%%:*}" seconds="${spec#*:}" tree="/tmp/tree-${spec%%:*}"
+  rev="${spec%%:*}" seconds="${spec#*:}"
+  tree="/tmp/tree-$rev"
   [[ -f ".cache/treepatch/$rev.patch" ]] || { echo "no .cache/treepatch/$rev.patch (bench/h200/tree_patch.sh)" >&2; continue; }
   rm -rf "$tree" && mkdir -p "$tree"
   tar -C "$here" --exclude=./dist --exclude=./.cache -cf - . | tar -C "$tree" -xf -

@@ -47,24 +47,25 @@ def scrape(url: str) -> Sample:
         return parse(resp.read().decode())
 
 
+def _delta(before: Sample, after: Sample, name: str, stage: str) -> float:
+    return after.get((name, stage), 0.0) - before.get((name, stage), 0.0)
+
+
 def tails(before: Sample, after: Sample) -> dict[str, dict[str, float | None]]:
     """{"step_p99_ms": {stage: the upper bound of the histogram bucket holding the 99th percentile},
     "slow_steps": {stage: steps over SLOW_STEP_S}, "graph_misses": {stage: calls with no prebuilt graph}}
     over the interval: where a stage stalls, which a mean hides."""
-    def delta(name: str, stage: str) -> float:
-        return after.get((name, stage), 0.0) - before.get((name, stage), 0.0)
-
     bucket = f"{FAMILIES['step_ms']}_bucket:"
     out: dict[str, dict[str, float | None]] = {"step_p99_ms": {}, "slow_steps": {}, "graph_misses": {}}
     for stage in STAGES:
-        edges = sorted((float(k[0][len(bucket):]), delta(k[0], stage)) for k in after
+        edges = sorted((float(k[0][len(bucket):]), _delta(before, after, k[0], stage)) for k in after
                        if k[1] == stage and k[0].startswith(bucket))
         total = edges[-1][1] if edges else 0.0  # le="+Inf" sorts last
         p99 = next((le for le, cum in edges if cum >= 0.99 * total), None) if total > 0 else None
         out["step_p99_ms"][stage] = None if p99 is None else p99 * 1000.0
         below = next((cum for le, cum in edges if le == SLOW_STEP_S), None)
         out["slow_steps"][stage] = None if below is None else total - below
-        out["graph_misses"][stage] = delta("duplex_stage_graph_misses_total", stage)
+        out["graph_misses"][stage] = _delta(before, after, "duplex_stage_graph_misses_total", stage)
     return out
 
 
@@ -74,18 +75,14 @@ def means(before: Sample, after: Sample) -> dict[str, dict[str, float | None]]:
     for key, family in FAMILIES.items():
         out[key] = {}
         for stage in STAGES:
-            d_sum = after.get((f"{family}_sum", stage), 0.0) - before.get((f"{family}_sum", stage), 0.0)
-            d_count = after.get((f"{family}_count", stage), 0.0) - before.get((f"{family}_count", stage), 0.0)
+            d_sum, d_count = (_delta(before, after, f"{family}_{part}", stage) for part in ("sum", "count"))
             out[key][stage] = round(d_sum / d_count * SCALE[key], 3) if d_count > 0 else None
     return out
 
 
 def busy(before: Sample, after: Sample, seconds: float) -> dict[str, float | None]:
-    """{stage: ms of engine steps per second of the interval}: how much of the device each stage's steps took
-    (under the GPU gate the stages' sum stays under 1000; without it steps overlap and the sum can pass 1000)."""
+    """{stage: ms of engine steps per second of the interval}: how much of the time each stage's engine thread
+    was stepping (the stages' steps overlap on the device, so their sum can pass 1000)."""
     family = FAMILIES["step_ms"]
-    out: dict[str, float | None] = {}
-    for stage in STAGES:
-        d_sum = after.get((f"{family}_sum", stage), 0.0) - before.get((f"{family}_sum", stage), 0.0)
-        out[stage] = round(d_sum * 1000.0 / seconds, 1) if seconds > 0 else None
-    return out
+    return {stage: round(_delta(before, after, f"{family}_sum", stage) * 1000.0 / seconds, 1) if seconds > 0 else None
+            for stage in STAGES}

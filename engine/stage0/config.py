@@ -151,7 +151,7 @@ class Stage0Config:
     # split count (one split per row here: its batch is the cache's slots). Both are fixed per engine, so a row's
     # numbers stay independent of its batch either way. An A/B lever: the served step at 16 sessions slowed from
     # 02f129a to 5988a12, which brought this split (bench/RESULTS.md stop 42 item 3).
-    flex_keys_per_split: int = 512
+    flex_keys_per_split: int = 512  # = flex.KEYS_PER_SPLIT, a literal: this module stays free of torch
     # A step with both decoded tokens and unit prefills (or closes):
     # "split": the decode graph, then the prefill graph: two passes over the weights (at batch 1-2 either reads
     #   all 16 GB of bf16 weights).

@@ -298,10 +298,15 @@ def test_stage0_config_options(tiny_checkpoint: Path, name: str, bad: tuple[str,
             bridges.stage0(settings("stage0", tiny_checkpoint, engine_options=f'{{"{name}": {raw}}}'))
     assert getattr(bridges.stage0(settings("stage0", tiny_checkpoint)).engine.config, name) == default
     options = json.dumps({name: value})
-    bridge = bridges.stage0(settings("stage0", tiny_checkpoint, engine_options=options))
-    assert getattr(bridge.engine.config, name) == value
-    if name == "flex_keys_per_split":  # the model's attention reads it from the model
-        assert bridge.engine.model.flex_keys_per_split == value
+    assert getattr(bridges.stage0(settings("stage0", tiny_checkpoint, engine_options=options)).engine.config,
+                   name) == value
+
+
+def test_stage0_flex_keys_per_split_reaches_the_model(tiny_checkpoint: Path) -> None:
+    """The model's attention reads the split from the model (tests/engine/test_flex_prefill.py), which the engine
+    sets from its config."""
+    bridge = bridges.stage0(settings("stage0", tiny_checkpoint, engine_options='{"flex_keys_per_split": 0}'))
+    assert bridge.engine.model.flex_keys_per_split == 0
 
 
 def test_stage0_session_warm_up_leaves_no_trace(tiny_checkpoint: Path) -> None:
