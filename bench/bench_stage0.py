@@ -133,7 +133,7 @@ def engine_config(b: int, args: argparse.Namespace, dev: torch.device) -> tuple[
         raise SystemExit(f"--slot-len {args.slot_len} holds no {args.engine_units} units after {args.context} "
                          f"positions (needs {args.context + room + 1}; fewer --engine-units or a shorter context)")
     config = Stage0Config(
-        max_sessions=b, eviction="off", max_context=max_context, max_frames_per_unit=0,
+        max_sessions=max(b, args.slots), eviction="off", max_context=max_context, max_frames_per_unit=0,
         span_align=1 if args.slot_len is not None else Stage0Config.span_align,  # --slot-len is taken as is
         decode_batch_buckets=(b,), decode_kv_buckets=(quantized(max_context),),
         prefill_batch_buckets=(b,), use_cuda_graphs=not args.no_graphs,
@@ -141,7 +141,7 @@ def engine_config(b: int, args: argparse.Namespace, dev: torch.device) -> tuple[
         compile_dynamic=False if args.compile_static else None,
         fuse_projections=not args.no_fuse, merge_unit_close=True, scripted_decisions=True, benchmark_mode=True,
         prefill_attention=args.prefill_attention[0], decode_attention=args.decode_attention[0],
-        flex_keys_per_split=args.flex_keys_per_split,
+        flex_keys_per_split=args.flex_keys_per_split, flex_prefill_keys_per_split=args.flex_prefill_keys_per_split,
         # all speak units, so every session decodes in lock step (turn-end every `speak_units`)
         script_plan=ScriptPlan(listen_units=0, tail_listen_units=0))
     return config, rules
@@ -160,7 +160,7 @@ def fresh_compile(mode: str | None) -> None:
 def bench_decode(model: Qwen3LLM, cfg: LLMConfig, b: int, args: argparse.Namespace, dev: torch.device,
                  dtype: torch.dtype) -> list[dict]:
     config, rules = engine_config(b, args, dev)
-    kv = random_kv(cfg, b, config.slot_len(rules), dev, dtype)  # the engine rows' slot length
+    kv = random_kv(cfg, config.max_sessions, config.slot_len(rules), dev, dtype)  # the engine rows' slots, length
     x = torch.randn(b, 1, cfg.hidden_size, dtype=dtype, device=dev)
     pos = torch.full((b, 1), args.context, device=dev)
     slots = torch.arange(b)  # dense layout, as the engine's decode rows: row i = slot i
@@ -198,7 +198,7 @@ def bench_prefill(model: Qwen3LLM, cfg: LLMConfig, args: argparse.Namespace, dev
     ctx = args.prefill_context
     config, rules = engine_config(1, args, dev)
     extra = args.extra + (FRAME_PREFILL if args.frame_prefill else 0)
-    kv = random_kv(cfg, 1, max(config.slot_len(rules), ctx + extra), dev, dtype)
+    kv = random_kv(cfg, config.max_sessions, max(config.slot_len(rules), ctx + extra), dev, dtype)
     span = min(kv.max_len, quantized(ctx + MERGED_PREFILL))
     slot = torch.zeros(1, dtype=torch.long, device=dev)
     out, lengths = [], (UNIT_PREFILL, MERGED_PREFILL) + ((FRAME_PREFILL,) if args.frame_prefill else ())
@@ -238,7 +238,7 @@ def bench_prefill_batched(model: Qwen3LLM, cfg: LLMConfig, args: argparse.Namesp
     ctx, out = args.prefill_context, []
     for b in args.prefill_batches:
         config, rules = engine_config(b, args, dev)
-        kv = random_kv(cfg, b, max(config.slot_len(rules), ctx + args.extra), dev, dtype)
+        kv = random_kv(cfg, config.max_sessions, max(config.slot_len(rules), ctx + args.extra), dev, dtype)
         xs = [torch.randn(MERGED_PREFILL, cfg.hidden_size, dtype=dtype, device=dev) for _ in range(b)]
         with torch.no_grad():
             for mode in graph_modes(args)[-1:]:  # the served mode only
@@ -521,6 +521,10 @@ def main(argv: list[str] | None = None) -> None:
                     help="engine rows with random unit embeddings instead of the real audio front end")
     ap.add_argument("--extra", type=int, default=64,
                     help="prefill rows: at least this many KV positions beyond --prefill-context")
+    ap.add_argument("--slots", type=int, default=0,
+                    help="KV cache slots of every row (a served engine's max_sessions: 32 in the h200 profile); "
+                         "default 0: each row's batch. Flex attention runs over every slot, so a row of a few "
+                         "sessions in a cache of its own slots understates its served cost")
     ap.add_argument("--slot-len", type=int, default=None,
                     help="KV positions per slot of the graph and engine rows, hence their top attention span "
                          "(slot length - 1); default: what the engine rows need (context + their units' room + 1); "
@@ -550,7 +554,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prefill-batches", default="32",
                     help="sessions' merged unit prefills per graph for the batched prefill rows ('' = none)")
     ap.add_argument("--flex-keys-per-split", type=int, default=flex.KEYS_PER_SPLIT,
-                    help="the flex decoding kernel's split length (Stage0Config.flex_keys_per_split; 0: torch's)")
+                    help="the flex decoding kernel's split length for decode rows (Stage0Config.flex_keys_per_split; "
+                         "0: torch's)")
+    ap.add_argument("--flex-prefill-keys-per-split", type=int, default=flex.KEYS_PER_SPLIT,
+                    help="the same for unit prefills (Stage0Config.flex_prefill_keys_per_split)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--results", default=None,
                     help="write issue 16's JSON (commit, device, rows of what/batch/context/median_ms/p99_ms)")
@@ -565,7 +572,9 @@ def main(argv: list[str] | None = None) -> None:
     with torch.device(dev):
         model = Qwen3LLM(cfg).to(dtype).eval()
     dummy_init(model)
-    Qwen3LLM.flex_keys_per_split = args.flex_keys_per_split  # the graph rows; the engine rows take it from config
+    # the graph rows; the engine rows take them from their config
+    Qwen3LLM.flex_keys_per_split, Qwen3LLM.flex_prefill_keys_per_split = (args.flex_keys_per_split,
+                                                                           args.flex_prefill_keys_per_split)
     Qwen3LLM.fold_gqa = not args.no_fold
     Qwen3LLM.decode_attention = args.decode_attention[0]
     if not args.no_fuse:
@@ -610,7 +619,7 @@ def report(rows: list[dict], cfg: LLMConfig | None, n_params: int, elem: int, ar
     device = str(torch.cuda.get_device_name() if dev.type == "cuda" else "cpu")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(device=device, params=n_params, rows=rows), f, indent=2)
+            json.dump(dict(device=device, params=n_params, slots=args.slots, rows=rows), f, indent=2)
     if args.results:
         write_results(Path(args.results), result_rows(rows, args), device)
     print(f"{'what':44s} {'batch':>5s} {'ctx':>6s} {'span':>6s} {'median ms':>10s} {'p99 ms':>8s} {'floor ms':>9s} "

@@ -1,7 +1,7 @@
 """Where an engine step's time goes outside the forward (issue 16: engine overhead <= 15 %, 32 sessions' unit
 prefill <= 25 ms): the Stage0 engine's `step()` cut into its parts.
 
-    python bench/profile_stage0_engine.py --batches 1,32 --contexts 2048,8192
+    python bench/profile_stage0_engine.py --batches 1,32 --contexts 2048,8192 [--slots 32]
 
 bench_stage0's engine rows (full-size dummy weights, compiled graphs as served, merged unit close, scripted
 speak units, the real batched audio front end), with each part of the step wrapped in a timer that synchronises
@@ -142,6 +142,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--compile", default="default", help="the graphs' compile mode ('' = eager kernels)")
     ap.add_argument("--rows", type=int, default=25, help="ops listed per profiled step")
     ap.add_argument("--no-engine-frontend", action="store_true", help="random unit embeddings, no audio encoder")
+    ap.add_argument("--slots", type=int, default=0,
+                    help="the engine's max_sessions (a served engine's: 32 in the h200 profile); 0: the batch")
     ap.add_argument("--tiny", action="store_true")
     args = ap.parse_args(argv)
     dev = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
@@ -153,6 +155,7 @@ def main(argv: list[str] | None = None) -> None:
         False, False
     args.prefill_attention, args.decode_attention = ["auto"], ["matmul"]
     args.flex_keys_per_split = Qwen3LLM.flex_keys_per_split
+    args.flex_prefill_keys_per_split = Qwen3LLM.flex_prefill_keys_per_split
     with torch.device(dev):
         model = Qwen3LLM(cfg).to(dtype).eval()
     dummy_init(model)

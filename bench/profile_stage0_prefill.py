@@ -1,11 +1,15 @@
 """Where a batched unit prefill's GPU time goes (issue 16): the kernels of one Stage0 prefill forward.
 
-    python bench/profile_stage0_prefill.py --batches 1,8,32 --context 8192 [--flex]
+    python bench/profile_stage0_prefill.py --batches 1,8,32 --context 8192 [--flex] [--slots 32]
 
 Full-size dummy weights (bench_stage0's model), `batch` sessions with `context` retained positions each, one
 13-position unit (the merged close + `<unit>` + 10 audio embeddings) per session through the gathered-slot
 forward the prefill graphs capture (eager kernels here, so the profiler names them). Prints the wall time of
-the forward and the top kernels by GPU time. `--tiny` runs the tiny model on the CPU (a smoke test).
+the forward and the top kernels by GPU time. `--slots` sizes the KV cache as a served engine's (max_sessions),
+the batch's rows among them: flex attends over every slot (engine/model/flex.py), so a cache of the batch's own
+slots understates a served prefill of a few rows; with `--flex` the table then also gives the split's partial
+results per layer (`split_partials_bytes`) and the GPU time of the compiled flex call's other kernels, its
+reduction of those partials. `--tiny` runs the tiny model on the CPU (a smoke test).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 from bench.bench_stage0 import FULL, MERGED_PREFILL, TINY, dummy_init, quantized, random_kv  # noqa: E402
 from engine.config import LLMConfig  # noqa: E402
 from engine.model import flex  # noqa: E402
-from engine.model.llm import Qwen3LLM  # noqa: E402
+from engine.model.llm import Qwen3LLM, SlotKVCache  # noqa: E402
 
 SDPA_SETS = {"efficient": [SDPBackend.EFFICIENT_ATTENTION], "flash": [SDPBackend.FLASH_ATTENTION],
              "math": [SDPBackend.MATH], "no-cudnn": [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
@@ -43,24 +47,33 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--flex", action="store_true",
                     help="the rows attend over the slot KV with FlexAttention (the served prefill), not a gathered copy")
     ap.add_argument("--keys-per-split", default="",
-                    help="with --flex: split lengths of the decoding kernel to sweep (Qwen3LLM.flex_keys_per_split; 0: torch's)")
+                    help="with --flex: split lengths of the decoding kernel to sweep "
+                         "(Qwen3LLM.flex_prefill_keys_per_split; 0: torch's)")
+    ap.add_argument("--slots", type=int, default=0,
+                    help="KV cache slots (a served engine's max_sessions; 0: the batch's own), the rows in the first")
     ap.add_argument("--tiny", action="store_true")
     args = ap.parse_args(argv)
     model, cfg, dev, dtype = profiled_model(args.tiny)
     summary = []
     programs = [int(p) for p in args.keys_per_split.split(",") if p] or [flex.KEYS_PER_SPLIT]
-    for b in (int(x) for x in args.batches.split(",")):
+    batches = [int(x) for x in args.batches.split(",")]
+    if args.slots and args.slots < max(batches):
+        ap.error(f"--slots {args.slots} holds no batch of {max(batches)}")
+    for b in batches:
         for name in args.sdpa.split(","):
             for keys in programs:
-                model.flex_keys_per_split = keys
+                model.flex_prefill_keys_per_split = keys
                 try:
                     with sdpa_kernel(SDPA_SETS[name]) if name != "default" else contextlib.nullcontext():
                         summary.append((name, keys, b, *profile_one(model, cfg, b, args, dev, dtype)))
                 except RuntimeError as exc:  # e.g. no kernel of the set takes this mask on this device
                     print(f"\n== batch {b}, sdpa {name}: {exc} ==")
-    print("\nsdpa | flex keys per split | batch | eager wall ms | GPU ms | attention ms | KV gather ms")
-    for name, keys, b, wall, gpu, attn, gather in summary:
-        print(f"{name} | {keys if args.flex else '-'} | {b} | {wall:.1f} | {gpu:.1f} | {attn:.1f} | {gather:.1f}")
+    print("\nsdpa | flex keys per split | batch | slots | eager wall ms | GPU ms | attention ms | split partials MB "
+          "per layer | flex reduction ms | KV gather ms")
+    for name, keys, b, wall, gpu, attn, partials, reduction, gather in summary:
+        mb = "-" if partials is None else f"{partials / 1e6:.1f}"
+        print(f"{name} | {keys if args.flex else '-'} | {b} | {args.slots or b} | {wall:.1f} | {gpu:.1f} | "
+              f"{attn:.1f} | {mb} | {reduction:.1f} | {gather:.1f}")
 
 
 def profiled_model(tiny: bool) -> tuple[Qwen3LLM, LLMConfig, torch.device, torch.dtype]:
@@ -76,12 +89,13 @@ def profiled_model(tiny: bool) -> tuple[Qwen3LLM, LLMConfig, torch.device, torch
 
 
 def profile_one(model: Qwen3LLM, cfg: LLMConfig, b: int, args: argparse.Namespace, dev: torch.device,
-                dtype: torch.dtype) -> tuple[float, float, float, float]:
-    """(wall ms of the eager forward, its GPU ms, of which attention and the KV gather) for b rows."""
+                dtype: torch.dtype) -> tuple[float, float, float, int | None, float, float]:
+    """(wall ms of the eager forward, its GPU ms, of which attention, the flex split's partials in bytes per layer
+    (None: no flex decoding kernel), the flex call's reduction ms and the KV gather ms) for b rows."""
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA]
                                                           if dev.type == "cuda" else [])
-    kv = random_kv(cfg, b, args.context + 64, dev, dtype)
+    kv = random_kv(cfg, args.slots or b, args.context + 64, dev, dtype)
     span, n = quantized(args.context + MERGED_PREFILL), MERGED_PREFILL
     x = torch.randn(b, n, cfg.hidden_size, dtype=dtype, device=dev)
     pos = (args.context + torch.arange(n, device=dev))[None].expand(b, n).contiguous()
@@ -112,7 +126,23 @@ def profile_one(model: Qwen3LLM, cfg: LLMConfig, b: int, args: argparse.Namespac
     ops = {e.key: getattr(e, own) / 1e3 for e in prof.key_averages()}  # ms
     attention = sum(v for k, v in ops.items() if (k.startswith("aten::_") and "attention" in k)
                     or k.startswith("triton_tem_fused_flex"))
-    return wall, _total_ms(table), attention, ops.get("aten::index", 0.0)
+    # the eager forward's own kernels are aten's: the other Triton kernels are the compiled flex call's reduction
+    reduction = sum(v for k, v in ops.items() if k.startswith("triton_") and not k.startswith("triton_tem"))
+    return wall, _total_ms(table), attention, split_partials(model, cfg, kv, n, dev), reduction, \
+        ops.get("aten::index", 0.0)
+
+
+def split_partials(model: Qwen3LLM, cfg: LLMConfig, kv: SlotKVCache, positions: int, dev: torch.device) -> int | None:
+    """Bytes per layer of the flex decoding kernel's partial results for rows of `positions` (its batch: every
+    cache slot), None where that kernel does not run (off CUDA, longer rows)."""
+    if dev.type != "cuda" or positions > flex.FLEX_DECODING_MAX_POSITIONS:
+        return None
+    slots = kv.slots + 1
+    splits = flex.decode_splits(kv.max_len, dev, model.flex_prefill_keys_per_split)
+    if splits is None:  # torch's count (torch/_inductor/kernel/flex/flex_decoding.py get_split_k)
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count
+        splits = max(1, 2 * sms // (slots * cfg.num_key_value_heads))
+    return flex.split_partials_bytes(slots, splits, cfg.num_attention_heads, positions, cfg.head_dim)
 
 
 def _total_ms(table: str) -> float:

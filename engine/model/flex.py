@@ -32,10 +32,17 @@ FLEX_DECODING_MAX_POSITIONS = 16
 # split count is 2 x SMs // (rows x kv heads), at least 1: 33 cache rows x 8 kv heads on 132 SMs got ONE split, so
 # each program walked a slot's whole 8 k keys alone, latency-bound (26 of the 44 ms of 32 units' prefill at 8 k on
 # the H200, stop 29). A split length fixed per engine, not a count from the batch, also keeps a row's sum order the
-# same whatever rows share its step (batch invariance). The value is the H200 sweep's (bench/RESULTS.md, stop 29).
-# Stage0's engine option `flex_keys_per_split` overrides it per model (`Qwen3LLM.flex_keys_per_split`); 0 gives
-# torch's choice, which is fixed per engine too (the kernel's batch is the cache's slot count).
+# same whatever rows share its step (batch invariance). The value is the H200 sweep's (bench/RESULTS.md, stop 29),
+# which timed the attention kernel alone over a cache of the rows' own slots: the cost below did not show in it.
+# Stage0's engine options `flex_keys_per_split` (flex decode rows) and `flex_prefill_keys_per_split` (unit prefills)
+# override it per model (the `Qwen3LLM` attributes of those names); 0 gives torch's choice, which is fixed per
+# engine too (the kernel's batch is the cache's slot count).
 KEYS_PER_SPLIT = 512
+# What a split costs beside the kernel: every program writes its partial output in fp32, and a reduction reads them
+# all back, for every row of the kernel's batch, which is the cache's slot count (33 for 32 sessions), not the live
+# rows: `split_partials_bytes`. For a unit prefill (13 positions) at 17 splits that is 119 MB a layer, 8.6 GB written
+# and read per forward (at least 1.8 ms at the H200's 4.8 TB/s) even with one live row; a decode row (1 position)
+# pays a thirteenth of it. Hence separate split lengths for the two (Qwen3LLM.flex_prefill_keys_per_split).
 
 
 class SlotBlocks(NamedTuple):
@@ -52,6 +59,12 @@ def decode_splits(max_len: int, device: torch.device, keys_per_split: int = KEYS
     if device.type != "cuda" or keys_per_split == 0:
         return None
     return max(1, -(-max_len // keys_per_split))
+
+
+def split_partials_bytes(slots: int, splits: int, heads: int, positions: int, head_dim: int) -> int:
+    """Bytes of the partial outputs the flex decoding kernel writes (and its reduction reads) per layer: torch's
+    buffer [slots, splits, heads, positions, head_dim] in fp32 (torch/_inductor/kernel/flex/flex_decoding.py)."""
+    return slots * splits * heads * positions * head_dim * 4
 
 
 def dense_blocks(write_pos: torch.Tensor, idle_pos: int, slots: int, max_len: int,

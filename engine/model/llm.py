@@ -97,8 +97,11 @@ class Qwen3LLM(nn.Module):
     # single-token (decode) attention: "matmul" (two GEMMs over the folded rows), "sdpa", or "flex" (dense
     # layout only: FlexAttention over each row's own key blocks, engine/model/flex.py; bench_stage0 measures it)
     decode_attention: str = "matmul"
-    # keys per split of the flex decoding kernel (unit prefills, flex decode rows; engine/model/flex.py); 0: torch's
+    # keys per split of the flex decoding kernel (engine/model/flex.py; 0: torch's count): single-token dense rows
+    # (flex decode) and the gathered rows of up to 16 positions (unit prefills) have their own, because a split's
+    # partial results scale with the rows' positions (flex.py `SPLIT_BUFFER`)
     flex_keys_per_split: int = KEYS_PER_SPLIT
+    flex_prefill_keys_per_split: int = KEYS_PER_SPLIT
 
     def __init__(self, cfg: LLMConfig) -> None:
         super().__init__()
@@ -194,7 +197,7 @@ class Qwen3LLM(nn.Module):
                                              self.flex_keys_per_split)
         if use_flex:
             return lay, "flex", slot_blocks(lay.write_pos, lay.write_slot != kv.scratch, slot_ids, kv.slots + 1,
-                                            kv.max_len, self.flex_keys_per_split)
+                                            kv.max_len, self.flex_prefill_keys_per_split)
         mode = "matmul" if t == 1 and decode_attention == "matmul" else "fold" if self.fold_gqa else "gqa"
         return lay, mode, self._mask(lay.visible, mode, dtype)
 

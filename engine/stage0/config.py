@@ -146,12 +146,16 @@ class Stage0Config:
     # Cost, served on h200-scripted at 16 sessions: commit->first audio p50 about +10-30 ms with flex (stops
     # 37-38: more GEMM work beside the TTS and Token2Wav steps); False keeps gemm_min_rows alone.
     gemm_pad_buckets: bool = True
-    # Keys per split of the flex decoding kernel, which unit prefills (at most 16 positions) and flex decode rows
+    # Keys per split of the flex decoding kernel, which flex decode rows and unit prefills (at most 16 positions)
     # run on (engine/model/flex.py KEYS_PER_SPLIT, from an H200 sweep of 32 units at 8 k, stop 29); 0: torch's
     # split count (one split per row here: its batch is the cache's slots). Both are fixed per engine, so a row's
     # numbers stay independent of its batch either way. An A/B lever: the served step at 16 sessions slowed from
-    # 02f129a to 5988a12, which brought this split (bench/RESULTS.md stop 42 item 3).
-    flex_keys_per_split: int = 512  # = flex.KEYS_PER_SPLIT, a literal: this module stays free of torch
+    # 02f129a to 5988a12, which brought this split (bench/RESULTS.md stop 42 item 3). Each split writes and reads
+    # back fp32 partial results for every cache slot, 13 times more for a unit prefill than for a decode row
+    # (flex.py `split_partials_bytes`), so unit prefills have their own length. Literals equal to flex.KEYS_PER_SPLIT:
+    # this module stays free of torch.
+    flex_keys_per_split: int = 512  # flex decode rows
+    flex_prefill_keys_per_split: int = 512  # unit prefills (rows of 2-16 positions)
     # A step with both decoded tokens and unit prefills (or closes):
     # "split": the decode graph, then the prefill graph: two passes over the weights (at batch 1-2 either reads
     #   all 16 GB of bf16 weights).
@@ -221,8 +225,9 @@ class Stage0Config:
             raise ValueError(f"prefix_chunk {self.prefix_chunk}: use 0 (whole prefix) or a position count")
         if self.prefill_hold_ms < 0:
             raise ValueError(f"prefill_hold_ms {self.prefill_hold_ms}: use 0 (off) or a wait in ms")
-        if self.flex_keys_per_split < 0:
-            raise ValueError(f"flex_keys_per_split {self.flex_keys_per_split}: use 0 (torch's choice) or a key count")
+        for name in ("flex_keys_per_split", "flex_prefill_keys_per_split"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} {getattr(self, name)}: use 0 (torch's choice) or a key count")
         if self.gemm_min_rows < 0:
             raise ValueError(f"gemm_min_rows {self.gemm_min_rows}: use 0 (off) or a row count")
         if self.decode_attention not in ("matmul", "sdpa", "flex"):

@@ -58,6 +58,7 @@ class Stage0Engine:
             model.fuse_projections()  # same parameters (views), so the caller's model is unchanged in value
         model.pad_gemm_rows(config.gemm_min_rows)
         model.flex_keys_per_split = config.flex_keys_per_split
+        model.flex_prefill_keys_per_split = config.flex_prefill_keys_per_split
         p = next(model.parameters())
         kv = SlotKVCache.allocate(model.cfg, config.max_sessions, config.slot_len(rules), dtype=p.dtype,
                                   device=p.device)

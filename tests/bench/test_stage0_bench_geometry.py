@@ -55,12 +55,33 @@ def test_slot_len_too_short_for_the_engine_rows_is_refused() -> None:
 
     args = argparse.Namespace(context=64, engine_units=1, slot_len=100, no_graphs=False, compile=None,
                               compile_static=False, no_fuse=False, prefill_attention=["gather"],
-                              decode_attention=["matmul"], flex_keys_per_split=512)
+                              decode_attention=["matmul"], flex_keys_per_split=512,
+                              flex_prefill_keys_per_split=512, slots=0)
     with pytest.raises(SystemExit, match="needs 197"):
         engine_config(1, args, torch.device("cpu"))
     args.slot_len = 197
     config, rules = engine_config(1, args, torch.device("cpu"))
     assert config.slot_len(rules) == 197
+
+
+def test_slots_size_every_rows_cache_as_a_served_engine(tmp_path: Path) -> None:
+    """`--slots` gives the engine rows max(slots, batch) sessions, so a served engine's cache (the flex kernels'
+    batch) surrounds a row of a few sessions; the graph rows take the same cache; the JSON says which."""
+    from bench.bench_stage0 import engine_config
+
+    args = argparse.Namespace(context=64, engine_units=1, slot_len=None, no_graphs=False, compile=None,
+                              compile_static=False, no_fuse=False, prefill_attention=["flex"],
+                              decode_attention=["matmul"], flex_keys_per_split=512,
+                              flex_prefill_keys_per_split=512, slots=4)
+    assert [engine_config(b, args, torch.device("cpu"))[0].max_sessions for b in (1, 2, 8)] == [4, 4, 8]
+    args.slots = 0
+    assert engine_config(2, args, torch.device("cpu"))[0].max_sessions == 2
+    out = tmp_path / "rows.json"
+    run_bench(tmp_path, "--slots", "4", "--prefill-attention", "flex", "--decode-attention", "flex")
+    doc = json.loads(out.read_text())
+    assert doc["slots"] == 4
+    assert {r["name"].split(" [")[0] for r in doc["rows"]} >= {"graph decode", "graph prefill 13",
+                                                               "engine step decode", "engine step prefill"}
 
 
 def test_frame_prefill_row_runs_with_flex(tmp_path: Path) -> None:

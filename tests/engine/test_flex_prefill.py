@@ -131,9 +131,9 @@ def test_decode_splits_follow_the_split_length_and_zero_leaves_torchs_choice() -
     assert decode_splits(8200, cuda, 0) is None and decode_splits(8200, cpu) is None
 
 
-def test_the_models_split_length_reaches_its_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`Qwen3LLM.flex_keys_per_split` (stage0's engine option) is the split length of the blocks its forward builds,
-    for unit rows (gathered) and flex decode rows (dense)."""
+def test_the_models_split_lengths_reach_their_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`Qwen3LLM.flex_prefill_keys_per_split` and `flex_keys_per_split` (stage0's engine options) are the split
+    lengths of the blocks its forward builds for unit rows (gathered) and flex decode rows (dense)."""
     import engine.model.llm as llm
 
     seen: list[int] = []
@@ -141,9 +141,9 @@ def test_the_models_split_length_reaches_its_blocks(monkeypatch: pytest.MonkeyPa
         real = getattr(llm, name)
         monkeypatch.setattr(llm, name, lambda *a, _real=real: seen.append(a[-1]) or _real(*a))
     model = tiny_llm()
-    model.flex_keys_per_split = 16
+    model.flex_keys_per_split, model.flex_prefill_keys_per_split = 16, 32
     kv = SlotKVCache.allocate(TINY, 2, 64, dtype=torch.float32)
     model._attention(torch.arange(3)[None].expand(2, 3), torch.tensor([0, 1]), kv, None, None, True, "matmul",
                      torch.float32)
     model._attention(torch.tensor([[4], [5]]), None, kv, None, None, False, "flex", torch.float32)
-    assert seen == [16, 16]
+    assert seen == [32, 16]

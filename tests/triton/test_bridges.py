@@ -286,6 +286,7 @@ def test_stage0_gemm_min_rows_option(tiny_checkpoint: Path) -> None:
     ("prefill_hold_ms", ("-1", "2.5", "true"), 0, 20),  # a unit waits for token rows (0 = off)
     ("gemm_pad_buckets", ("1", '"false"', "null"), True, False),  # graphs pad their GEMMs over their buckets
     ("flex_keys_per_split", ("-1", "512.0", "true"), 512, 0),  # the flex decoding kernel's split (0 = torch's)
+    ("flex_prefill_keys_per_split", ("-1", "512.0", "true"), 512, 2048),  # the same for unit prefills
 ])
 def test_stage0_config_options(tiny_checkpoint: Path, name: str, bad: tuple[str, ...], default: object,
                                value: object) -> None:
@@ -302,11 +303,12 @@ def test_stage0_config_options(tiny_checkpoint: Path, name: str, bad: tuple[str,
                    name) == value
 
 
-def test_stage0_flex_keys_per_split_reaches_the_model(tiny_checkpoint: Path) -> None:
-    """The model's attention reads the split from the model (tests/engine/test_flex_prefill.py), which the engine
-    sets from its config."""
-    bridge = bridges.stage0(settings("stage0", tiny_checkpoint, engine_options='{"flex_keys_per_split": 0}'))
-    assert bridge.engine.model.flex_keys_per_split == 0
+def test_stage0_flex_split_lengths_reach_the_model(tiny_checkpoint: Path) -> None:
+    """The model's attention reads the splits from the model (tests/engine/test_flex_prefill.py), which the engine
+    sets from its config, each from its own option."""
+    options = '{"flex_keys_per_split": 0, "flex_prefill_keys_per_split": 2048}'
+    model = bridges.stage0(settings("stage0", tiny_checkpoint, engine_options=options)).engine.model
+    assert (model.flex_keys_per_split, model.flex_prefill_keys_per_split) == (0, 2048)
 
 
 def test_stage0_session_warm_up_leaves_no_trace(tiny_checkpoint: Path) -> None:
