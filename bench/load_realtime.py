@@ -221,6 +221,7 @@ def step_record(n: int, logs: list[UserLog], scripted: bool | None, before: stag
     run["stage_step_ms"] = m["step_ms"] if m else empty
     run["stage_queue_wait_ms"] = m["queue_wait_ms"] if m else empty
     run["stage_busy_ms_per_s"] = stages.busy(before, after, seconds) if m else empty
+    run["stage_step_ms_by_kind"] = stages.by_kind(before, after) if m else {}
     t = stages.tails(before, after) if before is not None and after is not None else None
     for key in ("step_p99_ms", "slow_steps", "graph_misses"):
         run[f"stage_{key}"] = t[key] if t else empty

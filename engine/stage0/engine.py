@@ -119,6 +119,12 @@ class Stage0Engine:
         """Rows the last step fed (batch occupancy)."""
         return self.scheduler.last_rows
 
+    @property
+    def last_kind(self) -> str:
+        """What the last step with rows ran: "prefill" (a unit, close or prefix row, maybe beside decoded tokens:
+        the audio front end and a prefill pass) or "decode" (decoded tokens only)."""
+        return self.scheduler.last_kind
+
     # ---- the step loop ----------------------------------------------------------------------------
     def start_audio_worker(self) -> bool:
         return self.scheduler.start_audio_worker()

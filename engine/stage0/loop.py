@@ -58,6 +58,7 @@ class StepScheduler:
         self.recovery = StepRecovery(runner, table, ids, emit)
         self.audio_worker: AudioWorker | None = None  # the front end on its own thread, else in the step
         self.last_rows = 0  # rows the last step fed (batch occupancy)
+        self.last_kind = "decode"  # "prefill": the last step had a row of several positions (unit, close, prefix)
 
     # ---- the audio worker -------------------------------------------------------------------------
     def start_audio_worker(self) -> bool:
@@ -101,6 +102,7 @@ class StepScheduler:
             self._encode_frames(sessions)
             work = [(s, row) for s in sessions if (row := self._row(s)) is not None]
             self.last_rows = len(work)
+            self.last_kind = "prefill" if any(row.embeds is not None for _, row in work) else "decode"
             if work:
                 self._run_rows(work)
                 return True

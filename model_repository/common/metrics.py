@@ -10,6 +10,10 @@ metrics API (`pb_utils.MetricFamily`, histograms present in Triton 2.51):
 `_sum / _count` of a histogram is its mean; the load generator diffs them around a run.
 A step slower than SLOW_STEP_S is also logged (WARNING, at most one line per SLOW_LOG_EVERY_S, with the count
 since the last line): a stall that a mean hides shows in the log with its rows.
+One more histogram, labelled by `stage` and `kind`, where the bridge tells what a step ran (stage0):
+  duplex_stage_step_kind_seconds    the step's wall time by kind: stage0 `prefill` (a unit, close or prefix
+                                    row: the audio front end and a prefill pass, maybe beside decoded tokens)
+                                    or `decode` (decoded tokens only); a prefill's cost served, not in a mean
 One counter, labelled by `stage` and `kind` (issue 15):
   duplex_stage_graph_misses_total   engine calls whose shape had no CUDA graph / compiled step built at
                                     warm-up (engine/warmup.py GraphMisses; each shape is also logged once)
@@ -42,6 +46,8 @@ FAMILIES = {  # key -> (name, description, buckets)
     "step": ("duplex_stage_step_seconds", "Wall time of one engine step that had work", SECONDS_BUCKETS),
     "wait": ("duplex_stage_queue_wait_seconds", "Request submit -> taken by the engine thread", SECONDS_BUCKETS),
 }
+KIND_STEP = ("duplex_stage_step_kind_seconds", "Wall time of one engine step that had work, by what it ran",
+             SECONDS_BUCKETS)
 MISSES = ("duplex_stage_graph_misses_total", "Engine calls whose shape had no graph built at warm-up")
 
 
@@ -67,6 +73,9 @@ class _TritonHistograms:
                                                        kind=pb_utils.MetricFamily.HISTOGRAM)
             self.metrics[key] = self.families[key].Metric(labels={"stage": stage}, buckets=buckets)
         self.stage = stage
+        self.kinds = pb_utils.MetricFamily(name=KIND_STEP[0], description=KIND_STEP[1],
+                                           kind=pb_utils.MetricFamily.HISTOGRAM)
+        self.kind_steps: dict[str, Any] = {}
         self.misses = pb_utils.MetricFamily(name=MISSES[0], description=MISSES[1], kind=pb_utils.MetricFamily.COUNTER)
         self.miss_counters: dict[str, Any] = {}
 
@@ -76,9 +85,15 @@ class _TritonHistograms:
     def release(self) -> None:
         """Drop every Metric before its MetricFamily (a Metric needs its family)."""
         self.metrics.clear()
+        self.kind_steps.clear()
         self.miss_counters.clear()
         self.families.clear()
-        self.misses = None
+        self.kinds = self.misses = None
+
+    def kind_step(self, kind: str) -> Any:
+        if kind not in self.kind_steps:
+            self.kind_steps[kind] = self.kinds.Metric(labels={"stage": self.stage, "kind": kind}, buckets=KIND_STEP[2])
+        return self.kind_steps[kind]
 
     def miss_counter(self, kind: str) -> Any:
         if kind not in self.miss_counters:
@@ -100,8 +115,9 @@ class StageMetrics:
                  flush_s: float = FLUSH_S) -> None:
         self.stage = stage
         self.totals = {key: Totals() for key in FAMILIES}
+        self.kind_totals: dict[str, Totals] = {}  # step wall time by kind (`step(kind=...)`)
         self._sink = histograms(stage)
-        self._pending: list[tuple[str, float]] = []
+        self._pending: list[tuple[str, str | None, float]] = []  # (family key, step kind or None, value)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._flush_s = flush_s
@@ -120,9 +136,11 @@ class StageMetrics:
         return dict(self._misses())
 
     # ---- engine thread ------------------------------------------------------------------------------
-    def step(self, rows: int, seconds: float) -> None:
+    def step(self, rows: int, seconds: float, kind: str | None = None) -> None:
         self._add("rows", float(rows))
         self._add("step", seconds)
+        if kind is not None:
+            self._add("step", seconds, kind)
         if seconds > SLOW_STEP_S:
             self._slow(rows, seconds)
 
@@ -138,13 +156,13 @@ class StageMetrics:
     def queue_wait(self, seconds: float) -> None:
         self._add("wait", seconds)
 
-    def _add(self, key: str, value: float) -> None:
+    def _add(self, key: str, value: float, kind: str | None = None) -> None:
         with self._lock:
-            totals = self.totals[key]
+            totals = self.totals[key] if kind is None else self.kind_totals.setdefault(kind, Totals())
             totals.count += 1
             totals.total += value
             if self._sink is not None:
-                self._pending.append((key, value))
+                self._pending.append((key, kind, value))
 
     # ---- flusher thread -----------------------------------------------------------------------------
     def start(self) -> None:
@@ -167,8 +185,8 @@ class StageMetrics:
             pending, self._pending = self._pending, []
         if self._sink is None:
             return
-        for key, value in pending:
-            self._sink[key].observe(value)
+        for key, kind, value in pending:
+            (self._sink[key] if kind is None else self._sink.kind_step(kind)).observe(value)
         for kind, total in self.misses().items():
             delta = total - self._misses_sent.get(kind, 0)
             if delta > 0:

@@ -143,3 +143,21 @@ def test_serve_thread_processes_appends() -> None:
         stop.set()
         worker.join(timeout=5)
     assert [e for e in events if isinstance(e, UnitDone)][0].is_listen
+
+
+def test_each_step_says_whether_it_ran_a_prefill() -> None:
+    """`last_kind` (the stage metrics' step kind): "prefill" for a step that fed a row of several positions (the
+    prefix, a unit, a close), "decode" for one that fed decoded tokens only; both occur in a speaking session."""
+    engine, _ = make_engine(sessions=1)
+    engine.open("s1", Fence(1, 0), params=params(1))
+    for k in range(4):
+        engine.append("s1", Fence(1, 0, seq=k), unit_pcm(1, k))
+    s, seen = engine.session("s1"), []
+    while True:
+        before = s.cached_len
+        if not engine.step():
+            break
+        if engine.last_rows:
+            seen.append((s.cached_len - before, engine.last_kind))
+    assert {kind for _, kind in seen} == {"prefill", "decode"}
+    assert all(kind == ("prefill" if fed > 1 else "decode") for fed, kind in seen), seen

@@ -115,6 +115,7 @@ class EngineBridge:
         self.metrics = StageMetrics(settings.stage)
         self.metrics.watch_misses(self.graph_misses)
         self.step_rows = 0  # rows the running step serves; each bridge's `step` sets it (batch occupancy)
+        self.step_kind: str | None = None  # what the step ran, where a bridge tells (stage0: prefill / decode)
 
     # ---- StageEngine protocol (adapter thread) ------------------------------------------------------
     def start(self) -> None:
@@ -138,7 +139,8 @@ class EngineBridge:
         raise NotImplementedError
 
     def step(self) -> bool:
-        """One engine step; False when there was no work. Sets `step_rows` to the rows the step serves."""
+        """One engine step; False when there was no work. Sets `step_rows` to the rows the step serves (and may
+        set `step_kind`)."""
         raise NotImplementedError
 
     def forget(self, corrid: int) -> None:
@@ -176,10 +178,10 @@ class EngineBridge:
                 except queue.Empty:
                     item = None
             try:
-                self.step_rows, started = 0, time.perf_counter()
+                self.step_rows, self.step_kind, started = 0, None, time.perf_counter()
                 busy = self.step()
                 if self.step_rows:
-                    self.metrics.step(self.step_rows, time.perf_counter() - started)
+                    self.metrics.step(self.step_rows, time.perf_counter() - started, self.step_kind)
             except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, not the engine
                 traceback.print_exc()
                 self.fail_all(engine_error(exc))

@@ -281,7 +281,7 @@ class Stage0Bridge(EngineBridge):
     def step(self) -> bool:
         busy = self.engine.step()
         # a row is one session's forward in this step (prefix, unit prefill, token or close)
-        self.step_rows = self.engine.last_rows
+        self.step_rows, self.step_kind = self.engine.last_rows, self.engine.last_kind
         return busy
 
     def forget(self, corrid: int) -> None:
