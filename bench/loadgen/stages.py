@@ -14,7 +14,8 @@ FAMILIES = {"rows_per_step": "duplex_stage_rows_per_step",
             "step_ms": "duplex_stage_step_seconds",
             "queue_wait_ms": "duplex_stage_queue_wait_seconds"}
 SCALE = {"rows_per_step": 1.0, "step_ms": 1000.0, "queue_wait_ms": 1000.0}
-KIND_STEP = "duplex_stage_step_kind_seconds"  # labelled by stage and kind (stage0: prefill / decode)
+KIND_FAMILIES = {"rows": "duplex_stage_kind_rows_per_step",  # labelled by stage and kind (stage0: prefill / decode)
+                 "step_ms": "duplex_stage_kind_step_seconds"}
 SCRAPE_TIMEOUT_S = 5.0
 SLOW_STEP_S = 0.25  # a histogram bucket edge (model_repository/common/metrics.py SECONDS_BUCKETS)
 _LINE = re.compile(r'^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)')
@@ -25,7 +26,7 @@ Sample = dict[tuple[str, str], float]  # (metric name, stage) -> value
 
 def parse(text: str) -> Sample:
     """The duplex stage samples by stage: `*_sum`, `*_count`, the step histogram's buckets (keyed
-    `name:le`), the step-by-kind histogram's sum and count (keyed `name:kind`) and the graph-miss counter (summed
+    `name:le`), the by-kind histograms' sums and counts (keyed `name:kind`) and the graph-miss counter (summed
     over its kinds)."""
     out: Sample = {}
     for line in text.splitlines():
@@ -38,7 +39,7 @@ def parse(text: str) -> Sample:
             if name != f"{FAMILIES['step_ms']}_bucket":
                 continue
             name = f"{name}:{labels.get('le')}"
-        elif name.startswith(KIND_STEP):
+        elif name.startswith(tuple(KIND_FAMILIES.values())):
             name = f"{name}:{labels.get('kind')}"
         if stage is not None:
             key = (name, stage)
@@ -93,14 +94,18 @@ def busy(before: Sample, after: Sample, seconds: float) -> dict[str, float | Non
 
 
 def by_kind(before: Sample, after: Sample) -> dict[str, dict[str, dict[str, float]]]:
-    """{stage: {kind: {"steps": n, "mean_ms": ms}}} over the interval, for the stages that tell what their steps ran
-    (stage0: `prefill` steps ran the audio front end and a prefill pass, `decode` steps decoded tokens only)."""
+    """{stage: {kind: {"steps": n, "mean_rows": rows, "mean_ms": ms}}} over the interval, for the stages that tell
+    what their steps ran (stage0: `prefill` steps ran the audio front end and a prefill pass, `decode` steps
+    decoded tokens only; P12 reads the decode steps' rows)."""
     out: dict[str, dict[str, dict[str, float]]] = {}
-    prefix = f"{KIND_STEP}_count:"
+    rows, step = KIND_FAMILIES["rows"], KIND_FAMILIES["step_ms"]
+    prefix = f"{step}_count:"
     for name, stage in sorted(k for k in after if k[0].startswith(prefix)):
         kind = name[len(prefix):]
         count = _delta(before, after, name, stage)
         if count > 0:
-            total = _delta(before, after, f"{KIND_STEP}_sum:{kind}", stage)
-            out.setdefault(stage, {})[kind] = {"steps": count, "mean_ms": round(total / count * 1000.0, 3)}
+            out.setdefault(stage, {})[kind] = {
+                "steps": count,
+                "mean_rows": round(_delta(before, after, f"{rows}_sum:{kind}", stage) / count, 3),
+                "mean_ms": round(_delta(before, after, f"{step}_sum:{kind}", stage) / count * 1000.0, 3)}
     return out

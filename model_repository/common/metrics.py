@@ -10,10 +10,11 @@ metrics API (`pb_utils.MetricFamily`, histograms present in Triton 2.51):
 `_sum / _count` of a histogram is its mean; the load generator diffs them around a run.
 A step slower than SLOW_STEP_S is also logged (WARNING, at most one line per SLOW_LOG_EVERY_S, with the count
 since the last line): a stall that a mean hides shows in the log with its rows.
-One more histogram, labelled by `stage` and `kind`, where the bridge tells what a step ran (stage0):
-  duplex_stage_step_kind_seconds    the step's wall time by kind: stage0 `prefill` (a unit, close or prefix
-                                    row: the audio front end and a prefill pass, maybe beside decoded tokens)
-                                    or `decode` (decoded tokens only); a prefill's cost served, not in a mean
+Two more, labelled by `stage` and `kind`, where the bridge tells what a step ran (stage0: `prefill`, a unit,
+close or prefix row, so the audio front end and a prefill pass, maybe beside decoded tokens; `decode`, decoded
+tokens only): a prefill's cost served apart from the decode steps, and P12's rows per decode step
+  duplex_stage_kind_rows_per_step   rows of the steps of that kind
+  duplex_stage_kind_step_seconds    wall time of the steps of that kind
 One counter, labelled by `stage` and `kind` (issue 15):
   duplex_stage_graph_misses_total   engine calls whose shape had no CUDA graph / compiled step built at
                                     warm-up (engine/warmup.py GraphMisses; each shape is also logged once)
@@ -21,8 +22,8 @@ One counter, labelled by `stage` and `kind` (issue 15):
 Every `observe` is an IPC round trip to the Triton process (measured: 70 us on a loaded 2-core CPU host,
 Triton 2.51; a busy Python thread kept ~77 % of its speed while a flush ran), so the engine thread never
 makes one: it appends to a buffer, and a flusher thread hands the buffer to Triton every `FLUSH_S`. The
-cost grows with the observations (2 per step + 1 per request), not with the flush rate. Outside Triton
-(`pb_utils` absent: unit tests of the bridges) the same object keeps only the in-memory totals.
+cost grows with the observations (2 per step, 4 with a kind, + 1 per request), not with the flush rate.
+Outside Triton (`pb_utils` absent: unit tests of the bridges) the same object keeps only the in-memory totals.
 """
 
 from __future__ import annotations
@@ -46,8 +47,11 @@ FAMILIES = {  # key -> (name, description, buckets)
     "step": ("duplex_stage_step_seconds", "Wall time of one engine step that had work", SECONDS_BUCKETS),
     "wait": ("duplex_stage_queue_wait_seconds", "Request submit -> taken by the engine thread", SECONDS_BUCKETS),
 }
-KIND_STEP = ("duplex_stage_step_kind_seconds", "Wall time of one engine step that had work, by what it ran",
-             SECONDS_BUCKETS)
+KIND_FAMILIES = {  # the same by the step's kind (`StageMetrics.step(kind=...)`)
+    "rows": ("duplex_stage_kind_rows_per_step", "Rows one engine step served, by what it ran", ROW_BUCKETS),
+    "step": ("duplex_stage_kind_step_seconds", "Wall time of one engine step that had work, by what it ran",
+             SECONDS_BUCKETS),
+}
 MISSES = ("duplex_stage_graph_misses_total", "Engine calls whose shape had no graph built at warm-up")
 
 
@@ -73,9 +77,10 @@ class _TritonHistograms:
                                                        kind=pb_utils.MetricFamily.HISTOGRAM)
             self.metrics[key] = self.families[key].Metric(labels={"stage": stage}, buckets=buckets)
         self.stage = stage
-        self.kinds = pb_utils.MetricFamily(name=KIND_STEP[0], description=KIND_STEP[1],
-                                           kind=pb_utils.MetricFamily.HISTOGRAM)
-        self.kind_steps: dict[str, Any] = {}
+        self.kind_families = {key: pb_utils.MetricFamily(name=name, description=description,
+                                                         kind=pb_utils.MetricFamily.HISTOGRAM)
+                              for key, (name, description, _) in KIND_FAMILIES.items()}
+        self.kind_metrics: dict[tuple[str, str], Any] = {}
         self.misses = pb_utils.MetricFamily(name=MISSES[0], description=MISSES[1], kind=pb_utils.MetricFamily.COUNTER)
         self.miss_counters: dict[str, Any] = {}
 
@@ -85,15 +90,18 @@ class _TritonHistograms:
     def release(self) -> None:
         """Drop every Metric before its MetricFamily (a Metric needs its family)."""
         self.metrics.clear()
-        self.kind_steps.clear()
+        self.kind_metrics.clear()
         self.miss_counters.clear()
         self.families.clear()
-        self.kinds = self.misses = None
+        self.kind_families.clear()
+        self.misses = None
 
-    def kind_step(self, kind: str) -> Any:
-        if kind not in self.kind_steps:
-            self.kind_steps[kind] = self.kinds.Metric(labels={"stage": self.stage, "kind": kind}, buckets=KIND_STEP[2])
-        return self.kind_steps[kind]
+    def by_kind(self, key: str, kind: str) -> Any:
+        """The histogram of family `key` (KIND_FAMILIES) for steps of `kind`, made at its first use."""
+        if (key, kind) not in self.kind_metrics:
+            self.kind_metrics[key, kind] = self.kind_families[key].Metric(
+                labels={"stage": self.stage, "kind": kind}, buckets=KIND_FAMILIES[key][2])
+        return self.kind_metrics[key, kind]
 
     def miss_counter(self, kind: str) -> Any:
         if kind not in self.miss_counters:
@@ -115,7 +123,7 @@ class StageMetrics:
                  flush_s: float = FLUSH_S) -> None:
         self.stage = stage
         self.totals = {key: Totals() for key in FAMILIES}
-        self.kind_totals: dict[str, Totals] = {}  # step wall time by kind (`step(kind=...)`)
+        self.kind_totals: dict[tuple[str, str], Totals] = {}  # (family key, step kind) -> totals
         self._sink = histograms(stage)
         self._pending: list[tuple[str, str | None, float]] = []  # (family key, step kind or None, value)
         self._lock = threading.Lock()
@@ -140,6 +148,7 @@ class StageMetrics:
         self._add("rows", float(rows))
         self._add("step", seconds)
         if kind is not None:
+            self._add("rows", float(rows), kind)
             self._add("step", seconds, kind)
         if seconds > SLOW_STEP_S:
             self._slow(rows, seconds)
@@ -158,7 +167,7 @@ class StageMetrics:
 
     def _add(self, key: str, value: float, kind: str | None = None) -> None:
         with self._lock:
-            totals = self.totals[key] if kind is None else self.kind_totals.setdefault(kind, Totals())
+            totals = self.totals[key] if kind is None else self.kind_totals.setdefault((key, kind), Totals())
             totals.count += 1
             totals.total += value
             if self._sink is not None:
@@ -186,7 +195,7 @@ class StageMetrics:
         if self._sink is None:
             return
         for key, kind, value in pending:
-            (self._sink[key] if kind is None else self._sink.kind_step(kind)).observe(value)
+            (self._sink[key] if kind is None else self._sink.by_kind(key, kind)).observe(value)
         for kind, total in self.misses().items():
             delta = total - self._misses_sent.get(kind, 0)
             if delta > 0:

@@ -90,7 +90,7 @@ def test_two_sessions_fill_every_field_and_the_stage_metrics(stack: Stack, tmp_p
     # two kinds make up every stage0 step of the run
     kinds = run["stage_step_ms_by_kind"]
     assert set(kinds) == {"stage0"} and set(kinds["stage0"]) == {"prefill", "decode"}, kinds
-    assert all(k["steps"] >= 1 and k["mean_ms"] > 0 for k in kinds["stage0"].values()), kinds
+    assert all(k["steps"] >= 1 and k["mean_ms"] > 0 and k["mean_rows"] >= 1 for k in kinds["stage0"].values()), kinds
     steps = sum(k["steps"] for k in kinds["stage0"].values())
     mean = sum(k["steps"] * k["mean_ms"] for k in kinds["stage0"].values()) / steps
     assert mean == pytest.approx(run["stage_step_ms"]["stage0"], rel=0.01), (kinds, run["stage_step_ms"])

@@ -143,23 +143,27 @@ def test_stage_means_are_deltas_over_the_run() -> None:
     assert stages.busy(before, after, 2.0) == {"stage0": 0.0, "tts": pytest.approx(50.0), "token2wav": 0.0}
 
 
-KIND_STEPS = """duplex_stage_step_kind_seconds_count{stage="stage0",kind="prefill"} %d
-duplex_stage_step_kind_seconds_sum{stage="stage0",kind="prefill"} %s
-duplex_stage_step_kind_seconds_bucket{stage="stage0",kind="prefill",le="0.1"} 1
-duplex_stage_step_kind_seconds_count{stage="stage0",kind="decode"} %d
-duplex_stage_step_kind_seconds_sum{stage="stage0",kind="decode"} %s
+KIND_STEPS = """duplex_stage_kind_step_seconds_count{stage="stage0",kind="prefill"} %d
+duplex_stage_kind_step_seconds_sum{stage="stage0",kind="prefill"} %s
+duplex_stage_kind_step_seconds_bucket{stage="stage0",kind="prefill",le="0.1"} 1
+duplex_stage_kind_rows_per_step_count{stage="stage0",kind="prefill"} %d
+duplex_stage_kind_rows_per_step_sum{stage="stage0",kind="prefill"} %d
+duplex_stage_kind_step_seconds_count{stage="stage0",kind="decode"} %d
+duplex_stage_kind_step_seconds_sum{stage="stage0",kind="decode"} %s
+duplex_stage_kind_rows_per_step_count{stage="stage0",kind="decode"} %d
+duplex_stage_kind_rows_per_step_sum{stage="stage0",kind="decode"} %d
 duplex_stage_step_seconds_count{stage="stage0"} 9
 """
 
 
 def test_stage_steps_by_kind_are_deltas_per_kind() -> None:
-    """stage0's prefill and decode steps apart (model_repository/common/metrics.py `step_kind`), over the run only;
+    """stage0's prefill and decode steps apart (model_repository/common/metrics.py, `kind`), over the run only;
     a kind with no step in the run is left out."""
-    before = stages.parse(KIND_STEPS % (5, "0.1", 7, "0.05"))
-    after = stages.parse(KIND_STEPS % (9, "0.18", 7, "0.05"))
-    assert stages.by_kind(before, after) == {"stage0": {"prefill": {"steps": 4, "mean_ms": 20.0}}}
-    after = stages.parse(KIND_STEPS % (9, "0.18", 17, "0.13"))
-    assert stages.by_kind(before, after)["stage0"]["decode"] == {"steps": 10, "mean_ms": 8.0}
+    before = stages.parse(KIND_STEPS % (5, "0.1", 5, 6, 7, "0.05", 7, 9))
+    after = stages.parse(KIND_STEPS % (9, "0.18", 9, 14, 7, "0.05", 7, 9))
+    assert stages.by_kind(before, after) == {"stage0": {"prefill": {"steps": 4, "mean_rows": 2.0, "mean_ms": 20.0}}}
+    after = stages.parse(KIND_STEPS % (9, "0.18", 9, 14, 17, "0.13", 17, 39))
+    assert stages.by_kind(before, after)["stage0"]["decode"] == {"steps": 10, "mean_rows": 3.0, "mean_ms": 8.0}
     assert stages.by_kind(before, before) == {}
 
 

@@ -38,26 +38,28 @@ def test_observations_reach_triton_only_at_flush() -> None:
 
 
 class _KindSink(dict):
-    """The families by key, and the step-by-kind histograms as `_TritonHistograms.kind_step` makes them."""
+    """The families by key, and the by-kind histograms as `_TritonHistograms.by_kind` makes them."""
 
     def __init__(self) -> None:
         super().__init__({key: _Histogram() for key in FAMILIES})
-        self.kinds: dict[str, _Histogram] = {}
+        self.kinds: dict[tuple[str, str], _Histogram] = {}
 
-    def kind_step(self, kind: str) -> _Histogram:
-        return self.kinds.setdefault(kind, _Histogram())
+    def by_kind(self, key: str, kind: str) -> _Histogram:
+        return self.kinds.setdefault((key, kind), _Histogram())
 
 
 def test_a_step_with_a_kind_is_also_observed_under_it() -> None:
     sink = _KindSink()
     m = StageMetrics("stage0", histograms=lambda stage: sink)
     m.step(rows=2, seconds=0.03, kind="prefill")
-    m.step(rows=1, seconds=0.01, kind="decode")
+    m.step(rows=5, seconds=0.01, kind="decode")
     m.step(rows=1, seconds=0.02)  # a bridge that does not tell
     m.flush()
-    assert sink["step"].values == [0.03, 0.01, 0.02]  # every step in the stage's own histogram
-    assert {k: h.values for k, h in sink.kinds.items()} == {"prefill": [0.03], "decode": [0.01]}
-    assert m.kind_totals["prefill"].mean == 0.03 and m.kind_totals["decode"].count == 1
+    assert sink["step"].values == [0.03, 0.01, 0.02]  # every step in the stage's own histograms
+    assert sink["rows"].values == [2.0, 5.0, 1.0]
+    assert {k: h.values for k, h in sink.kinds.items()} == {
+        ("rows", "prefill"): [2.0], ("step", "prefill"): [0.03], ("rows", "decode"): [5.0], ("step", "decode"): [0.01]}
+    assert m.kind_totals["step", "prefill"].mean == 0.03 and m.kind_totals["rows", "decode"].mean == 5.0
 
 
 def test_outside_triton_only_totals_are_kept() -> None:
