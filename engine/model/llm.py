@@ -99,7 +99,7 @@ class Qwen3LLM(nn.Module):
     decode_attention: str = "matmul"
     # keys per split of the flex decoding kernel (engine/model/flex.py; 0: torch's count): single-token dense rows
     # (flex decode) and the gathered rows of up to 16 positions (unit prefills) have their own, because a split's
-    # partial results scale with the rows' positions (flex.py `SPLIT_BUFFER`)
+    # partial results scale with the rows' positions (flex.py `split_partials_bytes`)
     flex_keys_per_split: int = KEYS_PER_SPLIT
     flex_prefill_keys_per_split: int = KEYS_PER_SPLIT
 
