@@ -1,0 +1,83 @@
+"""The served A/B's figures side by side, as bench/RESULTS.md tables them: one markdown row per variant and load level.
+
+    python bench/h200/ab_table.py a=OUT/a.json p0=OUT/p0.json [...]   # or plain paths (the file name is the variant)
+
+Reads the load JSONs of bench/load_realtime.py (what bench/h200/ab_run.sh brings back) and prints, per variant and
+session count: held, commit->first audio p50 / p99, each stage's step, queue wait, rows per step and busy time,
+stage0's prefill and decode steps apart (`stage_step_ms_by_kind`, with P12's rows per decode step), the first
+unit's TTS and Token2Wav times, and cancel->last audio. A figure a JSON lacks (older files, a level with no cancel)
+reads "-". The commit and the profile of each file come first, so a table never mixes runs unawares.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+STAGES = ("stage0", "tts", "token2wav")
+COLUMNS = ("variant", "N", "held", "commit->first audio p50 / p99", "step ms s0 / tts / t2w",
+           "s0 prefill / decode step ms", "s0 rows per decode step", "queue ms s0 / tts / t2w",
+           "rows/step s0 / tts / t2w", "busy ms per s s0 / tts / t2w", "talker_own / code2wav_own p50",
+           "cancel->last audio p50 / p99")
+
+
+def _num(x: Any, digits: int = 1) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def _pair(d: dict[str, Any] | None, digits: int = 0) -> str:
+    d = d or {}
+    return f"{_num(d.get('p50'), digits)} / {_num(d.get('p99'), digits)}"
+
+
+def _stages(d: dict[str, Any] | None, digits: int = 1) -> str:
+    d = d or {}
+    return " / ".join(_num(d.get(s), digits) for s in STAGES)
+
+
+def _held(run: dict[str, Any]) -> str:
+    if run.get("held_realtime"):
+        return "yes"
+    gaps = run.get("chunk_gap_ms") or {}
+    return f"NO ({gaps.get('over_bound', '-')} gaps over 1.2 s, max {_num(run.get('max_chunk_gap_ms'), 0)})"
+
+
+def row(name: str, run: dict[str, Any]) -> list[str]:
+    kinds = (run.get("stage_step_ms_by_kind") or {}).get("stage0") or {}
+    prefill, decode = kinds.get("prefill") or {}, kinds.get("decode") or {}
+    firsts = run.get("first_unit_stages_ms") or {}
+    own = [(firsts.get(k) or {}).get("p50") for k in ("talker_own", "code2wav_own")]
+    return [name, str(run.get("sessions", "-")), _held(run), _pair(run.get("commit_to_first_audio_ms")),
+            _stages(run.get("stage_step_ms")),
+            f"{_num(prefill.get('mean_ms'))} / {_num(decode.get('mean_ms'))}", _num(decode.get("mean_rows"), 2),
+            _stages(run.get("stage_queue_wait_ms")), _stages(run.get("stage_rows_per_step"), 2),
+            _stages(run.get("stage_busy_ms_per_s"), 0), " / ".join(_num(x, 0) for x in own),
+            _pair(run.get("cancel_to_last_audio_ms"))]
+
+
+def table(files: list[tuple[str, dict[str, Any]]]) -> str:
+    lines = [f"- {name}: commit {doc.get('commit', '-')}, profile {doc.get('profile', '-')}, {doc.get('device', '-')}"
+             for name, doc in files]
+    lines += ["", "| " + " | ".join(COLUMNS) + " |", "| " + " | ".join("---" for _ in COLUMNS) + " |"]
+    lines += ["| " + " | ".join(row(name, run)) + " |" for name, doc in files for run in doc.get("runs", [])]
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> list[tuple[str, Path]]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("files", nargs="+", help="NAME=PATH or PATH (the name is the file's stem)")
+    out = []
+    for item in ap.parse_args(argv).files:
+        name, sep, path = item.partition("=")
+        out.append((name, Path(path)) if sep else (Path(item).stem, Path(item)))
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    print(table([(name, json.loads(path.read_text())) for name, path in parse_args(argv)]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+"""bench/h200/ab_table.py: the served A/B's load JSONs as bench/RESULTS.md's table, a row per variant and level;
+what an older JSON lacks reads "-"."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("ab_table", REPO / "bench" / "h200" / "ab_table.py")
+ab_table = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(ab_table)
+
+NEW = {"commit": "b5e49a2873e2", "profile": "deploy/profiles/ab-p0.yaml", "device": "cuda: NVIDIA H200", "runs": [
+    {"sessions": 16, "held_realtime": True, "commit_to_first_audio_ms": {"p50": 251.4, "p99": 402.0},
+     "stage_step_ms": {"stage0": 15.2, "tts": 60.0, "token2wav": 55.5},
+     "stage_queue_wait_ms": {"stage0": 6.0, "tts": 19.0, "token2wav": 21.0},
+     "stage_rows_per_step": {"stage0": 1.7, "tts": 1.3, "token2wav": 1.4},
+     "stage_busy_ms_per_s": {"stage0": 550.0, "tts": 350.0, "token2wav": 400.0},
+     "stage_step_ms_by_kind": {"stage0": {"prefill": {"steps": 300, "mean_rows": 1.5, "mean_ms": 24.0},
+                                          "decode": {"steps": 700, "mean_rows": 1.83, "mean_ms": 11.4}}},
+     "first_unit_stages_ms": {"talker_own": {"p50": 64.6}, "code2wav_own": {"p50": 90.2}},
+     "cancel_to_last_audio_ms": {"p50": 0.0, "p99": 3.0}},
+    {"sessions": 32, "held_realtime": False, "chunk_gap_ms": {"over_bound": 3}, "max_chunk_gap_ms": 1290.4}]}
+OLD = {"commit": "02f129af7198", "runs": [{"sessions": 16, "held_realtime": True,
+                                           "commit_to_first_audio_ms": {"p50": 249.4, "p99": 488.4}}]}
+
+
+def test_a_row_per_variant_and_level_with_the_files_named_first(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    (tmp_path / "new.json").write_text(json.dumps(NEW))
+    (tmp_path / "old.json").write_text(json.dumps(OLD))
+    ab_table.main([f"p0={tmp_path / 'new.json'}", str(tmp_path / "old.json")])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "- p0: commit b5e49a2873e2, profile deploy/profiles/ab-p0.yaml, cuda: NVIDIA H200"
+    assert lines[1] == "- old: commit 02f129af7198, profile -, -"
+    rows = [line.strip("| ").split(" | ") for line in lines if line.startswith("| ") and "---" not in line][1:]
+    head = list(ab_table.COLUMNS)
+    p16, p32, old = (dict(zip(head, r, strict=True)) for r in rows)
+    assert (p16["variant"], p16["N"], p16["held"], p16["commit->first audio p50 / p99"]) == ("p0", "16", "yes", "251 / 402")
+    assert p16["s0 prefill / decode step ms"] == "24.0 / 11.4" and p16["s0 rows per decode step"] == "1.83"
+    assert p16["step ms s0 / tts / t2w"] == "15.2 / 60.0 / 55.5" and p16["rows/step s0 / tts / t2w"] == "1.70 / 1.30 / 1.40"
+    assert p16["talker_own / code2wav_own p50"] == "65 / 90" and p16["cancel->last audio p50 / p99"] == "0 / 3"
+    assert p32["held"] == "NO (3 gaps over 1.2 s, max 1290)" and p32["commit->first audio p50 / p99"] == "- / -"
+    assert (old["variant"], old["commit->first audio p50 / p99"], old["s0 prefill / decode step ms"]) == (
+        "old", "249 / 488", "- / -")
