@@ -121,6 +121,25 @@ def graph_modes(args: argparse.Namespace) -> list[str | None]:
     return [] if args.no_graphs else [None] + ([args.compile] if args.compile else [])
 
 
+# what engine_config reads beyond `context`, with the values a script that has no option for one takes
+ENGINE_DEFAULTS = dict(engine_units=5, slot_len=None, no_graphs=False, compile=None, compile_static=False,
+                       no_fuse=False, prefill_attention=["gather"], decode_attention=["matmul"], slots=0)
+
+
+def engine_args(args: argparse.Namespace, **given: object) -> argparse.Namespace:
+    """`args` completed with what engine_config reads: `given` wins, then what `args` has, then ENGINE_DEFAULTS
+    (the flex splits: the model's class defaults). One place, so a new engine option cannot leave a caller's
+    hand-filled namespace behind (stop 42's CI broke that way)."""
+    defaults = dict(ENGINE_DEFAULTS, flex_keys_per_split=Qwen3LLM.flex_keys_per_split,
+                    flex_prefill_keys_per_split=Qwen3LLM.flex_prefill_keys_per_split)
+    for name, value in defaults.items():
+        if not hasattr(args, name):
+            setattr(args, name, value)
+    for name, value in given.items():
+        setattr(args, name, value)
+    return args
+
+
 def engine_config(b: int, args: argparse.Namespace, dev: torch.device) -> tuple[Stage0Config, DecodeRules]:
     """The engine rows' configuration for b sessions at `args.context`; the graph rows build their KV, span
     buckets and compile mode from it too, so a graph row replays what the engine's step replays (same slot

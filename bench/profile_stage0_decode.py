@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.bench_stage0 import engine_config, floor_ms, fresh_compile, random_kv, stats, timed  # noqa: E402
+from bench.bench_stage0 import engine_args, engine_config, floor_ms, fresh_compile, random_kv, stats, timed  # noqa: E402
 from bench.profile_stage0_prefill import profiled_model  # noqa: E402
 from engine.model.llm import Qwen3LLM  # noqa: E402
 from engine.stage0.graphs import DecodeGraphs  # noqa: E402
@@ -38,12 +38,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--bandwidth", type=float, default=4.24e12, help="device bytes/s (H200 measured)")
     ap.add_argument("--tiny", action="store_true")
     args = ap.parse_args(argv)
-    # the rest of what bench_stage0.engine_config reads: the engine rows' slot length and buckets
-    args.engine_units, args.slot_len, args.no_graphs, args.compile_static, args.no_fuse = 5, None, False, False, False
-    args.prefill_attention, args.decode_attention, args.compile = ["gather"], ["matmul"], args.compile or None
-    args.flex_keys_per_split = Qwen3LLM.flex_keys_per_split
-    args.flex_prefill_keys_per_split = Qwen3LLM.flex_prefill_keys_per_split
-    args.slots = 0  # a cache of the batch's own slots
+    engine_args(args, compile=args.compile or None)  # the engine rows' slot length and buckets; its own slots
     model, cfg, dev, dtype = profiled_model(args.tiny)
     n_params = sum(p.numel() for p in model.parameters())  # bench_stage0's floor (the embedding table counted)
     summary = []

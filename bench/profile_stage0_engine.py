@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import engine.stage0.loop as loop  # noqa: E402
-from bench.bench_stage0 import FULL, TINY, dummy_init, engine_at_context, unit_steps  # noqa: E402
+from bench.bench_stage0 import FULL, TINY, dummy_init, engine_args, engine_at_context, unit_steps  # noqa: E402
 from engine.model.llm import Qwen3LLM  # noqa: E402
 from engine.stage0 import Stage0Engine  # noqa: E402
 
@@ -149,13 +149,7 @@ def main(argv: list[str] | None = None) -> None:
     dev = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
     dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
     cfg = TINY if args.tiny else FULL
-    # the rest of what bench_stage0.engine_config reads
-    args.compile = args.compile or None
-    args.engine_units, args.slot_len, args.no_graphs, args.compile_static, args.no_fuse = args.units, None, False, \
-        False, False
-    args.prefill_attention, args.decode_attention = ["auto"], ["matmul"]
-    args.flex_keys_per_split = Qwen3LLM.flex_keys_per_split
-    args.flex_prefill_keys_per_split = Qwen3LLM.flex_prefill_keys_per_split
+    engine_args(args, compile=args.compile or None, engine_units=args.units, prefill_attention=["auto"])
     with torch.device(dev):
         model = Qwen3LLM(cfg).to(dtype).eval()
     dummy_init(model)

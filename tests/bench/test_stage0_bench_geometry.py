@@ -51,12 +51,9 @@ def test_slot_len_sets_the_span_of_graph_and_engine_rows(tmp_path: Path) -> None
 
 
 def test_slot_len_too_short_for_the_engine_rows_is_refused() -> None:
-    from bench.bench_stage0 import engine_config
+    from bench.bench_stage0 import engine_args, engine_config
 
-    args = argparse.Namespace(context=64, engine_units=1, slot_len=100, no_graphs=False, compile=None,
-                              compile_static=False, no_fuse=False, prefill_attention=["gather"],
-                              decode_attention=["matmul"], flex_keys_per_split=512,
-                              flex_prefill_keys_per_split=512, slots=0)
+    args = engine_args(argparse.Namespace(context=64), engine_units=1, slot_len=100)
     with pytest.raises(SystemExit, match="needs 197"):
         engine_config(1, args, torch.device("cpu"))
     args.slot_len = 197
@@ -67,12 +64,9 @@ def test_slot_len_too_short_for_the_engine_rows_is_refused() -> None:
 def test_slots_size_every_rows_cache_as_a_served_engine(tmp_path: Path) -> None:
     """`--slots` gives the engine rows max(slots, batch) sessions, so a served engine's cache (the flex kernels'
     batch) surrounds a row of a few sessions; the graph rows take the same cache; the JSON says which."""
-    from bench.bench_stage0 import engine_config
+    from bench.bench_stage0 import engine_args, engine_config
 
-    args = argparse.Namespace(context=64, engine_units=1, slot_len=None, no_graphs=False, compile=None,
-                              compile_static=False, no_fuse=False, prefill_attention=["flex"],
-                              decode_attention=["matmul"], flex_keys_per_split=512,
-                              flex_prefill_keys_per_split=512, slots=4)
+    args = engine_args(argparse.Namespace(context=64), engine_units=1, prefill_attention=["flex"], slots=4)
     assert [engine_config(b, args, torch.device("cpu"))[0].max_sessions for b in (1, 2, 8)] == [4, 4, 8]
     args.slots = 0
     assert engine_config(2, args, torch.device("cpu"))[0].max_sessions == 2
@@ -102,3 +96,15 @@ def test_decode_profiler_runs_the_served_graph(capsys: pytest.CaptureFixture[str
     main(["--tiny", "--batches", "1,2", "--context", "64", "--attention", "matmul", "--compile", "", "--iters", "1"])
     table = capsys.readouterr().out.split("attention | batch")[1].strip().splitlines()[1:]
     assert [line.split(" | ")[:2] for line in table] == [["matmul", "1"], ["matmul", "2"]]
+
+
+def test_engine_args_fill_only_what_is_missing() -> None:
+    """The profilers complete their own options with engine_args: an option they parsed stays, one given wins,
+    the rest take the defaults (the flex splits: the model's)."""
+    from bench.bench_stage0 import ENGINE_DEFAULTS, engine_args
+    from engine.model.llm import Qwen3LLM
+
+    args = engine_args(argparse.Namespace(context=64, slots=32, compile="default"), compile=None, engine_units=2)
+    assert (args.slots, args.compile, args.engine_units) == (32, None, 2)
+    assert args.flex_prefill_keys_per_split == Qwen3LLM.flex_prefill_keys_per_split
+    assert all(hasattr(args, name) for name in ENGINE_DEFAULTS)
