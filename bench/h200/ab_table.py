@@ -13,10 +13,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
-STAGES = ("stage0", "tts", "token2wav")
+_ROOT = Path(__file__).resolve().parents[2]
+if str(_ROOT) not in sys.path:
+    sys.path.insert(0, str(_ROOT))
+
+from bench.loadgen.stages import STAGES  # noqa: E402  - the load generator's order of the stage columns
+
 COLUMNS = ("variant", "N", "held", "commit->first audio p50 / p99", "step ms s0 / tts / t2w",
            "s0 prefill / decode step ms", "s0 rows per decode step", "queue ms s0 / tts / t2w",
            "rows/step s0 / tts / t2w", "busy ms per s s0 / tts / t2w", "talker_own / code2wav_own p50",
