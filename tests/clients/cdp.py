@@ -23,7 +23,9 @@ import websockets
 
 CHROMIUM = "/usr/bin/chromium"
 START_TIMEOUT_S = 20.0
-FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+LAUNCH_TIMEOUT_S = 60.0  # a loaded 2-core CI machine; a start normally takes 0.3 s
+LAUNCH_TRIES = 3  # a headless start now and then dies before it writes its port (a CI run did)
+FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync",
          "--autoplay-policy=no-user-gesture-required", "--use-fake-ui-for-media-stream",
          "--use-fake-device-for-media-stream", "--remote-debugging-port=0", "--window-size=1280,900")
@@ -87,27 +89,47 @@ class Page:
 
 @contextlib.asynccontextmanager
 async def launch(fake_mic_wav: Path) -> AsyncIterator[Page]:
-    profile = tempfile.mkdtemp(prefix="chromium-profile-")
-    proc = subprocess.Popen([CHROMIUM, *FLAGS, f"--user-data-dir={profile}",  # noqa: ASYNC220
-                             f"--use-file-for-fake-audio-capture={fake_mic_wav}", "about:blank"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        port_file = Path(profile) / "DevToolsActivePort"
-        for _ in range(int(START_TIMEOUT_S / 0.1)):
-            if port_file.exists() and port_file.read_text().strip():
-                break
-            await asyncio.sleep(0.1)
-        port = int(port_file.read_text().split()[0])
-        async with httpx.AsyncClient() as http:
-            targets = (await http.get(f"http://127.0.0.1:{port}/json/list")).json()
-        page_url = next(t["webSocketDebuggerUrl"] for t in targets if t["type"] == "page")
-        async with websockets.connect(page_url, max_size=None) as ws:
-            yield Page(ws)
-    finally:
-        proc.terminate()
+    failures: list[str] = []
+    for _ in range(LAUNCH_TRIES):
+        profile = Path(tempfile.mkdtemp(prefix="chromium-profile-"))
+        log = profile.parent / f"{profile.name}.log"
+        with log.open("wb") as stderr:
+            proc = subprocess.Popen([CHROMIUM, *FLAGS, f"--user-data-dir={profile}",  # noqa: ASYNC220
+                                     f"--use-file-for-fake-audio-capture={fake_mic_wav}", "about:blank"],
+                                    stdout=subprocess.DEVNULL, stderr=stderr)
         try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        shutil.rmtree(profile, ignore_errors=True)
+            port = await _devtools_port(proc, profile / "DevToolsActivePort")
+            if port is None:
+                failures.append(f"exit {proc.poll()}: " + log.read_text(errors="replace")[-2000:])  # noqa: ASYNC240
+                continue
+            async with httpx.AsyncClient() as http:
+                targets = (await http.get(f"http://127.0.0.1:{port}/json/list")).json()
+            page_url = next(t["webSocketDebuggerUrl"] for t in targets if t["type"] == "page")
+            async with websockets.connect(page_url, max_size=None) as ws:
+                yield Page(ws)
+            return
+        finally:
+            _stop(proc)
+            shutil.rmtree(profile, ignore_errors=True)
+            log.unlink(missing_ok=True)
+    raise RuntimeError(f"chromium did not start in {LAUNCH_TRIES} tries:\n" + "\n---\n".join(failures))
+
+
+async def _devtools_port(proc: subprocess.Popen, port_file: Path) -> int | None:
+    """The DevTools port chromium writes once it listens; None if it exits or is silent for LAUNCH_TIMEOUT_S."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + LAUNCH_TIMEOUT_S
+    while loop.time() < deadline and proc.poll() is None:
+        if port_file.exists() and (text := port_file.read_text().split()):  # noqa: ASYNC240
+            return int(text[0])
+        await asyncio.sleep(0.1)
+    return None
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
