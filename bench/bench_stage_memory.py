@@ -29,7 +29,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "build"))  # `build` is also a PyPI name: its modules are imported by name
 
-STAGES = ("stage0", "tts", "token2wav")
+from make_model_repository import STAGES  # noqa: E402
+
 GiB = 1024**3
 
 
