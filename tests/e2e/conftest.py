@@ -60,7 +60,8 @@ def _stack_key(module: ModuleType) -> StackKey | None:
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """Which modules (after -k/-m deselection) will use each shared stack: it stops after the last of them."""
+    """Which modules (after -k/-m deselection) will use each shared stack: it stops after the last of them.
+    Under pytest-xdist each worker collects every module, so a worker's stack stays until its session ends."""
     _USERS.clear()
     for item in session.items:
         module = getattr(item, "module", None)
