@@ -11,8 +11,8 @@ import base64
 import contextlib
 import itertools
 import json
+import os
 import shutil
-import subprocess
 import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -20,6 +20,8 @@ from typing import Any
 
 import httpx
 import websockets
+
+from tests.e2e.stack import Proc
 
 CHROMIUM = "/usr/bin/chromium"
 START_TIMEOUT_S = 20.0
@@ -92,15 +94,15 @@ async def launch(fake_mic_wav: Path) -> AsyncIterator[Page]:
     failures: list[str] = []
     for _ in range(LAUNCH_TRIES):
         profile = Path(tempfile.mkdtemp(prefix="chromium-profile-"))
-        log = profile.parent / f"{profile.name}.log"
-        with log.open("wb") as stderr:
-            proc = subprocess.Popen([CHROMIUM, *FLAGS, f"--user-data-dir={profile}",  # noqa: ASYNC220
-                                     f"--use-file-for-fake-audio-capture={fake_mic_wav}", "about:blank"],
-                                    stdout=subprocess.DEVNULL, stderr=stderr)
+        # its own process group, output in a log, stopped with its renderers (the e2e stack's process handling)
+        proc = Proc([CHROMIUM, *FLAGS, f"--user-data-dir={profile}",
+                     f"--use-file-for-fake-audio-capture={fake_mic_wav}", "about:blank"],
+                    profile.parent / f"{profile.name}.log", dict(os.environ))
+        proc.start()
         try:
             port = await _devtools_port(proc, profile / "DevToolsActivePort")
             if port is None:
-                failures.append(f"exit {proc.poll()}: " + log.read_text(errors="replace")[-2000:])  # noqa: ASYNC240
+                failures.append(f"alive {proc.alive()}: {proc.tail()}")
                 continue
             async with httpx.AsyncClient() as http:
                 targets = (await http.get(f"http://127.0.0.1:{port}/json/list")).json()
@@ -109,27 +111,18 @@ async def launch(fake_mic_wav: Path) -> AsyncIterator[Page]:
                 yield Page(ws)
             return
         finally:
-            _stop(proc)
+            proc.stop()
             shutil.rmtree(profile, ignore_errors=True)
-            log.unlink(missing_ok=True)
+            proc.log.unlink(missing_ok=True)
     raise RuntimeError(f"chromium did not start in {LAUNCH_TRIES} tries:\n" + "\n---\n".join(failures))
 
 
-async def _devtools_port(proc: subprocess.Popen, port_file: Path) -> int | None:
+async def _devtools_port(proc: Proc, port_file: Path) -> int | None:
     """The DevTools port chromium writes once it listens; None if it exits or is silent for LAUNCH_TIMEOUT_S."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + LAUNCH_TIMEOUT_S
-    while loop.time() < deadline and proc.poll() is None:
+    while loop.time() < deadline and proc.alive():
         if port_file.exists() and (text := port_file.read_text().split()):  # noqa: ASYNC240
             return int(text[0])
         await asyncio.sleep(0.1)
     return None
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
