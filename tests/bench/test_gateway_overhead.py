@@ -4,22 +4,17 @@ real tritonserver) and the bare echo server, two sessions for a few seconds each
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.ports import free_port
+
 REPO = Path(__file__).resolve().parents[2]
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_both_servers_answer_and_the_ratio_is_their_cpu_per_event(tmp_path: Path) -> None:

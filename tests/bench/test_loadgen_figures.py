@@ -4,7 +4,6 @@ the CLI's failure."""
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +14,7 @@ from bench.loadgen import stages, text_wait
 from bench.loadgen.grid import FIRST_UNIT, UNIT
 from bench.loadgen.report import commit_latencies, play, run_figures
 from bench.loadgen.user import ResponseLog, UserLog, audio_delta_ms
+from tests.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -210,9 +210,7 @@ def test_text_wait_quantiles_come_from_the_gateway_histogram_over_the_step() -> 
 
 
 def test_unreachable_gateway_fails_loudly(tmp_path: Path) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # closed again: nothing listens there
+    port = free_port()  # nothing listens there
     out = tmp_path / "r.json"
     proc = subprocess.run([sys.executable, str(REPO / "bench" / "load_realtime.py"), "--url", f"ws://127.0.0.1:{port}",
                            "--sessions", "2", "--duration", "3", "--out", str(out)],

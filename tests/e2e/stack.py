@@ -12,9 +12,9 @@ those threads at the end of the session and raises what a stop raised.
 
 from __future__ import annotations
 
+import http.client
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -25,6 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from tests.ports import free_port
 
 if TYPE_CHECKING:
     import pytest
@@ -112,19 +114,13 @@ def profile_engine(profile: Path | None = None) -> str:
     return "torch"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def http_status(url: str, timeout_s: float = 2.0) -> int:
     try:
         with urllib.request.urlopen(url, timeout=timeout_s) as resp:
             return resp.status
     except urllib.error.HTTPError as exc:
         return exc.code
-    except OSError:
+    except (OSError, http.client.HTTPException):  # not up yet, or something else (not HTTP/1) answers the port
         return 0
 
 

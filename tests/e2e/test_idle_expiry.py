@@ -13,10 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.stack import Stack, free_port, profile_path
+from tests.e2e.stack import Stack, profile_path
 from tests.e2e.wire import WAIT_S, collect_until, fit_units, send_audio, silence
 from tests.gateway_ops.test_wired_admission import refusal
 from tests.gateway_ops.wire import eventually, http_get, metric, opened
+from tests.ports import free_port
 
 pytestmark = pytest.mark.e2e
 

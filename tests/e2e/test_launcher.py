@@ -27,9 +27,10 @@ from pathlib import Path
 import pytest
 
 from serve.tritonserver import SHM_DIR, mapped_shm_regions, process_listens_on
-from tests.e2e.stack import REPO_ROOT, Proc, Stack, children_of, cmdline, free_port, http_status, stop_soon
+from tests.e2e.stack import REPO_ROOT, Proc, Stack, children_of, cmdline, http_status, stop_soon
 from tests.e2e.wire import WAIT_S, collect_until, fit_units, send_audio, silence
 from tests.gateway_ops.wire import eventually, http_get, opened
+from tests.ports import free_port
 
 pytestmark = pytest.mark.e2e
 

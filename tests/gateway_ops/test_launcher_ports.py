@@ -20,6 +20,7 @@ from serve.tritonserver import (
     free_port,
     process_listens_on,
 )
+from tests import ports
 
 SERVE = "import http.server, sys; http.server.HTTPServer(('127.0.0.1', int(sys.argv[1])), " \
         "http.server.BaseHTTPRequestHandler).serve_forever()"
@@ -27,7 +28,7 @@ SERVE = "import http.server, sys; http.server.HTTPServer(('127.0.0.1', int(sys.a
 
 @pytest.fixture
 def listener() -> Iterator[tuple[subprocess.Popen[bytes], int]]:
-    port = free_port()
+    port = ports.free_port()
     proc = subprocess.Popen([sys.executable, "-c", SERVE, str(port)])
     try:
         for _ in range(100):

@@ -26,10 +26,10 @@ from tests.e2e.stack import (
     Proc,
     children_of,
     cmdline,
-    free_port,
     http_status,
     profile_path,
 )
+from tests.ports import free_port
 
 
 @dataclass

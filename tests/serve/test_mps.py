@@ -22,7 +22,8 @@ import pytest
 from serve import mps
 from serve.launcher import load_profile
 from serve.mps import CONTROL, LOG_ENV, PIPE_ENV, MpsDaemon, plan_mps, private_daemon, start_daemon
-from serve.tritonserver import LaunchError, TritonInstall, TritonPorts, TritonServer, free_port, triton_env
+from serve.tritonserver import LaunchError, TritonInstall, TritonPorts, TritonServer, triton_env
+from tests.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 PROFILES = REPO / "deploy" / "profiles"

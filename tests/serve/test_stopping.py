@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from serve.stopping import Stop, held, raise_stop
-from serve.tritonserver import TritonInstall, TritonPorts, TritonServer, free_port
+from serve.tritonserver import TritonInstall, TritonPorts, TritonServer
+from tests.ports import free_port
 
 
 @pytest.fixture

@@ -8,7 +8,6 @@ its own process group and is stopped (gracefully: Triton then frees its /dev/shm
 
 from __future__ import annotations
 
-import socket
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,6 +30,7 @@ from serve.launcher import (  # noqa: E402
     locate_tritonserver,
 )
 from tests.e2e.stack import stop_soon, wait_stopped  # noqa: E402
+from tests.ports import free_port  # noqa: E402
 
 READY_TIMEOUT_S = 120.0
 ALL_MODELS = ("stage0", "tts", "token2wav", "duplex")
@@ -43,16 +43,8 @@ def default_profile(**overrides: object) -> DeployProfile:
     return DeployProfile.load(REPO_ROOT / "deploy" / "profiles" / "default.yaml", **overrides)
 
 
-def free_ports(n: int = 3) -> TritonPorts:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        ports = [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-    return TritonPorts(http=ports[0], grpc=ports[1], metrics=ports[2])
+def free_ports() -> TritonPorts:
+    return TritonPorts(http=free_port(), grpc=free_port(), metrics=free_port())
 
 
 @pytest.fixture(scope="session")

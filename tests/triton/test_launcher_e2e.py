@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from serve.launcher import LaunchError, TritonInstall, TritonServer, choose_triton_ports, port_in_use
+from serve.launcher import LaunchError, TritonInstall, TritonServer, choose_triton_ports
+from tests.ports import free_port
 
 from .conftest import free_ports, start_server
 
@@ -24,21 +25,13 @@ def test_locates_wheel_binary_and_stub(triton_install: TritonInstall) -> None:
     assert (triton_install.backend_dir / "python" / "libtriton_python.so").exists()
 
 
-def _free_base() -> int:
-    """A gateway port whose three derived Triton ports are free right now (other servers share this machine)."""
-    for base in range(23_000, 60_000, 97):
-        if not any(port_in_use(p) for p in (base, base + 1, base + 2, base + 3)):
-            return base
-    raise AssertionError("no free block of four ports")
-
-
 def test_triton_ports_follow_the_gateway_port_when_free() -> None:
-    base = _free_base()
+    base = free_port()  # with base+1..+3 free and this worker's alone
     assert list(choose_triton_ports(base).all().values()) == [base + 1, base + 2, base + 3]
 
 
 def test_triton_ports_are_picked_free_when_a_derived_one_is_taken() -> None:
-    base = _free_base()
+    base = free_port()  # with base+1..+3 free and this worker's alone
     with socket.socket() as busy:
         busy.bind(("0.0.0.0", base + 2))
         busy.listen()
