@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -90,6 +91,16 @@ def test_checked_in_configs_match_the_builder(model: str) -> None:
                                   "h200x2.yaml", "h200x2-scripted.yaml"])
 def test_shipped_profiles_are_valid(name: str) -> None:
     DeployProfile.load(REPO / "deploy" / "profiles" / name)
+
+
+@pytest.mark.parametrize(("two", "one"), [("h200x2.yaml", "h200.yaml"), ("h200x2-scripted.yaml", "h200-scripted.yaml")])
+def test_two_gpu_profiles_run_the_one_gpu_profiles_engines(two: str, one: str) -> None:
+    """h200x2 places h200's stages on two GPUs: the same engines and options (they had drifted for ten stops), so
+    the two placements' figures compare; only the slots and the placement differ."""
+    placed, single = (asdict(DeployProfile.load(REPO / "deploy" / "profiles" / n)) for n in (two, one))
+    for key in ("max_sessions", "gpus"):
+        placed.pop(key), single.pop(key)
+    assert placed == single
 
 
 def test_engine_names_the_factory_module() -> None:
