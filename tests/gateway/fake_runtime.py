@@ -73,6 +73,7 @@ class FakeRuntime:
         self.plan: dict[int, Speak | Listen] = {}
         self.ready = True
         self.fail: dict[str, str] = {}  # op -> runtime code, raised once
+        self.failing: dict[str, str] = {}  # op -> runtime code, raised every time until the test removes it
         self.append_delay_s = 0.0
         self.units_seen: list[UnitSubmission] = []
         self.configs: list[Mapping[str, Any]] = []
@@ -80,7 +81,7 @@ class FakeRuntime:
         self.hold.set()
 
     def _maybe_fail(self, op: str) -> None:
-        code = self.fail.pop(op, None)
+        code = self.fail.pop(op, None) or self.failing.get(op)
         if code is not None:
             raise RuntimeFailure(code, f"injected {op} failure")
 
