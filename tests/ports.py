@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import itertools
 import os
-import socket
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+
+from serve.tritonserver import port_in_use
 
 LOW = 10_000
 STRIDE = 4  # a gateway port P and the Triton ports `duplex serve` derives from it, P+1..P+3
@@ -39,15 +40,6 @@ def worker_block(worker: str | None, count: str | None, ephemeral_low: int) -> r
     return range(start, start + size, STRIDE)
 
 
-def _free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("0.0.0.0", port))  # noqa: S104 - conflicts with a listener on any address, loopback included
-        except OSError:
-            return False
-    return True
-
-
 def _candidates() -> Iterator[int]:
     block = worker_block(os.environ.get("PYTEST_XDIST_WORKER"), os.environ.get("PYTEST_XDIST_WORKER_COUNT"),
                          _ephemeral_low())
@@ -68,6 +60,6 @@ def free_port() -> int:
             _next = _candidates()
         for _ in range(100_000):
             port = next(_next)
-            if all(_free(p) for p in range(port, port + STRIDE)):
+            if not any(port_in_use(p) for p in range(port, port + STRIDE)):  # the launcher's own check
                 return port
     raise RuntimeError("no free block of ports for the tests")
