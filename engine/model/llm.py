@@ -109,6 +109,7 @@ class Qwen3LLM(nn.Module):
         self.model = Qwen3Model(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.min_rows = 0  # `logits`' least GEMM rows (`pad_gemm_rows`)
+        self.tile = False  # every GEMM in chunks of exactly min_rows rows (`pad_gemm_rows`)
         self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta), persistent=False)  # [D/2]
 
     def reset_rope_(self) -> None:
@@ -121,11 +122,12 @@ class Qwen3LLM(nn.Module):
         fuse_layers(self.model.layers)
         return self
 
-    def pad_gemm_rows(self, rows: int) -> Qwen3LLM:
+    def pad_gemm_rows(self, rows: int, tile: bool = False) -> Qwen3LLM:
         """Every GEMM of the forward and `logits` at least `rows` rows (`layers.linear`: a row's numbers then do
-        not depend on how many rows share its batch, where the kernel choice changes below `rows`). 0: off."""
-        set_gemm_rows(self.model.layers, rows)
-        self.min_rows = rows
+        not depend on how many rows share its batch, where the kernel choice changes below `rows`). 0: off.
+        tile: more rows too run as GEMMs of exactly `rows` rows (`Stage0Config.gemm_tile_rows`)."""
+        set_gemm_rows(self.model.layers, rows, tile)
+        self.min_rows, self.tile = rows, tile and rows > 0
         return self
 
     @property
@@ -136,13 +138,13 @@ class Qwen3LLM(nn.Module):
     @contextlib.contextmanager
     def gemm_rows(self, rows: int) -> Iterator[None]:
         """The forward's GEMMs at least `rows` rows inside the block (a graph set pads to its largest bucket,
-        engine/stage0/graphs.py); `logits` keeps its own."""
+        engine/stage0/graphs.py); `logits` keeps its own, and the tiling stays as set."""
         before = self.gemm_min_rows
-        set_gemm_rows(self.model.layers, rows)
+        set_gemm_rows(self.model.layers, rows, self.tile)
         try:
             yield
         finally:
-            set_gemm_rows(self.model.layers, before)
+            set_gemm_rows(self.model.layers, before, self.tile)
 
     @property
     def fused(self) -> bool:
@@ -238,7 +240,7 @@ class Qwen3LLM(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """lm_head on selected final-norm hidden states [..., H] → [..., V] in the model dtype."""
-        return linear(hidden, self.lm_head.weight, self.min_rows)
+        return linear(hidden, self.lm_head.weight, self.min_rows, self.tile)
 
     def rotate_keys(self, keys: torch.Tensor, shift: int | torch.Tensor) -> torch.Tensor:
         """Move cached (post-RoPE) keys [..., L, D] back by `shift` positions (model.md §7.4).

@@ -175,6 +175,13 @@ class Stage0Config:
     #   slot max(shared_decode_buckets) - 1, units with frames, or more units than the largest prefill bucket
     #   stay split.
     mixed_step: Literal["split", "merge", "shared"] = "split"
+    # Every LLM GEMM and the lm_head as GEMMs of exactly this many rows (fewer padded, more in chunks:
+    # `layers.linear`'s tile, as the TTS's `gemm_tile_rows`); 0: off (`gemm_min_rows` and `gemm_pad_buckets` rule).
+    # A row's numbers then come from one kernel whatever shares its pass, so "shared" token rows equal their
+    # decode graph's bit for bit (without it 0.09-0.16 apart on the GPU, above). The cost: decode passes run
+    # this many rows, and a pass past it reads the weights once per chunk; 128 is the largest count that stays
+    # memory-bound on an H200 (about 200 FLOP a byte).
+    gemm_tile_rows: int = 0
     shared_decode_buckets: tuple[int, ...] = (2, 4, 8, 16)  # "shared": the dense buckets captured (x 5 spans)
     # torch.compile mode applied to the forward before graph capture ("default" or
     # "max-autotune-no-cudagraphs"); None = eager kernels. Only used where graphs are captured.
@@ -228,8 +235,9 @@ class Stage0Config:
         for name in ("flex_keys_per_split", "flex_prefill_keys_per_split"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} {getattr(self, name)}: use 0 (torch's choice) or a key count")
-        if self.gemm_min_rows < 0:
-            raise ValueError(f"gemm_min_rows {self.gemm_min_rows}: use 0 (off) or a row count")
+        for name in ("gemm_min_rows", "gemm_tile_rows"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} {getattr(self, name)}: use 0 (off) or a row count")
         if self.decode_attention not in ("matmul", "sdpa", "flex"):
             raise ValueError(f"decode_attention {self.decode_attention!r}: use matmul, sdpa or flex")
         if self.scripted_decisions and not self.benchmark_mode:

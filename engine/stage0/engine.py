@@ -56,7 +56,7 @@ class Stage0Engine:
         self.ids = ids = SpecialIds.from_tokenizer(tokenizer, model.cfg.vocab_size)
         if config.fuse_projections and not model.fused:
             model.fuse_projections()  # same parameters (views), so the caller's model is unchanged in value
-        model.pad_gemm_rows(config.gemm_min_rows)
+        model.pad_gemm_rows(config.gemm_tile_rows or config.gemm_min_rows, tile=config.gemm_tile_rows > 0)
         model.flex_keys_per_split = config.flex_keys_per_split
         model.flex_prefill_keys_per_split = config.flex_prefill_keys_per_split
         p = next(model.parameters())

@@ -183,8 +183,9 @@ class StepGraphs:
     def gemm_rows(self, key: tuple[int, ...]) -> int:
         """The least GEMM rows the graph at `key` runs with: its set's top rows rounded up to a power of two
         (`BUCKET_PAD_MAX_ROWS`). Rounded because on the H200 8 units of 13 positions, exactly 104 rows, differed
-        from 2 or 4 units padded to 104 (0.109), while every count padded to 128 was equal (stop 37)."""
-        base, top = self.model.gemm_min_rows, self._top_rows(key) if self.pad_buckets else 0
+        from 2 or 4 units padded to 104 (0.109), while every count padded to 128 was equal (stop 37). A model that
+        tiles its GEMMs (`Stage0Config.gemm_tile_rows`) runs every graph at its tile."""
+        base, top = self.model.gemm_min_rows, self._top_rows(key) if self.pad_buckets and not self.model.tile else 0
         rows = 1 << max(top - 1, 0).bit_length()
         return rows if 0 < base < rows <= BUCKET_PAD_MAX_ROWS else base
 

@@ -142,3 +142,44 @@ def test_bf16_full_width_graph_rows_alone_equal_among_others(compile_mode: str |
 
         alone = unit(1)
         assert (keys, [n for n in (2, 4, 8) if not torch.equal(unit(n), alone)]) == (keys, [])
+
+
+SHARED_DIFFERS = pytest.mark.xfail(strict=True, reason="without GEMM tiles a shared pass runs its GEMMs over every "
+                                   "row of the step, and cuBLAS picks other kernels (bench/RESULTS.md stop 36)")
+
+
+@pytest.mark.parametrize("tile,compile_mode", [(128, None), (128, "default"),
+                                               pytest.param(0, None, marks=SHARED_DIFFERS)])
+def test_bf16_full_width_shared_pass_rows_equal_split_with_gemm_tiles(tile: int, compile_mode: str | None) -> None:
+    """One decoder layer at the real width, `mixed_step: shared` with `gemm_tile_rows`: a shared pass's token rows
+    equal their decode graph's rows and its unit rows their prefill graph's, bit for bit, for several mixes of
+    token rows and units. This is what lets the shared pass (one read of the weights for a mixed step) keep a
+    session's output independent of its batch; without tiles the rows differ (strict xfail)."""
+    from bench.bench_stage0 import FULL, MERGED_PREFILL, dummy_init, random_kv
+    from engine.stage0.graphs import DecodeGraphs, PrefillGraphs, SharedGraphs
+
+    cfg, ctx, slots = dataclasses.replace(FULL, num_hidden_layers=1), 1024, 32
+    with torch.device("cuda"):
+        model = Qwen3LLM(cfg).to(torch.bfloat16).eval()
+    dummy_init(model)
+    model.fuse_projections().pad_gemm_rows(tile or Stage0Config().gemm_min_rows, tile=tile > 0)
+    kv = random_kv(cfg, slots, ctx + 64, torch.device("cuda"), torch.bfloat16)
+    decode = DecodeGraphs.create(model, kv, (2, 4, 8, 16, 32), (ctx + 32,), compile_mode=compile_mode,
+                                 decode_attention="flex")
+    prefill = PrefillGraphs.create(model, kv, (2, 4, 8), (MERGED_PREFILL,), (ctx + 32,), compile_mode=compile_mode,
+                                   flex=True)
+    assert decode is not None and prefill is not None
+    shared = SharedGraphs.create(decode, prefill, MERGED_PREFILL, 16, compile_mode=compile_mode)
+    assert shared is not None
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(16, cfg.hidden_size, generator=gen).to("cuda", torch.bfloat16)
+    units = [torch.randn(MERGED_PREFILL, cfg.hidden_size, generator=gen).to("cuda", torch.bfloat16) for _ in range(8)]
+    differ = []
+    for n, m in ((1, 1), (3, 2), (8, 5), (16, 8)):  # token rows (slots 0..n-1), units (slots 16..16+m-1)
+        pos, token_slots, unit_slots = torch.full((n,), ctx), torch.arange(n), list(range(16, 16 + m))
+        want_d = decode.run(x[:n], pos, token_slots, ctx + 1).clone()
+        want_u = [h.clone() for h in prefill.run(unit_slots, [ctx] * m, units[:m])]
+        got_u, got_d = shared.run(unit_slots, [ctx] * m, units[:m], x[:n], pos, token_slots)
+        if not torch.equal(got_d, want_d) or not all(map(torch.equal, got_u, want_u)):
+            differ.append((n, m))
+    assert differ == []

@@ -169,3 +169,28 @@ def test_bf16_staggered_session_alone_equals_among_31_others_on_cpu(mode: str) -
     alone, _ = _tokens([WATCHED], None, stagger=True, mode=mode, device="cpu")
     assert (both >= 4) if mode == "shared" else both == 0  # a shared pass in each of the 4 units
     assert len(alone[WATCHED]) > 4 and alone[WATCHED] == crowd[WATCHED]
+
+
+@flex_unfused
+@pytest.mark.parametrize("tile", [0, 16])
+def test_gemm_tile_rows_run_every_llm_gemm_at_the_tile(tile: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`gemm_tile_rows`: every GEMM over the LLM's weights (decode graphs, unit prefills, shared passes, the
+    lm_head) runs exactly the tile's rows, so a token row in a shared pass gets its numbers from the kernel its
+    decode pass uses (on the GPU the kernel follows the row count; bench/RESULTS.md stop 36). Off, the counts
+    follow each step's rows."""
+    model, rows, real = tiny_llm(), [], torch.nn.functional.linear
+    weights = {t.data_ptr() for t in [*model.parameters(), *model.buffers()]}
+
+    def counting(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if weight.data_ptr() in weights:
+            rows.append(x.numel() // x.shape[-1])
+        return real(x, weight, bias)
+
+    engine, _ = make_engine(model, sessions=4, rules=DecodeRules(force_listen_count=1), **SMALL,
+                            eager_replay_graphs=True, mixed_step="shared", gemm_tile_rows=tile)
+    monkeypatch.setattr(torch.nn.functional, "linear", counting)
+    assert engine.runner.shared_graphs is not None
+    ran = _count_runs(engine.runner.shared_graphs)
+    run_schedule(engine, {f"s{i}": 3 * i for i in range(4)}, units=4)
+    assert ran[0] > 0 and len(rows) > 100
+    assert set(rows) == {tile} if tile else len(set(rows)) > 2

@@ -287,6 +287,7 @@ def test_stage0_gemm_min_rows_option(tiny_checkpoint: Path) -> None:
     ("gemm_pad_buckets", ("1", '"false"', "null"), True, False),  # graphs pad their GEMMs over their buckets
     ("flex_keys_per_split", ("-1", "512.0", "true"), 512, 0),  # the flex decoding kernel's split (0 = torch's)
     ("flex_prefill_keys_per_split", ("-1", "512.0", "true"), 512, 2048),  # the same for unit prefills
+    ("gemm_tile_rows", ("-1", "128.0", "true"), 0, 128),  # every LLM GEMM in tiles of this many rows (0 = off)
 ])
 def test_stage0_config_options(tiny_checkpoint: Path, name: str, bad: tuple[str, ...], default: object,
                                value: object) -> None:
