@@ -412,21 +412,28 @@ def allow_recompiles(limit: int) -> None:
 
 
 def compile_symbolic(fn: Callable[..., torch.Tensor], mode: str | None = None,
-                     dynamic: bool | None = True) -> Callable[..., torch.Tensor]:
+                     dynamic: bool | None = True, eager_rounding: bool = False) -> Callable[..., torch.Tensor]:
     """torch.compile(fn) for a few compiles over many shape buckets. dynamic=True: every size (batch,
     query length, the attended-key span kv_limit) is symbolic from the first compile (sizes 0 and 1 still
     specialise: a batch-1 shape compiles once more). Traced without duck shaping, which gives equal sizes
-    one symbol: a batch equal to the head dim or to heads x length would pin the batch to that value."""
+    one symbol: a batch equal to the head dim or to heads x length would pin the batch to that value.
+
+    eager_rounding: inductor rounds each fused kernel's intermediates to the model dtype as eager does
+    (`emulate_precision_casts`). Without it a value's rounding follows the fusion, and the fusion follows the
+    traced graph: the same decode row read other bits in a shared pass than in its decode graph (H100,
+    bench/shared_pass_invariance.py, bench/RESULTS.md stop 45)."""
+    import torch._inductor.config as inductor_config
     import torch.fx.experimental._config as fx_config
 
     compiled = torch.compile(fn, mode=mode, dynamic=dynamic)
+    rounding = {"emulate_precision_casts": True} if eager_rounding else {}
 
     def call(*args: object) -> torch.Tensor:
-        with fx_config.patch(use_duck_shape=False):
+        with fx_config.patch(use_duck_shape=False), inductor_config.patch(rounding):
             return compiled(*args)
     return call
 
 
-def compile_layers(mode: str | None = None, dynamic: bool | None = True) -> LayerFn:
+def compile_layers(mode: str | None = None, dynamic: bool | None = True, eager_rounding: bool = False) -> LayerFn:
     """Regional compilation: `run_layer` compiled once for all layers (`compile_symbolic`)."""
-    return compile_symbolic(run_layer, mode, dynamic)
+    return compile_symbolic(run_layer, mode, dynamic, eager_rounding)

@@ -134,12 +134,14 @@ def top_span_buckets(kv: SlotKVCache, spans: tuple[int, ...]) -> tuple[int, ...]
 def compile_step(mode: str | None, dynamic: bool | None = True) -> LayerFn | None:
     """The layer function the graph sets pass to the forward: None (eager) or the decoder layer compiled
     once for all layers (regional compilation, `compile_layers`); with dynamic=True the batch, length
-    and span are symbolic from the first compile, so the buckets share a few compiles."""
+    and span are symbolic from the first compile, so the buckets share a few compiles. Rounded as eager
+    rounds (`compile_symbolic`'s eager_rounding): a row's bits then do not follow the graph it runs in (decode,
+    prefill or shared pass)."""
     if mode is None:
         return None
     if mode not in COMPILE_MODES:
         raise ValueError(f"compile mode {mode!r}: use one of {COMPILE_MODES} (the engine captures its own graphs)")
-    return compile_layers(mode, dynamic)
+    return compile_layers(mode, dynamic, eager_rounding=True)
 
 
 class StepGraphs:
