@@ -170,17 +170,21 @@ class Stage0Config:
     #   prefill graph. On CPU in bf16 the token rows' hidden states are bitwise split's (tests/engine/
     #   test_stage0_shared_pass.py, bench/bench_mixed_step.py; in fp32 some row counts round 2e-7 apart); on the
     #   GPU at full size they are not (max |diff| 0.09-0.16 in every mix of bench/bench_mixed_step.py: the GEMMs
-    #   over all rows pick other kernels), and served at 16 sessions it read 290 ms against 309 / 305 for split in
-    #   the same calls (bench/RESULTS.md stop 36): no clear gain. With graphs only; steps with token rows past
-    #   slot max(shared_decode_buckets) - 1, units with frames, or more units than the largest prefill bucket
-    #   stay split.
+    #   over all rows pick other kernels, and inductor's fusions round otherwise) unless `gemm_tile_rows` runs
+    #   every GEMM on one row count; the compiled graphs round as eager does (graphs.compile_step). So tiled,
+    #   its rows are split's bit for bit (H100, stop 45), and served at 16 sessions on an H100 it took
+    #   commit->first audio p50 258 -> 219 and 263 -> 230 ms (bench/RESULTS.md stop 45; untiled on the H200 at
+    #   stop 36: 290 against 309 / 305). The h200 profiles set both. With graphs only; steps with token rows
+    #   past slot max(shared_decode_buckets) - 1, units with frames, or more units than the largest prefill
+    #   bucket stay split.
     mixed_step: Literal["split", "merge", "shared"] = "split"
     # Every LLM GEMM and the lm_head as GEMMs of exactly this many rows (fewer padded, more in chunks:
     # `layers.linear`'s tile, as the TTS's `gemm_tile_rows`); 0: off (`gemm_min_rows` and `gemm_pad_buckets` rule).
     # A row's numbers then come from one kernel whatever shares its pass, so "shared" token rows equal their
-    # decode graph's bit for bit (without it 0.09-0.16 apart on the GPU, above). The cost: decode passes run
-    # this many rows, and a pass past it reads the weights once per chunk; 128 is the largest count that stays
-    # memory-bound on an H200 (about 200 FLOP a byte).
+    # decode graph's bit for bit (without it up to 0.03 apart at full width on an H100; bench/
+    # shared_pass_invariance.py). The cost: decode passes run this many rows (an H100 decode step 11.4 -> 11.9 ms
+    # served at 16 sessions), and a pass past it reads the weights once per chunk; 128 stays under an H200's
+    # ridge point (about 200 FLOP a byte).
     gemm_tile_rows: int = 0
     shared_decode_buckets: tuple[int, ...] = (2, 4, 8, 16)  # "shared": the dense buckets captured (x 5 spans)
     # torch.compile mode applied to the forward before graph capture ("default" or

@@ -20,7 +20,7 @@ SESSIONS, UNITS, WATCHED = 32, 4, 5
 
 
 def _tokens(sids: list[int], compile_mode: str | None, stagger: bool = False, mode: str = "split",
-            device: str = "cuda") -> tuple[dict[int, list[int]], int]:
+            device: str = "cuda", tile: int = 0) -> tuple[dict[int, list[int]], int]:
     """Each session's ids, and how many passes held token rows beside unit rows (`mixed_step` merge or shared).
     With `stagger` the watched session's unit starts one step before the others', so its next token shares a step
     with their unit prefills when they are there, and has a decode pass alone when it is alone."""
@@ -29,7 +29,7 @@ def _tokens(sids: list[int], compile_mode: str | None, stagger: bool = False, mo
     # the watched session's ids differ from position 11 on the H200); prefill up to 32 rows in one graph
     config = Stage0Config(max_sessions=SESSIONS, compile_mode=compile_mode, decode_kv_buckets=(512,),
                           prefill_batch_buckets=(2, 8, 32), mixed_step=mode, shared_decode_buckets=(SESSIONS,),
-                          eager_replay_graphs=device == "cpu")
+                          eager_replay_graphs=device == "cpu", gemm_tile_rows=tile)
     events: list = []
     engine = Stage0Engine(model, tiny_tokenizer(), FakeFrontEnd(), events.append, config,
                           DecodeRules(force_listen_count=0))
@@ -74,14 +74,16 @@ MERGED_DIFFERS = pytest.mark.xfail(strict=True, reason="mixed_step merge: a toke
 
 
 @pytest.mark.filterwarnings("ignore:TensorFloat32 tensor cores")
-@pytest.mark.parametrize("mode", ["split", "shared", pytest.param("merge", marks=MERGED_DIFFERS)])
+@pytest.mark.parametrize("mode,tile", [("split", 0), ("shared", 0), ("shared", 128),
+                                       pytest.param("merge", 0, marks=MERGED_DIFFERS)])
 @pytest.mark.parametrize("compile_mode", [None, "default"])
-def test_bf16_staggered_session_alone_equals_among_31_others(compile_mode: str | None, mode: str) -> None:
+def test_bf16_staggered_session_alone_equals_among_31_others(compile_mode: str | None, mode: str, tile: int) -> None:
     """The watched session's unit starts a step before the 31 others': its next token shares a step with their
-    unit prefills. Split (the default) and shared, its ids are those it draws alone; merged, its token rows run
-    in their prefill pass and the ids differ (strict xfail: if they stop differing, merge may become a default)."""
-    crowd, both = _tokens(list(range(SESSIONS)), compile_mode, stagger=True, mode=mode)
-    alone, alone_both = _tokens([WATCHED], compile_mode, stagger=True, mode=mode)
+    unit prefills. Split (the default) and shared (untiled, and with the h200 profiles' 128-row GEMM tiles), its
+    ids are those it draws alone; merged, its token rows run in their prefill pass and the ids differ (strict
+    xfail: if they stop differing, merge may become a default)."""
+    crowd, both = _tokens(list(range(SESSIONS)), compile_mode, stagger=True, mode=mode, tile=tile)
+    alone, alone_both = _tokens([WATCHED], compile_mode, stagger=True, mode=mode, tile=tile)
     assert alone_both == 0 and (both >= UNITS if mode != "split" else both == 0)
     assert len(alone[WATCHED]) > UNITS and alone[WATCHED] == crowd[WATCHED]
 
