@@ -99,3 +99,24 @@ def test_stage0_graph_sets_compile_once_per_layout_and_batch_class() -> None:
         want = tiny_llm()(x[:, None], pos[:, None], slots, eager_kv)[:, 0]
     torch.testing.assert_close(got, want, atol=ATOL, rtol=ATOL)
     assert compiled_graphs() == 4
+
+
+def test_stage0_compiled_layer_rounds_as_eager_and_others_do_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stage0's compiled layer (graphs.compile_step) runs with inductor's `emulate_precision_casts`, so a row's bits
+    do not follow the fusion of the graph it runs in (decode, prefill or shared pass: on an H100 a shared pass's rows
+    differed from split's without it, bench/RESULTS.md stop 45); `compile_layers` alone (the TTS) keeps inductor's
+    default. Read inside the compiled call, where inductor lowers the graph."""
+    import torch._inductor.config as inductor_config
+
+    from engine.stage0.graphs import compile_step
+
+    seen: list[bool] = []
+
+    def fake_compile(fn, **_: object):  # noqa: ANN001, ANN202 - torch.compile's signature
+        return lambda *args: seen.append(inductor_config.emulate_precision_casts)
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    stage0, plain = compile_step("default"), compile_layers("default")
+    assert stage0 is not None
+    stage0(), plain(), stage0()
+    assert seen == [True, False, True] and inductor_config.emulate_precision_casts is False
