@@ -6,6 +6,7 @@ equal split's bit for bit (what keeps a session's ids independent of who prefill
 
 Full size on a GPU (dummy weights, model.md §9.5), compiled graphs as served:
     python bench/bench_mixed_step.py --context 8192 --mixes 1:1,1:3,2:2,2:6,4:4 --compile default --json out.json
+With `--tile-rows 128` (the h200 profiles' `gemm_tile_rows`) the shared rows equal split's bit for bit (stop 45).
 CPU smoke test (tiny model, graphs in eager replay):
     python bench/bench_mixed_step.py --tiny
 """
@@ -50,6 +51,29 @@ def decode_buckets(args: argparse.Namespace) -> tuple[int, ...]:
     return tuple(b for b in (2, 4, 8, 16, 32, 64) if b <= args.slots)
 
 
+def shared_vs_split(graphs: tuple[DecodeGraphs, PrefillGraphs, SharedGraphs | None], units: int, tokens: int,
+                    context: int) -> tuple[float, float]:
+    """One shared pass beside the split passes on the same inputs (tokens at slots 0..D-1, units after them): the
+    largest |difference| of its token rows from the decode graph's and of its unit rows from the prefill graph's
+    (0, 0: bit-equal; tests/engine/test_stage0_bf16_batch.py asserts it with `Stage0Config.gemm_tile_rows`)."""
+    decode, prefill, shared = graphs
+    assert shared is not None
+    h, dev, dtype = decode.model.cfg.hidden_size, decode.device, decode.dtype
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(tokens, h, generator=gen).to(dev, dtype)
+    embeds = [torch.randn(MERGED_PREFILL, h, generator=gen).to(dev, dtype) for _ in range(units)]
+    pos, token_slots = torch.full((tokens,), context), torch.arange(tokens)
+    unit_slots = list(range(tokens, tokens + units))
+    with torch.no_grad():
+        want_d = decode.run(x, pos, token_slots, context + 1).clone()
+        want_u = [u.clone() for u in prefill.run(unit_slots, [context] * units, embeds)]
+        got_u, got_d = shared.run(unit_slots, [context] * units, embeds, x, pos, token_slots)
+
+    def diff(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a.float() - b.float()).abs().max())
+    return diff(got_d, want_d), max(diff(a, b) for a, b in zip(got_u, want_u, strict=True))
+
+
 def bench_mix(graphs: tuple[DecodeGraphs, PrefillGraphs, SharedGraphs | None], units: int, tokens: int,
               args: argparse.Namespace, dev: torch.device, dtype: torch.dtype) -> list[dict]:
     decode, prefill, shared = graphs
@@ -91,6 +115,7 @@ def bench_mix(graphs: tuple[DecodeGraphs, PrefillGraphs, SharedGraphs | None], u
             rows.append(dict(what=f"mixed {name}", units=units, tokens=tokens, context=ctx, median_ms=ms[0],
                              p99_ms=ms[1], tokens_equal_split=bool(torch.equal(got, want)),
                              max_abs_diff=float((got.float() - want.float()).abs().max())))
+    rows[-1]["units_max_abs_diff"] = shared_vs_split(graphs, units, tokens, ctx)[1]  # the shared row's unit rows
     return rows
 
 
@@ -146,6 +171,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="the token rows' attention (default: the model's, matmul)")
     ap.add_argument("--slots", type=int, default=16, help="KV slots (the decode buckets go up to it, at most 64)")
     ap.add_argument("--min-rows", type=int, default=0, help="least GEMM rows (Stage0Config.gemm_min_rows; 0: off)")
+    ap.add_argument("--tile-rows", type=int, default=0,
+                    help="every GEMM on exactly this many rows (Stage0Config.gemm_tile_rows; 0: off, --min-rows rules)")
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
@@ -161,7 +188,7 @@ def main(argv: list[str] | None = None) -> None:
         model = Qwen3LLM(TINY if args.tiny else FULL).to(dtype).eval()
     dummy_init(model)
     model.fuse_projections()
-    model.pad_gemm_rows(args.min_rows)
+    model.pad_gemm_rows(args.tile_rows or args.min_rows, tile=args.tile_rows > 0)
     graphs = build(model, args, dev, dtype)
     rows = []
     for mix in filter(None, args.mixes.split(",")):
@@ -171,7 +198,7 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
     if args.json:
         Path(args.json).write_text(json.dumps(dict(device=device, dtype=str(dtype), compile=args.compile,
-                                                   min_rows=args.min_rows, rows=rows),
+                                                   min_rows=args.min_rows, tile_rows=args.tile_rows, rows=rows),
                                               indent=2) + "\n")
     print(f"{'what':22s} {'units':>5s} {'tokens':>6s} {'ctx':>6s} {'median ms':>10s} {'p99 ms':>8s} {'= split':>8s}")
     for r in rows:
@@ -180,7 +207,8 @@ def main(argv: list[str] | None = None) -> None:
                   f"{str(r['equal_alone']):>8s} (= alone; max |diff| {r['max_abs_diff']:.3g})")
         else:
             print(f"{r['what']:22s} {r['units']:5d} {r['tokens']:6d} {r['context']:6d} {r['median_ms']:10.3f} "
-                  f"{r['p99_ms']:8.3f} {str(r['tokens_equal_split']):>8s}")
+                  f"{r['p99_ms']:8.3f} {str(r['tokens_equal_split']):>8s}"
+                  + (f" (unit rows max |diff| {r['units_max_abs_diff']:.3g})" if "units_max_abs_diff" in r else ""))
 
 
 if __name__ == "__main__":

@@ -421,7 +421,7 @@ def compile_symbolic(fn: Callable[..., torch.Tensor], mode: str | None = None,
     eager_rounding: inductor rounds each fused kernel's intermediates to the model dtype as eager does
     (`emulate_precision_casts`). Without it a value's rounding follows the fusion, and the fusion follows the
     traced graph: the same decode row read other bits in a shared pass than in its decode graph (H100,
-    bench/shared_pass_invariance.py, bench/RESULTS.md stop 45)."""
+    bench/RESULTS.md stop 45)."""
     import torch._inductor.config as inductor_config
     import torch.fx.experimental._config as fx_config
 

@@ -182,7 +182,7 @@ class Stage0Config:
     # `layers.linear`'s tile, as the TTS's `gemm_tile_rows`); 0: off (`gemm_min_rows` and `gemm_pad_buckets` rule).
     # A row's numbers then come from one kernel whatever shares its pass, so "shared" token rows equal their
     # decode graph's bit for bit (without it up to 0.03 apart at full width on an H100; bench/
-    # shared_pass_invariance.py). The cost: decode passes run this many rows (an H100 decode step 11.4 -> 11.9 ms
+    # bench_mixed_step.py --tile-rows). The cost: decode passes run this many rows (an H100 decode step 11.4 -> 11.9 ms
     # served at 16 sessions), and a pass past it reads the weights once per chunk; 128 stays under an H200's
     # ridge point (about 200 FLOP a byte).
     gemm_tile_rows: int = 0

@@ -6,6 +6,7 @@ Needs CUDA; skipped elsewhere. Run on the H200:
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 
 import pytest
@@ -157,31 +158,16 @@ def test_bf16_full_width_shared_pass_rows_equal_split_with_gemm_tiles(tile: int,
     equal their decode graph's rows and its unit rows their prefill graph's, bit for bit, for several mixes of
     token rows and units. This is what lets the shared pass (one read of the weights for a mixed step) keep a
     session's output independent of its batch; without tiles the rows differ (strict xfail)."""
-    from bench.bench_stage0 import FULL, MERGED_PREFILL, dummy_init, random_kv
-    from engine.stage0.graphs import DecodeGraphs, PrefillGraphs, SharedGraphs
+    from bench.bench_mixed_step import build, shared_vs_split
+    from bench.bench_stage0 import FULL, dummy_init
 
-    cfg, ctx, slots = dataclasses.replace(FULL, num_hidden_layers=1), 1024, 32
     with torch.device("cuda"):
-        model = Qwen3LLM(cfg).to(torch.bfloat16).eval()
+        model = Qwen3LLM(dataclasses.replace(FULL, num_hidden_layers=1)).to(torch.bfloat16).eval()
     dummy_init(model)
     model.fuse_projections().pad_gemm_rows(tile or Stage0Config().gemm_min_rows, tile=tile > 0)
-    kv = random_kv(cfg, slots, ctx + 64, torch.device("cuda"), torch.bfloat16)
-    decode = DecodeGraphs.create(model, kv, (2, 4, 8, 16, 32), (ctx + 32,), compile_mode=compile_mode,
-                                 decode_attention="flex")
-    prefill = PrefillGraphs.create(model, kv, (2, 4, 8), (MERGED_PREFILL,), (ctx + 32,), compile_mode=compile_mode,
-                                   flex=True)
-    assert decode is not None and prefill is not None
-    shared = SharedGraphs.create(decode, prefill, MERGED_PREFILL, 16, compile_mode=compile_mode)
-    assert shared is not None
-    gen = torch.Generator().manual_seed(7)
-    x = torch.randn(16, cfg.hidden_size, generator=gen).to("cuda", torch.bfloat16)
-    units = [torch.randn(MERGED_PREFILL, cfg.hidden_size, generator=gen).to("cuda", torch.bfloat16) for _ in range(8)]
-    differ = []
-    for n, m in ((1, 1), (3, 2), (8, 5), (16, 8)):  # token rows (slots 0..n-1), units (slots 16..16+m-1)
-        pos, token_slots, unit_slots = torch.full((n,), ctx), torch.arange(n), list(range(16, 16 + m))
-        want_d = decode.run(x[:n], pos, token_slots, ctx + 1).clone()
-        want_u = [h.clone() for h in prefill.run(unit_slots, [ctx] * m, units[:m])]
-        got_u, got_d = shared.run(unit_slots, [ctx] * m, units[:m], x[:n], pos, token_slots)
-        if not torch.equal(got_d, want_d) or not all(map(torch.equal, got_u, want_u)):
-            differ.append((n, m))
-    assert differ == []
+    ctx = 1024  # the engine's decode, prefill and shared graph sets over one KV of 32 slots, flex attention
+    args = argparse.Namespace(slots=32, context=ctx, compile=compile_mode, spans=(ctx + 32,), decode_attention="flex",
+                              mixes="1:1")
+    graphs = build(model, args, torch.device("cuda"), torch.bfloat16)
+    mixes = ((1, 1), (3, 2), (8, 5), (16, 8))  # token rows, units
+    assert [(n, m) for n, m in mixes if shared_vs_split(graphs, m, n, ctx) != (0.0, 0.0)] == []
