@@ -426,11 +426,13 @@ def compile_symbolic(fn: Callable[..., torch.Tensor], mode: str | None = None,
     import torch.fx.experimental._config as fx_config
 
     compiled = torch.compile(fn, mode=mode, dynamic=dynamic)
-    rounding = {"emulate_precision_casts": True} if eager_rounding else {}
 
     def call(*args: object) -> torch.Tensor:
-        with fx_config.patch(use_duck_shape=False), inductor_config.patch(rounding):
-            return compiled(*args)
+        with fx_config.patch(use_duck_shape=False):
+            if not eager_rounding:  # the TTS and Token2Wav compiles: no second config patch per layer call
+                return compiled(*args)
+            with inductor_config.patch(emulate_precision_casts=True):
+                return compiled(*args)
     return call
 
 
