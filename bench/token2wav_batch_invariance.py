@@ -9,7 +9,8 @@ profiles' float16 flow:
 Per n it also says which part differs first: the watched row of the flow encoder's output, the flow's mel, the
 HiFT's float speech (max |diff| over the turn's calls, and the first call that differs), and the mean engine step
 time (ms, the GPU synchronized). `--watched-last` puts the watched session last in the steps instead of first (a
-row's place in its batch must not matter either); `--no-cudnn` turns cuDNN off for the whole run, graphs included.
+row's place in its batch must not matter either); `--no-cudnn` turns cuDNN off for the whole run, graphs included;
+`--tile-rows K` runs every flow and HiFT batch on exactly K rows (the engine's `tile_rows`).
 CPU smoke test (tiny dims, fp32): python bench/token2wav_batch_invariance.py --tiny
 """
 
@@ -53,17 +54,21 @@ class Tracer:
     def __init__(self, engine: Token2WavEngine) -> None:
         self.calls: list[dict[str, torch.Tensor]] = []
         self.row: int | None = None
+        self.chunk = 0   # the flow call of the step (one per tile of rows)
         run_flow, encode = engine._run_flow, engine.solver.encode
 
         def flow(work: list) -> None:   # the watched row among the step's flow rows
             sids = [sid for sid, _, item in work if item.call is not None]
             self.row = sids.index("t0") if "t0" in sids else None
+            self.chunk = 0
             run_flow(work)
 
         def encoder(*args: Any) -> tuple[torch.Tensor, ...]:
             out = encode(*args)
-            if self.row is not None:
-                self.calls.append({"mu": out[0][self.row].float().cpu()})
+            tile = engine.cfg.tile_rows or len(out[0])   # with tiles the step's rows come in chunks of the tile
+            if self.row is not None and self.row // tile == self.chunk:
+                self.calls.append({"mu": out[0][self.row % tile].float().cpu()})
+            self.chunk += 1
             return out
         engine._run_flow, engine.solver.encode = flow, encoder  # type: ignore[method-assign]
 
@@ -125,6 +130,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs (is a difference the graphs' or the kernels'?)")
     ap.add_argument("--no-cudnn", action="store_true", help="torch.backends.cudnn.enabled = False (graphs too)")
     ap.add_argument("--watched-last", action="store_true", help="the watched session last in the steps, not first")
+    ap.add_argument("--tile-rows", type=int, default=0, help="every flow and HiFT batch on exactly K rows (0: buckets)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
@@ -137,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
     buckets = row_buckets(top)
     graphs = device.type == "cuda" and not args.eager
     engine = Token2WavEngine(models, Token2WavEngineConfig(
-        max_batch=top, use_cuda_graphs=graphs, pool=PoolConfig(slots=top),
+        max_batch=top, use_cuda_graphs=graphs, pool=PoolConfig(slots=top), tile_rows=args.tile_rows,
         max_graphs=GRAPHS_PER_BUCKET * len(buckets)))
     tracer = Tracer(engine)
     vocab = models.flow_cfg.vocab_size
@@ -153,7 +159,7 @@ def main(argv: list[str] | None = None) -> None:
         rows.append(dict(sessions=n, equal_alone=got == alone, samples=len(b), max_abs_diff_lsb=diff,
                          step_ms=round(step_ms, 2), **trace_diff(alone_trace, trace)))
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-    options = dict(cudnn=not args.no_cudnn, watched_last=args.watched_last)
+    options = dict(cudnn=not args.no_cudnn, watched_last=args.watched_last, tile_rows=args.tile_rows)
     print(f"Token2Wav: the watched session's turn ({len(alone) // 2} samples) alone vs among n ({name}, flow "
           f"{flow_dtype}, graphs {graphs}, {options}); misses {engine.misses.counts()}")
     print(f"  n =   1: step {alone_ms:.1f} ms")

@@ -76,6 +76,19 @@ class Token2WavEngineConfig:
     compile_flow: bool = False
     # the HiFT's Snake activations torch.compile'd (`HiFT.compile_snakes`): five elementwise kernels each fuse into one
     compile_hift: bool = False
+    # batch invariance (model.md I9: a session's PCM the same bits alone and among others). The convolutions'
+    # kernels follow the batch's row count (cuDNN's algorithm on the H200, and oneDNN's on a CPU: a session's
+    # flow mel 1 float16 step apart among n, 1 LSB of PCM; bench/RESULTS.md stop 39). `tile_rows` K runs every
+    # flow and HiFT batch on exactly K rows (fewer padded with dummy rows, more in chunks of K) at the widest
+    # token width, so no company changes a kernel's shape. 0: each batch at its row bucket (the widths too)
+    tile_rows: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.tile_rows <= self.max_batch:
+            raise ValueError(f"Token2WavEngineConfig.tile_rows: must be 0..max_batch ({self.max_batch}), "
+                             f"got {self.tile_rows}")
+        if self.tile_rows and not self.ragged:
+            raise ValueError("Token2WavEngineConfig.tile_rows needs the pooled flow (ragged=True)")
 
 
 @dataclass(frozen=True, kw_only=True)  # keywords: `unit_final` and `end_of_turn` are two flags side by side
@@ -133,7 +146,7 @@ class Token2WavEngine:
         device = models.flow.spk_embed_affine_layer.weight.device
         self.pool = (FlowPool(models.flow_cfg, self.cfg.stream, self.cfg.pool, device, dtype)
                      if self.cfg.ragged else None)
-        self.buckets = row_buckets(self.cfg.max_batch)
+        self.buckets = (self.cfg.tile_rows,) if self.cfg.tile_rows else row_buckets(self.cfg.max_batch)
         self.solver = RaggedSolver(models.flow.decoder.estimator, self.cfg.use_cuda_graphs and self.cfg.ragged_graphs,
                                    self.cfg.max_graphs, self.buckets)
         self.voices: dict[str, VoiceCache] = {}
@@ -170,15 +183,17 @@ class Token2WavEngine:
             progress.done()
         self.misses.warm = True
 
-    def _warm_vocoder_lengths(self, rows: tuple[int, ...] = (1, 2)) -> int:
+    def _warm_vocoder_lengths(self) -> int:
         """HiFT graphs for every length a turn's first or last call can have (1..chunk_call codes, without and
         with the kept mel), at 1 and 2 rows, on top of `max_graphs`. A served TTS unit may end a turn, or
         start one, with any number of codes; uniform warm-up turns never make those lengths, and on the H200
-        each one was captured on live traffic, stalling every session's audio (stop 26)."""
+        each one was captured on live traffic, stalling every session's audio (stop 26). With `tile_rows`, at
+        that many rows."""
         s, up = self.cfg.stream, self.models.flow_cfg.up_stride
         hcfg, dev = self.models.hift_cfg, next(self.models.hift.parameters()).device
         n_over = s.mel_cache_frames * hcfg.samples_per_frame
         gen = torch.Generator(device=dev).manual_seed(0)
+        rows = (self.cfg.tile_rows,) if self.cfg.tile_rows else (1, 2)
         shapes = [(r, kept, kept + up * k) for r in rows if r in self.buckets
                   for kept in (0, s.mel_cache_frames) for k in range(1, s.chunk_call + 1)]
         before = len(self.graphs.hift_graphs)
@@ -385,8 +400,11 @@ class Token2WavEngine:
     def _run_flow(self, work: list[tuple[str, _Session, _Item]]) -> None:
         if self.pool is not None:
             flows = [(s.stream, i.call) for _, s, i in work if i.call is not None]
-            if flows:
-                run_flow_pooled(self.models, self.pool, [f[0] for f in flows], [f[1] for f in flows], self.solver)
+            k = self.cfg.tile_rows or len(flows)
+            for at in range(0, len(flows), max(k, 1)):
+                chunk = flows[at:at + k]
+                run_flow_pooled(self.models, self.pool, [f[0] for f in chunk], [f[1] for f in chunk], self.solver,
+                                tile=self.cfg.tile_rows)
             return
         n_ts = self.cfg.stream.n_timesteps
         keys = [flow_bucket_key(s.stream.flow_cache, len(i.call.tokens), i.call.last, n_ts)
@@ -400,8 +418,9 @@ class Token2WavEngine:
     def _run_hift(self, work: list[tuple[str, _Session, _Item]], out: list[PcmChunk]) -> None:
         inputs = [s.stream.hift_inputs(i.call) for _, s, i in work if i.call is not None]
         keys = [hift_bucket_key(x[0].shape[2], x[1].shape[2]) for x in inputs]
-        for group in group_by(keys):
-            pad = bucket_rows(len(group), self.buckets) - len(group) if self.graphs.enabled else 0
+        k = self.cfg.tile_rows
+        for group in ([g[i:i + k] for g in group_by(keys) for i in range(0, len(g), k)] if k else group_by(keys)):
+            pad = self._hift_rows(len(group)) - len(group)
             mel, src, ini, noise = (torch.cat([inputs[g][k] for g in group] + [inputs[group[0]][k].new_zeros(
                 pad, *inputs[group[0]][k].shape[1:])], dim=0) for k in range(4))   # + dummy rows: zeros, dropped
             speech, source = self.graphs.vocoder(mel, src, ini, noise)
@@ -414,3 +433,9 @@ class Token2WavEngine:
                                     end_of_turn=item.end_of_turn))
                 if item.reset_after:
                     s.stream.reset_exec()
+
+    def _hift_rows(self, n: int) -> int:
+        """The rows a HiFT batch of n runs on: the tile, the row bucket (graphs), or n itself (eager)."""
+        if self.cfg.tile_rows:
+            return self.cfg.tile_rows
+        return bucket_rows(n, self.buckets) if self.graphs.enabled else n

@@ -68,20 +68,21 @@ def _rows_cols(pos: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     return np.repeat(np.arange(len(pos)), [p.shape[0] for p in pos]), np.concatenate(pos)
 
 
-def _token_width(pool: FlowPool, n_in: int, fixed: bool) -> int:
-    """Token input columns: bucketed, or with `fixed` the smallest of a steady call's and a last call's width."""
+def _token_width(pool: FlowPool, n_in: int, fixed: bool, widest: bool = False) -> int:
+    """Token input columns: bucketed, or with `fixed` the smallest of a steady call's and a last call's width
+    (with `widest` the last call's, whatever the rows need)."""
     width = round_up(n_in, pool.pcfg.token_bucket)
     if fixed:
         la, bucket = pool.fcfg.pre_lookahead_len, pool.pcfg.token_bucket
-        width = min((w for w in (round_up(pool.scfg.chunk_call, bucket), round_up(pool.scfg.chunk_call + la, bucket))
-                     if w >= n_in), default=width)
+        widths = (round_up(pool.scfg.chunk_call, bucket), round_up(pool.scfg.chunk_call + la, bucket))
+        width = min((w for w in widths[int(widest):] if w >= n_in), default=width)
     return width
 
 
 def _plan(pool: FlowPool, slots: Sequence[SlotState], calls: Sequence[PendingCall], rows: int,
-          fixed: bool = False) -> tuple[dict, dict]:
+          fixed: bool = False, widest: bool = False) -> tuple[dict, dict]:
     """Index arrays of `rows` batch rows: the calls' rows, then `rows − len(calls)` dummy rows. `fixed`: the
-    widths that do not depend on the rows' histories (module doc)."""
+    widths that do not depend on the rows' histories (module doc); `widest`: nor on the rows' calls."""
     fcfg, pc, n, pad = pool.fcfg, pool.pcfg, len(slots), rows - len(slots)
     la, stride = fcfg.pre_lookahead_len, fcfg.up_stride
     last = np.array([c.last for c in calls] + [False] * pad)
@@ -89,7 +90,7 @@ def _plan(pool: FlowPool, slots: Sequence[SlotState], calls: Sequence[PendingCal
     t_new = m - la * ~last
     frames = stride * t_new
     n_in = m + la * last                                                    # a last row gets 3 pad frames
-    tokens = np.zeros((rows, _token_width(pool, int(n_in.max()), fixed)), np.int64)
+    tokens = np.zeros((rows, _token_width(pool, int(n_in.max()), fixed, widest)), np.int64)
     for i, c in enumerate(calls):
         tokens[i, : m[i]] = c.tokens
     fm = stride * (tokens.shape[1] - la)
@@ -125,16 +126,19 @@ def _plan(pool: FlowPool, slots: Sequence[SlotState], calls: Sequence[PendingCal
 
 @torch.inference_mode()
 def run_flow_pooled(models: Token2WavModels, pool: FlowPool, sessions: Sequence[FlowSession],
-                    calls: Sequence[PendingCall], solver: RaggedSolver | None = None) -> None:
+                    calls: Sequence[PendingCall], solver: RaggedSolver | None = None, tile: int = 0) -> None:
     """Flow phase + trims for any mix of pooled sessions; sets `call.mel` [1, 80, F_b] per row.
-    `solver`: CUDA-graph runner of the estimator solve (ragged_graphs.py); None = eager."""
+    `solver`: CUDA-graph runner of the estimator solve (ragged_graphs.py); None = eager. `tile` K: the batch
+    on exactly K rows (at most K sessions) at fixed and widest widths, with or without graphs, so every kernel
+    sees the same shapes whatever shares the batch (Token2WavEngineConfig.tile_rows)."""
     flow, fcfg = models.flow, models.flow_cfg
     slots = [s.slot for s in sessions]
     assert all(s is not None and s.pool is pool for s in slots), "run_flow_pooled: session without a slot"
     assert len({s.slot for s in slots}) == len(slots), "run_flow_pooled: one call per session per batch"   # type: ignore[union-attr]
     solver = solver or RaggedSolver(flow.decoder.estimator, enabled=False)
-    n, b = len(slots), solver.rows(len(slots))                             # real rows, batch rows (bucket)
-    arrays, host = _plan(pool, slots, calls, b, fixed=solver.enabled)   # type: ignore[arg-type]
+    n, b = len(slots), tile or solver.rows(len(slots))                     # real rows, batch rows (bucket)
+    assert n <= b, f"run_flow_pooled: {n} rows over the tile of {tile}"
+    arrays, host = _plan(pool, slots, calls, b, fixed=solver.enabled or bool(tile), widest=bool(tile))  # type: ignore[arg-type]
     d = to_device(arrays, pool.device)
     n_ts = pool.scfg.n_timesteps
 

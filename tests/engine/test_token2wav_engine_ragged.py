@@ -130,3 +130,53 @@ def test_flow_rows_do_not_mix_in_float64(models, last):
         got = watched_mels(others)
         assert [m.shape for m in got] == [m.shape for m in alone]
         assert max(float((a - b).abs().max()) for a, b in zip(alone, got, strict=True)) <= 1e-12
+
+
+@pytest.mark.parametrize("tile", [4, pytest.param(0, marks=pytest.mark.xfail(
+    strict=True, reason="untiled, a convolution's kernel follows the batch's rows (oneDNN on a CPU, cuDNN on a GPU)"))])
+def test_tile_rows_keep_a_sessions_mel_and_pcm_bits_whatever_shares_its_batch(models, tile):
+    """`tile_rows`: every flow and HiFT batch on exactly that many rows at the widest token width, so a session's
+    mel and PCM are the same bits alone and among others at other points of their turns, with other prompts,
+    first or last in the batch, and past one tile (5 sessions in tiles of 4). Without the tiles, in float32 on a
+    CPU, the mel differs in its last bits (the pre-lookahead convolution at 1 row against 2)."""
+    cfg = Token2WavEngineConfig(stream=StreamConfig(n_timesteps=N_TS), max_batch=5, tile_rows=tile,
+                                pool=PoolConfig(slots=5, max_prompt_frames=128))
+
+    def watched(others: int, last: bool = False) -> tuple[list[torch.Tensor], bytes]:
+        eng = Token2WavEngine(models, cfg)
+        mels, pcm, run_flow = [], [], eng._run_flow
+
+        def flow(work: list) -> None:
+            run_flow(work)
+            mels.extend(item.call.mel.clone() for sid, _, item in work if sid == "w" and item.call is not None)
+        eng._run_flow = flow  # type: ignore[method-assign]
+        for i, p in enumerate([8] + PROMPT_TOKENS[3:3 + others]):
+            eng.add_voice(f"v{i}", make_voice(40 + i, p))
+        sids = [f"o{i}" for i in range(1, others + 1)]
+        order = sids + ["w"] if last else ["w"] + sids
+        for sid in order:
+            eng.open(sid, Fence(1, 0), "v0" if sid == "w" else f"v{sid[1:]}", seed=len(sid) + 3)
+        for sid in sids:        # the others are a unit ahead, so the watched rows meet other calls
+            eng.submit(sid, Fence(1, 0), 0, codes(500 + int(sid[1:]), 12), False)
+        for u, n in enumerate((25, 25, 12)):
+            for sid in order:
+                eng.submit(sid, Fence(1, 0), u + (sid != "w"), codes(600 + 10 * u + len(sid), n), sid == "w" and u == 2)
+        while eng.pending():
+            pcm += [c.pcm.tobytes() for c in eng.step() if c.session_id == "w"]
+        return mels, b"".join(pcm)
+
+    alone_mels, alone_pcm = watched(0)
+    assert len(alone_mels) >= 3 and len(alone_pcm) > 0
+    for others, last in ((1, False), (4, False), (4, True)):
+        mels, pcm = watched(others, last)
+        assert [m.shape for m in mels] == [m.shape for m in alone_mels]
+        assert all(torch.equal(a, b) for a, b in zip(alone_mels, mels, strict=True)), (others, last)
+        assert pcm == alone_pcm, (others, last)
+
+
+@pytest.mark.parametrize("tile", [-1, 6])
+def test_tile_rows_outside_the_batch_are_refused(tile):
+    with pytest.raises(ValueError, match="tile_rows"):
+        Token2WavEngineConfig(max_batch=5, tile_rows=tile)
+    with pytest.raises(ValueError, match="pooled flow"):
+        Token2WavEngineConfig(max_batch=5, tile_rows=2, ragged=False)

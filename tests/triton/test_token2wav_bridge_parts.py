@@ -113,3 +113,16 @@ def test_compile_options_reach_the_flow_and_the_hift(tiny_checkpoint: Path) -> N
         assert (bridge.engine.models.flow.decoder.estimator.block_fn is not run_layer) is flow
         assert (bridge.engine.models.flow.encoder.block_fn is not run_layer) is flow
         assert (snake_fn(bridge.engine.models.hift) is not snake) is hift
+
+
+def test_tile_rows_reach_the_engine(tiny_checkpoint: Path) -> None:
+    bridge = bridges.token2wav(settings("token2wav", tiny_checkpoint, engine_options='{"tile_rows": 2}'))
+    assert bridge.engine.cfg.tile_rows == 2 and bridge.engine.buckets == (2,)
+
+
+@pytest.mark.parametrize("value", [-1, 2.0, True, "2", 10_000])
+def test_a_bad_tile_rows_fails_the_load(tiny_checkpoint: Path, value: Any) -> None:
+    from model_repository.common.settings import ConfigError
+
+    with pytest.raises(ConfigError, match="tile_rows"):
+        bridges.token2wav(settings("token2wav", tiny_checkpoint, engine_options=json.dumps({"tile_rows": value})))

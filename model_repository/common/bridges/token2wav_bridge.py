@@ -58,8 +58,9 @@ HEAD_GRAPHS = 2  # with heads: a head's and a rest's vocoder shapes more per row
 # deploy profile `engine_options.token2wav` keys; head_codes: the TTS's first_codes, which the model repository
 # builder copies here (build/make_model_repository.py), so warm-up builds the head's and rest's call shapes;
 # compile_flow / compile_hift: the flow's conformer and DiT blocks / the HiFT's Snake activations torch.compile'd
-# before graph capture (Token2WavEngineConfig), false when absent
-OPTIONS = ("flow_dtype", "cuda_graphs", "head_codes", "compile_flow", "compile_hift")
+# before graph capture (Token2WavEngineConfig), false when absent; tile_rows: every flow and HiFT batch on exactly
+# that many rows (a session's PCM the same bits whatever shares its batch), 0 when absent
+OPTIONS = ("flow_dtype", "cuda_graphs", "head_codes", "compile_flow", "compile_hift", "tile_rows")
 
 
 class Token2WavBridge(EngineBridge):
@@ -77,11 +78,16 @@ class Token2WavBridge(EngineBridge):
         head = opts.get("head_codes", 0)
         if isinstance(head, bool) or not isinstance(head, int) or head < 0:
             raise ConfigError(f"engine option head_codes={head!r} must be an integer >= 0")
+        tile = opts.get("tile_rows", 0)
+        if isinstance(tile, bool) or not isinstance(tile, int) or not 0 <= tile <= settings.max_sessions:
+            raise ConfigError(f"engine option tile_rows={tile!r} must be an integer 0..max_sessions "
+                              f"({settings.max_sessions})")
         compiled = {name: flag_option(opts, "token2wav", name) for name in ("compile_flow", "compile_hift")}
         cuda = settings.device.startswith("cuda")
         per_bucket = GRAPHS_PER_BUCKET + (HEAD_GRAPHS if head else 0)
         cfg = Token2WavEngineConfig(max_batch=settings.max_sessions, use_cuda_graphs=cuda and opts.get("cuda_graphs", True),
                                     pool=PoolConfig(slots=settings.max_sessions), head_codes=head, **compiled,
+                                    tile_rows=tile,
                                     max_graphs=per_bucket * len(row_buckets(settings.max_sessions)))
         self.engine = Token2WavEngine(ck.token2wav, cfg)
         self.voices = ck.voices()
