@@ -91,6 +91,34 @@ def test_ragged_engine_equals_solo(models):
     eng.open("again", Fence(1, 0), "v3", seed=0)                 # the freed slot is reused
 
 
+def watched_turn(models: Token2WavModels, cfg: Token2WavEngineConfig, others: int, last: bool = False
+                 ) -> tuple[list[torch.Tensor], bytes]:
+    """A watched session's turn (25, 25, 12 codes) beside `others` sessions with longer prompts (wider histories)
+    a unit ahead in their turns (so its rows meet other calls), the watched session first or `last` in the
+    batch: its mel per flow call and its PCM."""
+    eng = Token2WavEngine(models, cfg)
+    mels, pcm, run_flow = [], [], eng._run_flow
+
+    def flow(work: list) -> None:
+        run_flow(work)
+        mels.extend(item.call.mel.clone() for sid, _, item in work if sid == "w" and item.call is not None)
+    eng._run_flow = flow  # type: ignore[method-assign]
+    for i, p in enumerate([8] + PROMPT_TOKENS[3:3 + others]):
+        eng.add_voice(f"v{i}", make_voice(40 + i, p))
+    sids = [f"o{i}" for i in range(1, others + 1)]
+    order = sids + ["w"] if last else ["w"] + sids
+    for sid in order:
+        eng.open(sid, Fence(1, 0), "v0" if sid == "w" else f"v{sid[1:]}", seed=len(sid) + 3)
+    for sid in sids:
+        eng.submit(sid, Fence(1, 0), 0, codes(500 + int(sid[1:]), 12), False)
+    for u, n in enumerate((25, 25, 12)):
+        for sid in order:
+            eng.submit(sid, Fence(1, 0), u + (sid != "w"), codes(600 + 10 * u + len(sid), n), sid == "w" and u == 2)
+    while eng.pending():
+        pcm += [c.pcm.tobytes() for c in eng.step() if c.session_id == "w"]
+    return mels, b"".join(pcm)
+
+
 @pytest.mark.parametrize("last", [False, True])
 def test_flow_rows_do_not_mix_in_float64(models, last):
     """The pooled flow holds no cross-row term: in float64 a session's mel per call is the same alone and in a
@@ -100,34 +128,10 @@ def test_flow_rows_do_not_mix_in_float64(models, last):
     stop 39: kernel rounding, not a leak)."""
     flow64 = Token2WavModels(copy.deepcopy(models.flow).double(), models.hift, TINY_FLOW, TINY_HIFT, "A")
     cfg = Token2WavEngineConfig(stream=StreamConfig(n_timesteps=N_TS), pool=PoolConfig(slots=5, max_prompt_frames=128))
-
-    def watched_mels(others: int) -> list[torch.Tensor]:
-        eng = Token2WavEngine(flow64, cfg)
-        mels, run_flow = [], eng._run_flow
-
-        def flow(work: list) -> None:
-            run_flow(work)
-            mels.extend(item.call.mel.clone() for sid, _, item in work if sid == "w" and item.call is not None)
-        eng._run_flow = flow  # type: ignore[method-assign]
-        for i, p in enumerate([8] + PROMPT_TOKENS[3:3 + others]):
-            eng.add_voice(f"v{i}", make_voice(40 + i, p))
-        sids = [f"o{i}" for i in range(1, others + 1)]
-        order = sids + ["w"] if last else ["w"] + sids
-        for sid in order:
-            eng.open(sid, Fence(1, 0), "v0" if sid == "w" else f"v{sid[1:]}", seed=len(sid) + 3)
-        for sid in sids:        # the others are a unit ahead, so the watched rows meet other calls
-            eng.submit(sid, Fence(1, 0), 0, codes(500 + int(sid[1:]), 12), False)
-        for u, n in enumerate((25, 25, 12)):
-            for sid in order:
-                eng.submit(sid, Fence(1, 0), u + (sid != "w"), codes(600 + 10 * u + len(sid), n), sid == "w" and u == 2)
-        while eng.pending():
-            eng.step()
-        return mels
-
-    alone = watched_mels(0)
+    alone, _ = watched_turn(flow64, cfg, 0, last)
     assert len(alone) >= 3 and alone[0].dtype == torch.float64
     for others in (1, 4):
-        got = watched_mels(others)
+        got, _ = watched_turn(flow64, cfg, others, last)
         assert [m.shape for m in got] == [m.shape for m in alone]
         assert max(float((a - b).abs().max()) for a, b in zip(alone, got, strict=True)) <= 1e-12
 
@@ -141,34 +145,10 @@ def test_tile_rows_keep_a_sessions_mel_and_pcm_bits_whatever_shares_its_batch(mo
     CPU, the mel differs in its last bits (the pre-lookahead convolution at 1 row against 2)."""
     cfg = Token2WavEngineConfig(stream=StreamConfig(n_timesteps=N_TS), max_batch=5, tile_rows=tile,
                                 pool=PoolConfig(slots=5, max_prompt_frames=128))
-
-    def watched(others: int, last: bool = False) -> tuple[list[torch.Tensor], bytes]:
-        eng = Token2WavEngine(models, cfg)
-        mels, pcm, run_flow = [], [], eng._run_flow
-
-        def flow(work: list) -> None:
-            run_flow(work)
-            mels.extend(item.call.mel.clone() for sid, _, item in work if sid == "w" and item.call is not None)
-        eng._run_flow = flow  # type: ignore[method-assign]
-        for i, p in enumerate([8] + PROMPT_TOKENS[3:3 + others]):
-            eng.add_voice(f"v{i}", make_voice(40 + i, p))
-        sids = [f"o{i}" for i in range(1, others + 1)]
-        order = sids + ["w"] if last else ["w"] + sids
-        for sid in order:
-            eng.open(sid, Fence(1, 0), "v0" if sid == "w" else f"v{sid[1:]}", seed=len(sid) + 3)
-        for sid in sids:        # the others are a unit ahead, so the watched rows meet other calls
-            eng.submit(sid, Fence(1, 0), 0, codes(500 + int(sid[1:]), 12), False)
-        for u, n in enumerate((25, 25, 12)):
-            for sid in order:
-                eng.submit(sid, Fence(1, 0), u + (sid != "w"), codes(600 + 10 * u + len(sid), n), sid == "w" and u == 2)
-        while eng.pending():
-            pcm += [c.pcm.tobytes() for c in eng.step() if c.session_id == "w"]
-        return mels, b"".join(pcm)
-
-    alone_mels, alone_pcm = watched(0)
+    alone_mels, alone_pcm = watched_turn(models, cfg, 0)
     assert len(alone_mels) >= 3 and len(alone_pcm) > 0
     for others, last in ((1, False), (4, False), (4, True)):
-        mels, pcm = watched(others, last)
+        mels, pcm = watched_turn(models, cfg, others, last)
         assert [m.shape for m in mels] == [m.shape for m in alone_mels]
         assert all(torch.equal(a, b) for a, b in zip(alone_mels, mels, strict=True)), (others, last)
         assert pcm == alone_pcm, (others, last)
