@@ -400,9 +400,9 @@ class Token2WavEngine:
     def _run_flow(self, work: list[tuple[str, _Session, _Item]]) -> None:
         if self.pool is not None:
             flows = [(s.stream, i.call) for _, s, i in work if i.call is not None]
-            k = self.cfg.tile_rows or len(flows)
-            for at in range(0, len(flows), max(k, 1)):
-                chunk = flows[at:at + k]
+            tile = self.cfg.tile_rows or len(flows)
+            for at in range(0, len(flows), max(tile, 1)):
+                chunk = flows[at:at + tile]
                 run_flow_pooled(self.models, self.pool, [f[0] for f in chunk], [f[1] for f in chunk], self.solver,
                                 tile=self.cfg.tile_rows)
             return
@@ -418,8 +418,9 @@ class Token2WavEngine:
     def _run_hift(self, work: list[tuple[str, _Session, _Item]], out: list[PcmChunk]) -> None:
         inputs = [s.stream.hift_inputs(i.call) for _, s, i in work if i.call is not None]
         keys = [hift_bucket_key(x[0].shape[2], x[1].shape[2]) for x in inputs]
-        k = self.cfg.tile_rows
-        for group in ([g[i:i + k] for g in group_by(keys) for i in range(0, len(g), k)] if k else group_by(keys)):
+        tile = self.cfg.tile_rows
+        groups = group_by(keys)
+        for group in [g[i:i + tile] for g in groups for i in range(0, len(g), tile)] if tile else groups:
             pad = self._hift_rows(len(group)) - len(group)
             mel, src, ini, noise = (torch.cat([inputs[g][k] for g in group] + [inputs[group[0]][k].new_zeros(
                 pad, *inputs[group[0]][k].shape[1:])], dim=0) for k in range(4))   # + dummy rows: zeros, dropped
