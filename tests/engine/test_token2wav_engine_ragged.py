@@ -160,3 +160,19 @@ def test_tile_rows_outside_the_batch_are_refused(tile):
         Token2WavEngineConfig(max_batch=5, tile_rows=tile)
     with pytest.raises(ValueError, match="pooled flow"):
         Token2WavEngineConfig(max_batch=5, tile_rows=2, ragged=False)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_tile_rows_on_cuda_in_float16_graphs_keep_a_sessions_bits(models):
+    """The same with the float16 flow and the CUDA graphs of the ragged encoder, solve and HiFT, as served: the
+    graphs of the tile only (full size on an H100: bench/RESULTS.md stop 46)."""
+    dev = torch.device("cuda")
+    gpu = Token2WavModels(copy.deepcopy(models.flow).to(dev, torch.float16), copy.deepcopy(models.hift).to(dev),
+                          TINY_FLOW, TINY_HIFT, "A")
+    cfg = Token2WavEngineConfig(stream=StreamConfig(n_timesteps=N_TS), max_batch=5, tile_rows=4,
+                                pool=PoolConfig(slots=5, max_prompt_frames=128))
+    alone_mels, alone_pcm = watched_turn(gpu, cfg, 0)
+    for others, last in ((1, False), (4, True)):
+        mels, pcm = watched_turn(gpu, cfg, others, last)
+        assert all(torch.equal(a, b) for a, b in zip(alone_mels, mels, strict=True)), (others, last)
+        assert pcm == alone_pcm, (others, last)
