@@ -51,6 +51,17 @@ def decode_buckets(args: argparse.Namespace) -> tuple[int, ...]:
     return tuple(b for b in (2, 4, 8, 16, 32, 64) if b <= args.slots)
 
 
+def mix_inputs(decode: DecodeGraphs, units: int, tokens: int, context: int, seed: int) -> tuple:
+    """A mixed step's inputs: token rows at slots 0..D-1 (x, positions, slots), units after them (slots, starts,
+    embeddings), all at `context`."""
+    h, dev, dtype = decode.model.cfg.hidden_size, decode.device, decode.dtype
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, h, generator=gen).to(dev, dtype)
+    embeds = [torch.randn(MERGED_PREFILL, h, generator=gen).to(dev, dtype) for _ in range(units)]
+    return x, torch.full((tokens,), context), torch.arange(tokens), list(range(tokens, tokens + units)), \
+        [context] * units, embeds
+
+
 def shared_vs_split(graphs: tuple[DecodeGraphs, PrefillGraphs, SharedGraphs | None], units: int, tokens: int,
                     context: int) -> tuple[float, float]:
     """One shared pass beside the split passes on the same inputs (tokens at slots 0..D-1, units after them): the
@@ -58,16 +69,11 @@ def shared_vs_split(graphs: tuple[DecodeGraphs, PrefillGraphs, SharedGraphs | No
     (0, 0: bit-equal; tests/engine/test_stage0_bf16_batch.py asserts it with `Stage0Config.gemm_tile_rows`)."""
     decode, prefill, shared = graphs
     assert shared is not None
-    h, dev, dtype = decode.model.cfg.hidden_size, decode.device, decode.dtype
-    gen = torch.Generator().manual_seed(7)
-    x = torch.randn(tokens, h, generator=gen).to(dev, dtype)
-    embeds = [torch.randn(MERGED_PREFILL, h, generator=gen).to(dev, dtype) for _ in range(units)]
-    pos, token_slots = torch.full((tokens,), context), torch.arange(tokens)
-    unit_slots = list(range(tokens, tokens + units))
+    x, pos, token_slots, unit_slots, starts, embeds = mix_inputs(decode, units, tokens, context, 7)
     with torch.no_grad():
         want_d = decode.run(x, pos, token_slots, context + 1).clone()
-        want_u = [u.clone() for u in prefill.run(unit_slots, [context] * units, embeds)]
-        got_u, got_d = shared.run(unit_slots, [context] * units, embeds, x, pos, token_slots)
+        want_u = [u.clone() for u in prefill.run(unit_slots, starts, embeds)]
+        got_u, got_d = shared.run(unit_slots, starts, embeds, x, pos, token_slots)
 
     def diff(a: torch.Tensor, b: torch.Tensor) -> float:
         return float((a.float() - b.float()).abs().max())
@@ -78,13 +84,8 @@ def bench_mix(graphs: tuple[DecodeGraphs, PrefillGraphs, SharedGraphs | None], u
               args: argparse.Namespace, dev: torch.device, dtype: torch.dtype) -> list[dict]:
     decode, prefill, shared = graphs
     assert shared is not None
-    h, ctx = decode.model.cfg.hidden_size, args.context
-    gen = torch.Generator().manual_seed(units * 100 + tokens)
-    x = torch.randn(tokens, h, generator=gen).to(dev, dtype)  # tokens at slots 0..D-1, units after them
-    pos, token_slots = torch.full((tokens,), ctx), torch.arange(tokens)
-    unit_slots = list(range(tokens, tokens + units))
-    embeds = [torch.randn(MERGED_PREFILL, h, generator=gen).to(dev, dtype) for _ in range(units)]
-    starts = [ctx] * units
+    ctx = args.context
+    x, pos, token_slots, unit_slots, starts, embeds = mix_inputs(decode, units, tokens, ctx, units * 100 + tokens)
 
     def split() -> torch.Tensor:
         out = decode.run(x, pos, token_slots, ctx + 1)

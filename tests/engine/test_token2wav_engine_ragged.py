@@ -158,6 +158,9 @@ def test_tile_rows_keep_a_sessions_mel_and_pcm_bits_whatever_shares_its_batch(mo
 def test_tile_rows_outside_the_batch_are_refused(tile):
     with pytest.raises(ValueError, match="tile_rows"):
         Token2WavEngineConfig(max_batch=5, tile_rows=tile)
+
+
+def test_tile_rows_need_the_pooled_flow():
     with pytest.raises(ValueError, match="pooled flow"):
         Token2WavEngineConfig(max_batch=5, tile_rows=2, ragged=False)
 
