@@ -6,7 +6,8 @@ with `response.cancel` while audio streams. Sweeps N in the given order and stop
 longer holds real time (every session's audio keeps pace, no chunk gap > 1.2 s: targets.md P8; --keep-going runs
 every N anyway). With
 --triton-metrics it scrapes the stage metrics before and after each N and reports mean rows per engine step
-per stage (batch occupancy, P12). It scrapes the gateway's own /metrics the same way and reports how long
+per stage (batch occupancy) and P12 (`p12`: stage0's token rows per step that decoded tokens against the sessions
+speaking, bench/loadgen/stages.py `occupancy`). It scrapes the gateway's own /metrics the same way and reports how long
 generated text waited before its delta left (`transcript_behind_generation_ms`, P13). Progress goes to stderr; the JSON is rewritten after every N; a table is
 printed last. Definitions of every figure: bench/loadgen/report.py.
 
@@ -222,6 +223,7 @@ def step_record(n: int, logs: list[UserLog], scripted: bool | None, before: stag
     run["stage_queue_wait_ms"] = m["queue_wait_ms"] if m else empty
     run["stage_busy_ms_per_s"] = stages.busy(before, after, seconds) if m else empty
     run["stage_step_ms_by_kind"] = stages.by_kind(before, after) if m else {}
+    run["p12"] = stages.occupancy(run["stage_step_ms_by_kind"], run["audio_s"], seconds)
     t = stages.tails(before, after) if before is not None and after is not None else None
     for key in ("step_p99_ms", "slow_steps", "graph_misses"):
         run[f"stage_{key}"] = t[key] if t else empty
@@ -233,9 +235,15 @@ def _fmt(x: Any) -> str:
     return "-" if x is None else f"{x:.0f}" if isinstance(x, float) else str(x)
 
 
+def _p12(p: dict[str, Any]) -> str:
+    rows, speaking = p.get("token_rows_per_step"), p.get("speaking_sessions")
+    return "-" if rows is None or speaking is None else f"{rows:.2f}/{speaking:.2f}"
+
+
 def table(runs: list[dict[str, Any]]) -> str:
     head = ("N", "held", "c->audio p50/p99", "cancel p50/p99", "text-audio p50", "text behind gen p50/p99",
-            "max gap (p99, >1.2 s)", "underruns", "errors", "rows/step s0/tts/t2w", "in phase",
+            "max gap (p99, >1.2 s)", "underruns", "errors", "rows/step s0/tts/t2w", "P12 token rows/speaking",
+            "in phase",
             "unit->audio p50 by position 1/2/3/4+")
     lines = [" | ".join(head)]
     for r in runs:
@@ -250,6 +258,7 @@ def table(runs: list[dict[str, Any]]) -> str:
             str(r["underruns"]),
             str(sum(r["errors"].values())),
             "/".join("-" if rows[s] is None else f"{rows[s]:.2f}" for s in stages.STAGES),
+            _p12(r.get("p12") or {}),
             "-" if r.get("first_audio_in_phase") is None else f"{r['first_audio_in_phase']:.2f}",
             "/".join(_fmt(p["p50"]) for p in r.get("unit_to_audio_by_position_ms", {}).values()) or "-")))
     return "\n".join(lines)

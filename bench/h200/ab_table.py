@@ -4,7 +4,8 @@
 
 Reads the load JSONs of bench/load_realtime.py (what bench/h200/ab_run.sh brings back) and prints, per variant and
 session count: held, commit->first audio p50 / p99, each stage's step, queue wait, rows per step and busy time,
-stage0's prefill and decode steps apart (`stage_step_ms_by_kind`, with P12's rows per decode step), the first
+stage0's prefill and decode steps apart (`stage_step_ms_by_kind`), P12 (`p12`: token rows per step that decoded tokens,
+the sessions speaking, their share), the first
 unit's TTS and Token2Wav times, and cancel->last audio. A figure a JSON lacks (older files, a level with no cancel)
 reads "-". The commit and the profile of each file come first, so a table never mixes runs unawares.
 """
@@ -24,7 +25,7 @@ if str(_ROOT) not in sys.path:
 from bench.loadgen.stages import STAGES  # noqa: E402  - the load generator's order of the stage columns
 
 COLUMNS = ("variant", "N", "held", "commit->first audio p50 / p99", "step ms s0 / tts / t2w",
-           "s0 prefill / decode step ms", "s0 rows per decode step", "queue ms s0 / tts / t2w",
+           "s0 prefill / decode step ms", "s0 rows per decode step", "P12 token rows / speaking", "queue ms s0 / tts / t2w",
            "rows/step s0 / tts / t2w", "busy ms per s s0 / tts / t2w", "talker_own / code2wav_own p50",
            "cancel->last audio p50 / p99")
 
@@ -50,6 +51,12 @@ def _held(run: dict[str, Any]) -> str:
     return f"NO ({gaps.get('over_bound', '-')} gaps over 1.2 s, max {_num(run.get('max_chunk_gap_ms'), 0)})"
 
 
+def _p12(p: dict[str, Any]) -> str:
+    if p.get("share") is None:
+        return "-"
+    return f"{_num(p['token_rows_per_step'], 2)} / {_num(p['speaking_sessions'], 2)} = {_num(p['share'], 2)}"
+
+
 def row(name: str, run: dict[str, Any]) -> list[str]:
     kinds = (run.get("stage_step_ms_by_kind") or {}).get("stage0") or {}
     prefill, decode = kinds.get("prefill") or {}, kinds.get("decode") or {}
@@ -58,6 +65,7 @@ def row(name: str, run: dict[str, Any]) -> list[str]:
     return [name, str(run.get("sessions", "-")), _held(run), _pair(run.get("commit_to_first_audio_ms")),
             _stages(run.get("stage_step_ms")),
             f"{_num(prefill.get('mean_ms'))} / {_num(decode.get('mean_ms'))}", _num(decode.get("mean_rows"), 2),
+            _p12(run.get("p12") or {}),
             _stages(run.get("stage_queue_wait_ms")), _stages(run.get("stage_rows_per_step"), 2),
             _stages(run.get("stage_busy_ms_per_s"), 0), " / ".join(_num(x, 0) for x in own),
             _pair(run.get("cancel_to_last_audio_ms"))]

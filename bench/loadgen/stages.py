@@ -14,7 +14,8 @@ FAMILIES = {"rows_per_step": "duplex_stage_rows_per_step",
             "step_ms": "duplex_stage_step_seconds",
             "queue_wait_ms": "duplex_stage_queue_wait_seconds"}
 SCALE = {"rows_per_step": 1.0, "step_ms": 1000.0, "queue_wait_ms": 1000.0}
-KIND_FAMILIES = {"rows": "duplex_stage_kind_rows_per_step",  # labelled by stage and kind (stage0: prefill / decode)
+# labelled by stage and kind (stage0: prefill / decode, and token: the steps that decoded tokens, their token rows)
+KIND_FAMILIES = {"rows": "duplex_stage_kind_rows_per_step",
                  "step_ms": "duplex_stage_kind_step_seconds"}
 SCRAPE_TIMEOUT_S = 5.0
 SLOW_STEP_S = 0.25  # a histogram bucket edge (model_repository/common/metrics.py SECONDS_BUCKETS)
@@ -96,7 +97,7 @@ def busy(before: Sample, after: Sample, seconds: float) -> dict[str, float | Non
 def by_kind(before: Sample, after: Sample) -> dict[str, dict[str, dict[str, float]]]:
     """{stage: {kind: {"steps": n, "mean_rows": rows, "mean_ms": ms}}} over the interval, for the stages that tell
     what their steps ran (stage0: `prefill` steps ran the audio front end and a prefill pass, `decode` steps
-    decoded tokens only; P12 reads the decode steps' rows)."""
+    decoded tokens only; `token` is every step that decoded tokens, with its token rows: P12 reads these)."""
     out: dict[str, dict[str, dict[str, float]]] = {}
     rows, step = KIND_FAMILIES["rows"], KIND_FAMILIES["step_ms"]
     prefix = f"{step}_count:"
@@ -109,3 +110,17 @@ def by_kind(before: Sample, after: Sample) -> dict[str, dict[str, dict[str, floa
                 "mean_rows": round(_delta(before, after, f"{rows}_sum:{kind}", stage) / count, 3),
                 "mean_ms": round(_delta(before, after, f"{step}_sum:{kind}", stage) / count * 1000.0, 3)}
     return out
+
+
+P12_SHARE = 0.8  # targets.md P12: rows per stage0 decode step >= 0.8 x the sessions speaking
+
+
+def occupancy(by_kind: dict[str, dict[str, dict[str, float]]], audio_s: float, seconds: float) -> dict[str, object]:
+    """P12 over a level: stage0's token rows per step that decoded tokens (`by_kind`'s stage0 `token`) against the
+    sessions speaking, counted as the audio seconds the level's sessions received over its seconds (how many
+    sessions' voices streamed at once, on average). None where a figure is missing (no token step, no audio)."""
+    rows = ((by_kind.get("stage0") or {}).get("token") or {}).get("mean_rows")
+    speaking = audio_s / seconds if seconds > 0 and audio_s > 0 else None
+    ratio = rows / speaking if rows is not None and speaking else None
+    return {"token_rows_per_step": rows, "speaking_sessions": None if speaking is None else round(speaking, 2),
+            "share": None if ratio is None else round(ratio, 3), "met": None if ratio is None else ratio >= P12_SHARE}

@@ -125,6 +125,12 @@ class Stage0Engine:
         the audio front end and a prefill pass) or "decode" (decoded tokens only)."""
         return self.scheduler.last_kind
 
+    @property
+    def last_token_rows(self) -> int:
+        """Rows of one decoded token in the last step, in a decode step or beside a prefill row (the shared
+        pass): P12's rows per decode step counts these, wherever they ran."""
+        return self.scheduler.last_token_rows
+
     # ---- the step loop ----------------------------------------------------------------------------
     def start_audio_worker(self) -> bool:
         return self.scheduler.start_audio_worker()

@@ -59,6 +59,7 @@ class StepScheduler:
         self.audio_worker: AudioWorker | None = None  # the front end on its own thread, else in the step
         self.last_rows = 0  # rows the last step fed (batch occupancy)
         self.last_kind = "decode"  # "prefill": the last step had a row of several positions (unit, close, prefix)
+        self.last_token_rows = 0  # rows of one decoded token in the last step, beside a prefill or not (P12)
 
     # ---- the audio worker -------------------------------------------------------------------------
     def start_audio_worker(self) -> bool:
@@ -102,7 +103,8 @@ class StepScheduler:
             self._encode_frames(sessions)
             work = [(s, row) for s in sessions if (row := self._row(s)) is not None]
             self.last_rows = len(work)
-            self.last_kind = "prefill" if any(row.embeds is not None for _, row in work) else "decode"
+            self.last_token_rows = sum(row.embeds is None for _, row in work)
+            self.last_kind = "decode" if self.last_token_rows == len(work) else "prefill"
             if work:
                 self._run_rows(work)
                 return True

@@ -12,9 +12,12 @@ A step slower than SLOW_STEP_S is also logged (WARNING, at most one line per SLO
 since the last line): a stall that a mean hides shows in the log with its rows.
 Two more, labelled by `stage` and `kind`, where the bridge tells what a step ran (stage0: `prefill`, a unit,
 close or prefix row, so the audio front end and a prefill pass, maybe beside decoded tokens; `decode`, decoded
-tokens only): a prefill's cost served apart from the decode steps, and P12's rows per decode step
+tokens only): a prefill's cost served apart from the decode steps
   duplex_stage_kind_rows_per_step   rows of the steps of that kind
   duplex_stage_kind_step_seconds    wall time of the steps of that kind
+and, under `kind="token"`, every step that decoded a token (a decode step, or a prefill step with decoded tokens
+beside its prefill rows: the shared pass) with its token rows only: P12's rows per decode step, wherever the tokens
+ran (the decode steps alone miss the tokens that rode along a prefill).
 One counter, labelled by `stage` and `kind` (issue 15):
   duplex_stage_graph_misses_total   engine calls whose shape had no CUDA graph / compiled step built at
                                     warm-up (engine/warmup.py GraphMisses; each shape is also logged once)
@@ -22,7 +25,7 @@ One counter, labelled by `stage` and `kind` (issue 15):
 Every `observe` is an IPC round trip to the Triton process (measured: 70 us on a loaded 2-core CPU host,
 Triton 2.51; a busy Python thread kept ~77 % of its speed while a flush ran), so the engine thread never
 makes one: it appends to a buffer, and a flusher thread hands the buffer to Triton every `FLUSH_S`. The
-cost grows with the observations (2 per step, 4 with a kind, + 1 per request), not with the flush rate.
+cost grows with the observations (2 per step, 4 with a kind, 6 with tokens too, + 1 per request), not with the flush rate.
 Outside Triton (`pb_utils` absent: unit tests of the bridges) the same object keeps only the in-memory totals.
 """
 
@@ -52,6 +55,7 @@ KIND_FAMILIES = {  # the same by the step's kind (`StageMetrics.step(kind=...)`)
     "step": ("duplex_stage_kind_step_seconds", "Wall time of one engine step that had work, by what it ran",
              SECONDS_BUCKETS),
 }
+TOKEN_KIND = "token"  # the steps that decoded tokens, counting their token rows (P12)
 MISSES = ("duplex_stage_graph_misses_total", "Engine calls whose shape had no graph built at warm-up")
 
 
@@ -144,12 +148,15 @@ class StageMetrics:
         return dict(self._misses())
 
     # ---- engine thread ------------------------------------------------------------------------------
-    def step(self, rows: int, seconds: float, kind: str | None = None) -> None:
+    def step(self, rows: int, seconds: float, kind: str | None = None, token_rows: int = 0) -> None:
         self._add("rows", float(rows))
         self._add("step", seconds)
         if kind is not None:
             self._add("rows", float(rows), kind)
             self._add("step", seconds, kind)
+        if token_rows:
+            self._add("rows", float(token_rows), TOKEN_KIND)
+            self._add("step", seconds, TOKEN_KIND)
         if seconds > SLOW_STEP_S:
             self._slow(rows, seconds)
 

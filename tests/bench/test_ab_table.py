@@ -22,6 +22,7 @@ NEW = {"commit": "b5e49a2873e2", "profile": "deploy/profiles/ab-p0.yaml", "devic
      "stage_busy_ms_per_s": {"stage0": 550.0, "tts": 350.0, "token2wav": 400.0},
      "stage_step_ms_by_kind": {"stage0": {"prefill": {"steps": 300, "mean_rows": 1.5, "mean_ms": 24.0},
                                           "decode": {"steps": 700, "mean_rows": 1.83, "mean_ms": 11.4}}},
+     "p12": {"token_rows_per_step": 2.1, "speaking_sessions": 7.5, "share": 0.28, "met": False},
      "first_unit_stages_ms": {"talker_own": {"p50": 64.6}, "code2wav_own": {"p50": 90.2}},
      "cancel_to_last_audio_ms": {"p50": 0.0, "p99": 3.0}},
     {"sessions": 32, "held_realtime": False, "chunk_gap_ms": {"over_bound": 3}, "max_chunk_gap_ms": 1290.4}]}
@@ -41,6 +42,7 @@ def test_a_row_per_variant_and_level_with_the_files_named_first(tmp_path: Path, 
     p16, p32, old = (dict(zip(head, r, strict=True)) for r in rows)
     assert (p16["variant"], p16["N"], p16["held"], p16["commit->first audio p50 / p99"]) == ("p0", "16", "yes", "251 / 402")
     assert p16["s0 prefill / decode step ms"] == "24.0 / 11.4" and p16["s0 rows per decode step"] == "1.83"
+    assert p16["P12 token rows / speaking"] == "2.10 / 7.50 = 0.28" and old["P12 token rows / speaking"] == "-"
     assert p16["step ms s0 / tts / t2w"] == "15.2 / 60.0 / 55.5" and p16["rows/step s0 / tts / t2w"] == "1.70 / 1.30 / 1.40"
     assert p16["talker_own / code2wav_own p50"] == "65 / 90" and p16["cancel->last audio p50 / p99"] == "0 / 3"
     assert p32["held"] == "NO (3 gaps over 1.2 s, max 1290)" and p32["commit->first audio p50 / p99"] == "- / -"

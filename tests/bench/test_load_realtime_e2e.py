@@ -87,13 +87,20 @@ def test_two_sessions_fill_every_field_and_the_stage_metrics(stack: Stack, tmp_p
     busy = run["stage_busy_ms_per_s"]
     assert all(0 < busy[s] < 1100.0 for s in stages.STAGES), busy
     # stage0 tells its steps apart: units started (front end and prefill pass) against decoded tokens only; the
-    # two kinds make up every stage0 step of the run
+    # two kinds make up every stage0 step of the run; `token` is every step that decoded tokens (the decode steps
+    # and the prefill steps with tokens beside), counting its token rows only (P12)
     kinds = run["stage_step_ms_by_kind"]
-    assert set(kinds) == {"stage0"} and set(kinds["stage0"]) == {"prefill", "decode"}, kinds
+    assert set(kinds) == {"stage0"} and set(kinds["stage0"]) == {"prefill", "decode", "token"}, kinds
     assert all(k["steps"] >= 1 and k["mean_ms"] > 0 and k["mean_rows"] >= 1 for k in kinds["stage0"].values()), kinds
-    steps = sum(k["steps"] for k in kinds["stage0"].values())
-    mean = sum(k["steps"] * k["mean_ms"] for k in kinds["stage0"].values()) / steps
+    parts = [kinds["stage0"][k] for k in ("prefill", "decode")]
+    steps = sum(k["steps"] for k in parts)
+    mean = sum(k["steps"] * k["mean_ms"] for k in parts) / steps
     assert mean == pytest.approx(run["stage_step_ms"]["stage0"], rel=0.01), (kinds, run["stage_step_ms"])
+    assert kinds["stage0"]["decode"]["steps"] <= kinds["stage0"]["token"]["steps"] < steps, kinds
+    p12 = run["p12"]
+    assert p12["token_rows_per_step"] == kinds["stage0"]["token"]["mean_rows"] and 0 < p12["speaking_sessions"] <= 2
+    assert p12["share"] == pytest.approx(p12["token_rows_per_step"] / p12["speaking_sessions"], rel=0.01), p12
+    assert "P12 token rows/speaking" in proc.stdout
     with urllib.request.urlopen(metrics_url, timeout=5) as resp:
         sample = stages.parse(resp.read().decode())
     for stage in stages.STAGES:

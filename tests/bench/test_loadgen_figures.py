@@ -167,6 +167,18 @@ def test_stage_steps_by_kind_are_deltas_per_kind() -> None:
     assert stages.by_kind(before, before) == {}
 
 
+def test_p12_sets_the_token_rows_per_step_against_the_sessions_speaking() -> None:
+    """`token` steps' rows (model_repository/common/metrics.py) over the mean sessions speaking (audio seconds over
+    the level's seconds)."""
+    by_kind = {"stage0": {"decode": {"steps": 10, "mean_rows": 3.0, "mean_ms": 8.0},
+                          "token": {"steps": 12, "mean_rows": 6.5, "mean_ms": 9.0}}}
+    p = stages.occupancy(by_kind, audio_s=400.0, seconds=50.0)  # 8 sessions' voices at once, on average
+    assert p == {"token_rows_per_step": 6.5, "speaking_sessions": 8.0, "share": 0.812, "met": True}
+    assert stages.occupancy(by_kind, audio_s=500.0, seconds=50.0)["met"] is False  # 6.5 < 0.8 x 10
+    assert stages.occupancy({"stage0": {"decode": by_kind["stage0"]["decode"]}}, 400.0, 50.0)["share"] is None
+    assert stages.occupancy(by_kind, audio_s=0.0, seconds=50.0)["met"] is None  # nobody spoke: no figure
+
+
 STEP_BUCKETS = """duplex_stage_step_seconds_bucket{stage="stage0",le="0.1"} %d
 duplex_stage_step_seconds_bucket{stage="stage0",le="0.25"} %d
 duplex_stage_step_seconds_bucket{stage="stage0",le="1"} %d

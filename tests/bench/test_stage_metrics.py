@@ -62,6 +62,21 @@ def test_a_step_with_a_kind_is_also_observed_under_it() -> None:
     assert m.kind_totals["step", "prefill"].mean == 0.03 and m.kind_totals["rows", "decode"].mean == 5.0
 
 
+def test_a_step_that_decoded_tokens_is_also_observed_as_token_with_its_token_rows_only() -> None:
+    """P12 counts decoded tokens wherever they ran: a decode step's rows, and a prefill step's token rows beside its
+    prefill rows (the shared pass); a step without tokens adds nothing under `token`."""
+    sink = _KindSink()
+    m = StageMetrics("stage0", histograms=lambda stage: sink)
+    m.step(rows=5, seconds=0.01, kind="decode", token_rows=5)
+    m.step(rows=6, seconds=0.04, kind="prefill", token_rows=2)
+    m.step(rows=3, seconds=0.03, kind="prefill")
+    m.flush()
+    assert sink.kinds["rows", "token"].values == [5.0, 2.0]
+    assert sink.kinds["step", "token"].values == [0.01, 0.04]
+    assert sink.kinds["rows", "prefill"].values == [6.0, 3.0]  # the kinds themselves as before
+    assert m.kind_totals["rows", "token"].mean == 3.5
+
+
 def test_outside_triton_only_totals_are_kept() -> None:
     m = StageMetrics("stage0")  # no triton_python_backend_utils in this process
     m.start()

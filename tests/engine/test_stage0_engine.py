@@ -161,3 +161,29 @@ def test_each_step_says_whether_it_ran_a_prefill() -> None:
             seen.append((s.cached_len - before, engine.last_kind))
     assert {kind for _, kind in seen} == {"prefill", "decode"}
     assert all(kind == ("prefill" if fed > 1 else "decode") for fed, kind in seen), seen
+
+
+def test_each_step_counts_its_decoded_token_rows_beside_a_prefill_too() -> None:
+    """`last_token_rows` (P12's token steps): every row of a decode step, and in a step that also prefilled, the rows
+    of one decoded token beside the prefill rows; two sessions a unit apart give both kinds of step."""
+    engine, _ = make_engine(sessions=2)
+    for sid, seed in (("a", 1), ("b", 2)):
+        engine.open(sid, Fence(1, 0), params=params(seed))
+    engine.append("a", Fence(1, 0, seq=0), unit_pcm(1, 0))
+    seen = []
+
+    def step() -> bool:
+        busy = engine.step()
+        if engine.last_rows:
+            seen.append((engine.last_kind, engine.last_rows, engine.last_token_rows))
+        return busy
+
+    for k in range(6):  # b's unit arrives while a decodes its own
+        engine.append("a", Fence(1, 0, seq=k + 1), unit_pcm(1, k + 1))
+        while step() and seen[-1][0] != "decode":
+            pass
+        engine.append("b", Fence(1, 0, seq=k), unit_pcm(2, k))
+        while step():
+            pass
+    assert all(tokens == rows for kind, rows, tokens in seen if kind == "decode"), seen
+    assert any(kind == "prefill" and 0 < tokens < rows for kind, rows, tokens in seen), seen

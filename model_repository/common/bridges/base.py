@@ -116,6 +116,7 @@ class EngineBridge:
         self.metrics.watch_misses(self.graph_misses)
         self.step_rows = 0  # rows the running step serves; each bridge's `step` sets it (batch occupancy)
         self.step_kind: str | None = None  # what the step ran, where a bridge tells (stage0: prefill / decode)
+        self.step_token_rows = 0  # of step_rows, those of one decoded token, where a bridge tells (stage0; P12)
 
     # ---- StageEngine protocol (adapter thread) ------------------------------------------------------
     def start(self) -> None:
@@ -140,7 +141,7 @@ class EngineBridge:
 
     def step(self) -> bool:
         """One engine step; False when there was no work. Sets `step_rows` to the rows the step serves (and may
-        set `step_kind`)."""
+        set `step_kind` and `step_token_rows`)."""
         raise NotImplementedError
 
     def forget(self, corrid: int) -> None:
@@ -178,10 +179,12 @@ class EngineBridge:
                 except queue.Empty:
                     item = None
             try:
-                self.step_rows, self.step_kind, started = 0, None, time.perf_counter()
+                self.step_rows, self.step_kind, self.step_token_rows = 0, None, 0
+                started = time.perf_counter()
                 busy = self.step()
                 if self.step_rows:
-                    self.metrics.step(self.step_rows, time.perf_counter() - started, self.step_kind)
+                    self.metrics.step(self.step_rows, time.perf_counter() - started, self.step_kind,
+                                      self.step_token_rows)
             except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, not the engine
                 traceback.print_exc()
                 self.fail_all(engine_error(exc))

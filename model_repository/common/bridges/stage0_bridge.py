@@ -283,6 +283,7 @@ class Stage0Bridge(EngineBridge):
         busy = self.engine.step()
         # a row is one session's forward in this step (prefix, unit prefill, token or close)
         self.step_rows, self.step_kind = self.engine.last_rows, self.engine.last_kind
+        self.step_token_rows = self.engine.last_token_rows
         return busy
 
     def forget(self, corrid: int) -> None:
