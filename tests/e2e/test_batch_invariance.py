@@ -18,8 +18,7 @@ import pytest
 
 from bench.loadgen import stages
 from tests.e2e.stack import SHARED_ENV, Stack, profile_engine
-from tests.e2e.wire import cleanup, close_session, collect_until, fit_units, send_audio, unit_decided
-from tests.gateway_ops.wire import opened
+from tests.e2e.wire import fit_units, response_after_unit0, unit_of
 
 pytestmark = pytest.mark.e2e
 STACK_ENV = SHARED_ENV  # the shared stack of test_response_temperature (2 sessions, force_listen_count 0)
@@ -29,40 +28,22 @@ UNITS = 1 + len(OWNED) + 1  # one more: its decision comes after all of the last
 ATTEMPTS = 8  # runs beside the other session until each stage has held both sessions' rows in one step
 
 
-def shared_steps(stack: Stack) -> dict[str, float]:
-    """Each stage's engine steps so far that held rows of two sessions or more (Triton's metrics endpoint)."""
+def extra_rows(stack: Stack) -> dict[str, float]:
+    """Each stage's rows so far past one per engine step (Triton's rows-per-step histogram, sum - count): it grows
+    exactly when a step holds rows of two sessions or more."""
     with urllib.request.urlopen(f"http://127.0.0.1:{stack.triton_ports[2]}/metrics", timeout=5) as resp:
-        text = resp.read().decode()
-    one = {}  # the rows histogram's le="1" bucket: steps of one row
-    for line in text.splitlines():
-        if line.startswith("duplex_stage_rows_per_step_bucket{") and 'le="1"' in line:
-            labels = dict(stages._LABEL.findall(line[line.index("{") + 1:line.index("}")]))
-            one[labels["stage"]] = float(line.rsplit(" ", 1)[1])
-    counts = stages.parse(text)
-    return {s: counts[("duplex_stage_rows_per_step_count", s)] - one[s] for s in stages.STAGES}
+        sample = stages.parse(resp.read().decode())
+    return {s: sample[("duplex_stage_rows_per_step_sum", s)] - sample[("duplex_stage_rows_per_step_count", s)]
+            for s in stages.STAGES}
 
 
 async def _session(addr: str, audio: np.ndarray, seed: int) -> dict[int, dict[str, Any]]:
     """One session's response units: {unit: {listen, text, audio bytes}}, the deltas of a unit joined (transcript
     deltas run ahead of their audio as the text is generated, so the order of the two kinds follows the schedule)."""
-    first = len(fit_units(audio, 1))
-    c, _ = await opened(addr)
-    async with cleanup(c):
-        await c.send({"type": "session.update", "session": {
-            "turn_detection": None, "extra_body": {"auto_response": False, "seed": seed}}})
-        await c.until("session.updated", 20.0)
-        await send_audio(c, audio[:first], pace=0)  # unit 0 listens (no response yet)
-        await collect_until(c, lambda e: unit_decided(e, 0))
-        await c.send({"type": "input_audio_buffer.commit"})
-        await collect_until(c, lambda e: e["type"] == "conversation.item.done")
-        await c.send({"type": "response.create", "response": {}})
-        await collect_until(c, lambda e: e["type"] == "response.created")
-        await send_audio(c, audio[first:], pace=0)
-        await collect_until(c, lambda e: unit_decided(e, OWNED[-1] + 1), wait_s=60.0)
-        events = await close_session(c)
+    _, events = await response_after_unit0(addr, audio, seed, {}, OWNED[-1] + 1, wait_s=60.0)
     out: dict[int, dict[str, Any]] = {}
     for e in events:
-        unit = e.get("model_unit_index", (e.get("metadata") or {}).get("model_unit_index"))
+        unit = unit_of(e)
         if unit not in OWNED:
             continue
         got = out.setdefault(unit, {"listen": False, "text": "", "audio": b""})
@@ -92,12 +73,12 @@ async def test_a_sessions_text_and_audio_bytes_are_the_same_alone_and_beside_ano
     audio = fit_units(speech, UNITS)
     other = fit_units(np.roll(speech, len(speech) // 3) * 0.8, UNITS + 2)
     alone = await _session(addr, audio, SEED)
-    before, shared = shared_steps(stack), set()
+    before, shared = extra_rows(stack), set()
     for _ in range(ATTEMPTS):  # until every stage has had a step with both sessions' rows
         watched, others = await asyncio.gather(_session(addr, audio, SEED), _session(addr, other, OTHER_SEED))
         assert others, "the other session made no output"
         _same(alone, watched)
-        after = shared_steps(stack)
+        after = extra_rows(stack)
         shared |= {s for s in stages.STAGES if after[s] > before[s]}
         if shared == set(stages.STAGES):
             break

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from tests.e2e.stack import SHARED_ENV, profile_engine
-from tests.e2e.wire import WAIT_S, cleanup, close_session, collect_until, fit_units, send_audio, unit_decided
+from tests.e2e.wire import cleanup, close_session, fit_units, response_after_unit0, unit_of
 from tests.gateway_ops.wire import opened
 
 pytestmark = pytest.mark.e2e
@@ -33,26 +33,11 @@ UNITS = 1 + len(OWNED) + 1
 
 async def _owned_output(addr: str, speech: np.ndarray, response: dict[str, Any]) -> list[tuple]:
     """What the model did in the response's units: (event type, unit, text) of its listens and text deltas."""
-    audio = fit_units(speech, UNITS)
-    first = len(fit_units(speech, 1))
-    c, _ = await opened(addr)
-    async with cleanup(c):
-        await c.send({"type": "session.update", "session": {
-            "turn_detection": None, "output_modalities": ["text"],
-            "extra_body": {"auto_response": False, "seed": SEED}}})
-        updated = await c.until("session.updated", WAIT_S)
-        assert updated["session"]["extra_body"]["seed"] == SEED
-        await send_audio(c, audio[:first], pace=0)  # unit 0: held to listen (no response yet)
-        await collect_until(c, lambda e: unit_decided(e, 0))
-        await c.send({"type": "input_audio_buffer.commit"})
-        await collect_until(c, lambda e: e["type"] == "conversation.item.done")
-        await c.send({"type": "response.create", "response": response})
-        await collect_until(c, lambda e: e["type"] == "response.created")
-        await send_audio(c, audio[first:], pace=0)
-        await collect_until(c, lambda e: unit_decided(e, OWNED[-1] + 1))
-        events = await close_session(c)
+    updated, events = await response_after_unit0(addr, fit_units(speech, UNITS), SEED, response, OWNED[-1] + 1,
+                                                 session={"output_modalities": ["text"]})
+    assert updated["session"]["extra_body"]["seed"] == SEED
     return [(e["type"], unit, e.get("delta")) for e in events
-            if (unit := e.get("model_unit_index", (e.get("metadata") or {}).get("model_unit_index"))) in OWNED
+            if (unit := unit_of(e)) in OWNED
             and e["type"] in ("response.listen", "response.output_text.delta")]
 
 

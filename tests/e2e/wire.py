@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from tests.gateway import conformance
-from tests.gateway_ops.wire import Raw
+from tests.gateway_ops.wire import Raw, opened
 
 RATE = 16000
 CHUNK_MS = 200
@@ -89,6 +89,11 @@ def assert_conformant(events: list[dict[str, Any]], profile: str = "ga") -> None
     assert not errs, "\n".join(errs) + "\n--- stream ---\n" + "\n".join(e["type"] for e in events)
 
 
+def unit_of(ev: dict[str, Any]) -> int | None:
+    """The model unit an event belongs to: its own `model_unit_index` (listens) or its metadata's (deltas)."""
+    return ev.get("model_unit_index", (ev.get("metadata") or {}).get("model_unit_index"))
+
+
 def unit_decided(ev: dict[str, Any], unit: int) -> bool:
     """The model's decision for `unit` arrived: a listen, or the audio/text delta of a speaking unit."""
     if ev["type"] == "response.listen":
@@ -114,3 +119,26 @@ async def cleanup(c: Raw) -> AsyncIterator[Raw]:
                 async with asyncio.timeout(CLEANUP_WAIT_S):
                     await c.until("session.closed", CLEANUP_WAIT_S)
         await c.ws.close()
+
+
+async def response_after_unit0(addr: str, audio: np.ndarray, seed: int, response: dict[str, Any], last_unit: int,
+                               session: dict[str, Any] | None = None,
+                               wait_s: float = WAIT_S) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """A session with `seed`, no turn detection and auto_response off (+ the `session` fields): unit 0 of `audio`
+    streamed and decided (it listens: no response yet), a commit, `response.create` with `response`, the rest of
+    `audio` at once, read until the model decided `last_unit`, closed. Returns `session.updated` and every event."""
+    first = len(fit_units(audio, 1))
+    c, _ = await opened(addr)
+    async with cleanup(c):
+        await c.send({"type": "session.update", "session": {
+            "turn_detection": None, **(session or {}), "extra_body": {"auto_response": False, "seed": seed}}})
+        updated = await c.until("session.updated", WAIT_S)
+        await send_audio(c, audio[:first], pace=0)
+        await collect_until(c, lambda e: unit_decided(e, 0))
+        await c.send({"type": "input_audio_buffer.commit"})
+        await collect_until(c, lambda e: e["type"] == "conversation.item.done")
+        await c.send({"type": "response.create", "response": response})
+        await collect_until(c, lambda e: e["type"] == "response.created")
+        await send_audio(c, audio[first:], pace=0)
+        await collect_until(c, lambda e: unit_decided(e, last_unit), wait_s=wait_s)
+        return updated, await close_session(c)
