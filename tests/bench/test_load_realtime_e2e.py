@@ -99,7 +99,9 @@ def test_two_sessions_fill_every_field_and_the_stage_metrics(stack: Stack, tmp_p
     assert kinds["stage0"]["decode"]["steps"] <= kinds["stage0"]["token"]["steps"] < steps, kinds
     p12 = run["p12"]
     assert p12["token_rows_per_step"] == kinds["stage0"]["token"]["mean_rows"] and 0 < p12["speaking_sessions"] <= 2
-    assert p12["share"] == pytest.approx(p12["token_rows_per_step"] / p12["speaking_sessions"], rel=0.01), p12
+    # speaking_sessions is rounded to 0.01 and the share to 0.001: on a loaded CI host 0.32 sessions made that 1.2 %
+    assert p12["share"] == pytest.approx(p12["token_rows_per_step"] / p12["speaking_sessions"],
+                                         rel=0.006 / p12["speaking_sessions"], abs=0.0006), p12
     assert "P12 token rows/speaking" in proc.stdout
     with urllib.request.urlopen(metrics_url, timeout=5) as resp:
         sample = stages.parse(resp.read().decode())
