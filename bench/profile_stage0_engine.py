@@ -144,12 +144,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-engine-frontend", action="store_true", help="random unit embeddings, no audio encoder")
     ap.add_argument("--slots", type=int, default=0,
                     help="the engine's max_sessions (a served engine's: 32 in the h200 profile); 0: the batch")
+    ap.add_argument("--decode-attention", default="flex", choices=("flex", "matmul"),
+                    help="decode attention of the engine's graphs (flex: the h200 profile's)")
     ap.add_argument("--tiny", action="store_true")
     args = ap.parse_args(argv)
     dev = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
     dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
     cfg = TINY if args.tiny else FULL
-    engine_args(args, compile=args.compile or None, engine_units=args.units, prefill_attention=["auto"])
+    engine_args(args, compile=args.compile or None, engine_units=args.units, prefill_attention=["auto"],
+                decode_attention=[args.decode_attention])
     with torch.device(dev):
         model = Qwen3LLM(cfg).to(dtype).eval()
     dummy_init(model)

@@ -51,6 +51,7 @@ class SlotBlocks(NamedTuple):
     block_mask: BlockMask
     slot_ids: torch.Tensor  # [B] the rows' slots (dummy rows: the scratch slot)
     split_kv: int | None = None  # the decoding kernel's splits of each row's keys (None: torch's choice)
+    dense: bool = False  # single-token rows, row i = slot i: the kernel's batch is B (`dense_flex_decode`)
 
 
 def decode_splits(max_len: int, device: torch.device, keys_per_split: int = KEYS_PER_SPLIT) -> int | None:
@@ -67,17 +68,18 @@ def split_partials_bytes(slots: int, splits: int, heads: int, positions: int, he
     return slots * splits * heads * positions * head_dim * 4
 
 
-def dense_blocks(write_pos: torch.Tensor, idle_pos: int, slots: int, max_len: int,
+def dense_blocks(write_pos: torch.Tensor, idle_pos: int, max_len: int,
                  keys_per_split: int = KEYS_PER_SPLIT) -> SlotBlocks:
     """Single-token rows of the dense layout (row i = slot i, write_pos [B, 1]): each row reads its own key blocks
-    up to its position; an idle row (at `idle_pos`, output discarded) reads none. The rows attend as gathered rows
-    of slots 0..B-1 over all `slots` cache rows, so the kernel's batch is the cache's static size: a compiled layer
-    with a symbolic batch would otherwise leave the decoding kernel for flex's general one (torch's
-    `_use_flex_decoding` needs a static batch)."""
+    up to its position; an idle row (at `idle_pos`, output discarded) reads none. The kernel's batch is the rows'
+    B over the cache's first B slots (a view, no copy), not every slot: at 8 k the kernel over all 33 slots of a
+    32-session cache took 51 us a layer for one live row (H200, stop 48), most of it idle slots' programs and
+    partials. B is a graph bucket, static where the kernel runs (`dense_flex_decode`)."""
     b = write_pos.shape[0]
     pos = torch.where(write_pos == idle_pos, -1, write_pos)
     rows = torch.arange(b, device=write_pos.device)
-    return slot_blocks(pos, torch.ones_like(pos, dtype=torch.bool), rows, slots, max_len, keys_per_split)
+    return slot_blocks(pos, torch.ones_like(pos, dtype=torch.bool), rows, b, max_len, keys_per_split)._replace(
+        dense=True)
 
 
 def slot_blocks(write_pos: torch.Tensor, valid: torch.Tensor, slot_ids: torch.Tensor, slots: int,
@@ -134,6 +136,8 @@ def compiled_flex_attention(*args, **kwargs) -> torch.Tensor:  # noqa: ANN002, A
 def flex_slot_attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      blocks: SlotBlocks) -> torch.Tensor:
     """q [B, heads, T, D] → [B, heads, T, D], attending over one layer's caches [slots, kvh, max_len, D]."""
+    if blocks.dense:
+        return dense_flex_decode(q, k_cache, v_cache, blocks)
     _, heads, t, d = q.shape
     dense = q.new_zeros(k_cache.shape[0], heads, t, d)
     dense[blocks.slot_ids] = q
@@ -147,3 +151,18 @@ def flex_slot_attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     out = fn(dense, k_cache, v_cache, block_mask=blocks.block_mask, enable_gqa=heads != k_cache.shape[1],
              kernel_options=options)
     return out[blocks.slot_ids]  # type: ignore[index] - no return_lse
+
+
+@torch.compiler.disable
+def dense_flex_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      blocks: SlotBlocks) -> torch.Tensor:
+    """Dense single-token rows q [B, heads, 1, D] over the caches' first B slots (`dense_blocks`). Outside the
+    compiled decoder layer (a graph break), whose batch is symbolic: here B is a plain size, so the flex decoding
+    kernel, which needs a static batch, is compiled for it as for any standalone call (`compiled_flex_attention`).
+    An opaque custom op instead would run this under the compiled caller's dispatch state, where neither eager nor
+    compiled flex can trace its mask (vmap and functionalization are excluded there)."""
+    b, heads = q.shape[:2]
+    fn = compiled_flex_attention if q.device.type == "cuda" else flex_attention
+    options = {"SPLIT_KV": blocks.split_kv} if blocks.split_kv is not None else None
+    return fn(q, k_cache[:b], v_cache[:b], block_mask=blocks.block_mask, enable_gqa=heads != k_cache.shape[1],
+              kernel_options=options)  # type: ignore[return-value] - no return_lse

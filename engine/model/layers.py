@@ -290,12 +290,16 @@ class SlotAttention(nn.Module):
         bu, tu, bd = cos[0].shape[0], cos[0].shape[2], cos[1].shape[0]
         n = bu * tu
         q, k, v = self.project(x)  # [1, M, heads | kvh, D]
-        parts = []
-        for lo, hi, b, t, i, slots in ((0, n, bu, tu, 0, slot_ids), (n, n + bd, bd, 1, 1, None)):
+
+        def part(lo: int, hi: int, b: int, t: int, i: int, slots: torch.Tensor | None) -> torch.Tensor:
             out = self._attend_rows(q[0, lo:hi].reshape(b, t, *q.shape[2:]), k[0, lo:hi].reshape(b, t, *k.shape[2:]),
                                     v[0, lo:hi].reshape(b, t, *v.shape[2:]), cos[i], sin[i], k_cache, v_cache,
                                     write_slot[i], write_pos[i], slots, mask[i], kv_limit[i], mode[i])
-            parts.append(out.reshape(b * t, self.n_heads * self.head_dim))
+            return out.reshape(b * t, self.n_heads * self.head_dim)
+
+        # two calls, not a loop: flex decode rows leave the compiled layer for their kernel (flex.py
+        # `dense_flex_decode`), and dynamo skips a whole frame whose graph break sits in a loop
+        parts = [part(0, n, bu, tu, 0, slot_ids), part(n, n + bd, bd, 1, 1, None)]
         return linear(torch.cat(parts)[None], self.o_proj.weight, self.min_rows, self.tile)
 
 

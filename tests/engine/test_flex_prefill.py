@@ -102,6 +102,57 @@ def test_flex_decode_rows_equal_matmul_decode_rows() -> None:
     torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
 
 
+def _decode_setup(model: torch.nn.Module, slots: int) -> tuple[SlotKVCache, torch.Tensor, torch.Tensor]:
+    """A cache of `slots` sessions, slots 0 and 1 filled; two dense decode rows at their next positions."""
+    kv = SlotKVCache.allocate(TINY, slots, 200, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for slot, n in ((0, 150), (1, 40)):
+            model(torch.randn(1, n, TINY.hidden_size, generator=gen), torch.arange(n)[None], torch.tensor([slot]), kv)
+    return kv, torch.randn(2, TINY.hidden_size, generator=gen), torch.tensor([150, 40])
+
+
+def test_flex_decode_runs_over_the_rows_own_slots_not_the_whole_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Dense rows 0..B-1 (= slots 0..B-1): the kernel's batch is B over the cache's first B slots, however many
+    slots the cache has (over all of them, a row among idle slots cost 3x its attention: bench/RESULTS.md stop 48),
+    with the same outputs."""
+    import engine.model.flex as flex
+
+    model = tiny_llm()
+    model.decode_attention = "flex"
+    seen: list[tuple[int, int]] = []
+    real = flex.flex_attention
+    monkeypatch.setattr(flex, "flex_attention", lambda q, k, v, **kw: seen.append((q.shape[0], k.shape[0]))
+                        or real(q, k, v, **kw))
+    outs = []
+    for slots in (2, 7):
+        kv, x, pos = _decode_setup(model, slots)
+        seen.clear()
+        with torch.no_grad():
+            outs.append(model(x[:, None], pos[:, None], None, kv, kv_limit=kv.reserved_pos + 1)[:, 0])
+        assert seen == [(2, 2)] * TINY.num_hidden_layers
+    torch.testing.assert_close(outs[1], outs[0], atol=0, rtol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:TensorFloat32 tensor cores")
+def test_compiled_flex_decode_graphs_equal_the_eager_model() -> None:
+    """The decode graphs' compiled layer with symbolic sizes (inductor on CPU, replayed eagerly) around the dense
+    flex op (`duplex::dense_flex_decode`, opaque to the compile): the eager model's hidden states."""
+    from engine.stage0.graphs import DecodeGraphs
+
+    model = tiny_llm()
+    model.decode_attention = "flex"
+    kv, x, pos = _decode_setup(model, 5)
+    ref = SlotKVCache(k=[t.clone() for t in kv.k], v=[t.clone() for t in kv.v])
+    graphs = DecodeGraphs.create(model, kv, (2, 4), (256,), eager_replay=True, compile_mode="default")
+    assert graphs is not None and graphs.layer_fn is not None
+    got = graphs.run(x, pos, torch.tensor([0, 1]), reach=151).clone()
+    with torch.no_grad():
+        want = model(x[:, None], pos[:, None], None, ref, kv_limit=ref.reserved_pos + 1)[:, 0]
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 def test_standalone_compiled_flex_compiles_every_shape_past_dynamos_limit() -> None:
     """Outside a compiled region the flex kernel is compiled once per shape (`compiled_flex_attention`): a process
     with more shapes than dynamo's default recompile limit (8) still compiles each, where a bare
