@@ -36,7 +36,7 @@ FLEX_DECODING_MAX_POSITIONS = 16
 # which timed the attention kernel alone over a cache of the rows' own slots: the cost below did not show in it.
 # Stage0's engine options `flex_keys_per_split` (flex decode rows) and `flex_prefill_keys_per_split` (unit prefills)
 # override it per model (the `Qwen3LLM` attributes of those names); 0 gives torch's choice, which is fixed per
-# engine too (the kernel's batch is the cache's slot count).
+# engine too (for unit rows the kernel's batch is the cache's slot count; decode rows take that count explicitly).
 KEYS_PER_SPLIT = 512
 # What a split costs beside the kernel: every program writes its partial output in fp32, and a reduction reads them
 # all back, for every row of the kernel's batch, which is the cache's slot count (33 for 32 sessions), not the live
@@ -54,11 +54,16 @@ class SlotBlocks(NamedTuple):
     dense: bool = False  # single-token rows, row i = slot i: the kernel's batch is B (`dense_flex_decode`)
 
 
-def decode_splits(max_len: int, device: torch.device, keys_per_split: int = KEYS_PER_SPLIT) -> int | None:
+def decode_splits(max_len: int, device: torch.device, keys_per_split: int = KEYS_PER_SPLIT,
+                  rows: int | None = None) -> int | None:
     """SPLIT_KV for the flex decoding kernel over cache rows of `max_len` positions: one split per `keys_per_split`
-    keys; None (torch's choice) for 0 and off CUDA (eager flex takes no kernel options)."""
-    if device.type != "cuda" or keys_per_split == 0:
+    keys. For 0, torch's choice: None, or with `rows` (kernel rows x kv heads) the count torch picks for that many
+    rows (its `get_split_k`), fixed whatever the batch. None off CUDA (eager flex takes no kernel options)."""
+    if device.type != "cuda":
         return None
+    if keys_per_split == 0:
+        return None if rows is None else max(1, torch.cuda.get_device_properties(device).multi_processor_count
+                                              // rows * 2)
     return max(1, -(-max_len // keys_per_split))
 
 
@@ -68,18 +73,20 @@ def split_partials_bytes(slots: int, splits: int, heads: int, positions: int, he
     return slots * splits * heads * positions * head_dim * 4
 
 
-def dense_blocks(write_pos: torch.Tensor, idle_pos: int, max_len: int,
+def dense_blocks(write_pos: torch.Tensor, idle_pos: int, max_len: int, cache_rows: int,
                  keys_per_split: int = KEYS_PER_SPLIT) -> SlotBlocks:
     """Single-token rows of the dense layout (row i = slot i, write_pos [B, 1]): each row reads its own key blocks
     up to its position; an idle row (at `idle_pos`, output discarded) reads none. The kernel's batch is the rows'
     B over the cache's first B slots (a view, no copy), not every slot: at 8 k the kernel over all 33 slots of a
     32-session cache took 51 us a layer for one live row (H200, stop 48), most of it idle slots' programs and
-    partials. B is a graph bucket, static where the kernel runs (`dense_flex_decode`)."""
+    partials. B is a graph bucket, static where the kernel runs (`dense_flex_decode`). The split count never
+    follows B (a row's sum order would follow its company): for keys_per_split 0 it is torch's count for the
+    whole cache, `cache_rows` = cache slots x kv heads, as when the kernel ran over every slot."""
     b = write_pos.shape[0]
     pos = torch.where(write_pos == idle_pos, -1, write_pos)
     rows = torch.arange(b, device=write_pos.device)
-    return slot_blocks(pos, torch.ones_like(pos, dtype=torch.bool), rows, b, max_len, keys_per_split)._replace(
-        dense=True)
+    blocks = slot_blocks(pos, torch.ones_like(pos, dtype=torch.bool), rows, b, max_len, keys_per_split)
+    return blocks._replace(dense=True, split_kv=decode_splits(max_len, write_pos.device, keys_per_split, cache_rows))
 
 
 def slot_blocks(write_pos: torch.Tensor, valid: torch.Tensor, slot_ids: torch.Tensor, slots: int,

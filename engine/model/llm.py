@@ -195,7 +195,8 @@ class Qwen3LLM(nn.Module):
         use_flex = (flex and slot_ids is not None) or dense_flex
         lay = slot_layout(pos, slot_ids, kv, valid, kv_limit, with_visible=not use_flex)
         if dense_flex:
-            return lay, "flex", dense_blocks(lay.write_pos, kv.reserved_pos, kv.max_len, self.flex_keys_per_split)
+            return lay, "flex", dense_blocks(lay.write_pos, kv.reserved_pos, kv.max_len,
+                                             (kv.slots + 1) * self.cfg.num_key_value_heads, self.flex_keys_per_split)
         if use_flex:
             return lay, "flex", slot_blocks(lay.write_pos, lay.write_slot != kv.scratch, slot_ids, kv.slots + 1,
                                             kv.max_len, self.flex_prefill_keys_per_split)

@@ -7,6 +7,8 @@ which reads only the listed blocks, against the gathered path on the GPU (tests/
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -175,13 +177,17 @@ def test_standalone_compiled_flex_compiles_every_shape_past_dynamos_limit() -> N
         assert dynamo.config.recompile_limit == 8  # the patch is local to the call
 
 
-def test_decode_splits_follow_the_split_length_and_zero_leaves_torchs_choice() -> None:
+def test_decode_splits_follow_the_split_length_and_zero_leaves_torchs_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     """The flex decoding kernel's SPLIT_KV: one split per `keys_per_split` keys of a cache row (at least one), None
-    (torch's own count) for 0 and off CUDA, where eager flex takes no kernel options."""
+    (torch's own count) for 0 and off CUDA, where eager flex takes no kernel options; for 0 with the rows given
+    (decode rows: the whole cache's slots x kv heads) torch's count for those rows, whatever the batch."""
     cuda, cpu = torch.device("cuda"), torch.device("cpu")  # device objects only: nothing is allocated
     assert decode_splits(8200, cuda) == 17  # the default split, 512 keys
     assert decode_splits(8200, cuda, 4096) == 3 and decode_splits(100, cuda, 4096) == 1
     assert decode_splits(8200, cuda, 0) is None and decode_splits(8200, cpu) is None
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
+    assert decode_splits(8200, cuda, 0, rows=2 * 8) == 16 and decode_splits(8200, cuda, 0, rows=33 * 8) == 1
+    assert decode_splits(8200, cuda, 512, rows=2 * 8) == 17 and decode_splits(8200, cpu, 0, rows=16) is None
 
 
 def test_the_models_split_lengths_reach_their_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
