@@ -126,8 +126,9 @@ class Stage0Config:
     # sessions on h200-scripted (324 vs 309 / 305 ms p50, stop 36). But at long spans with few rows flex is far
     # faster (8 k, one token among 16 slots: 6.4 vs 17.7 ms; the served load test stays under 2 k positions).
     # Matmul is not batch-invariant at full size (its batched GEMMs pick kernels by rows x kv heads: a row among 16
-    # differed from the same row among 2 in bf16); flex is (its kernel batch is the cache's slot count), so the
-    # h200 profiles set flex (bench/RESULTS.md stop 37; sessions ~5 k deep: 275 vs 308 ms p50 at 16).
+    # differed from the same row among 2 in bf16); flex is (each program reads one row's split of fixed length,
+    # whatever the batch: engine/model/flex.py), so the h200 profiles set flex (bench/RESULTS.md stop 37; sessions
+    # ~5 k deep: 275 vs 308 ms p50 at 16).
     decode_attention: Literal["matmul", "sdpa", "flex"] = "matmul"
     # Least rows of every LLM GEMM (`Qwen3LLM.pad_gemm_rows`; 0 = off): fewer rows are zero-padded. cuBLAS picks
     # its kernel by the row count: on the H200 in bf16 a row's logits alone differed from the same row among 1-63
