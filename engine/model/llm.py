@@ -45,6 +45,12 @@ from engine.model.layers import (
 __all__ = ["Attention", "Qwen3LLM", "Qwen3Model", "RMSNorm", "SlotKVCache", "apply_rope", "rotate_half"]
 
 
+# lm_head output rows padded to a multiple of this (`Qwen3LLM.fuse_projections`): with MiniCPM-o's 151,748 (not a
+# multiple of 8) cuBLAS ran an sm80 GEMM, on an H100 0.452 / 0.498 / 0.638 ms at 1 / 32 / 128 rows against 0.412 /
+# 0.422 / 0.437 over 151,808, the same logits at 2 rows and more (bench/RESULTS.md stop 48)
+LM_HEAD_ALIGN = 64
+
+
 class Attention(SlotAttention):
     """Qwen3 attention: q/k RMSNorm per head before RoPE; optional fused [q; k; v] matmul."""
 
@@ -111,6 +117,7 @@ class Qwen3LLM(nn.Module):
         self.min_rows = 0  # `logits`' least GEMM rows (`pad_gemm_rows`)
         self.tile = False  # every GEMM in chunks of exactly min_rows rows (`pad_gemm_rows`)
         self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta), persistent=False)  # [D/2]
+        self.register_buffer("lm_head_padded", None, persistent=False)  # [V rounded up, H] once fused
 
     def reset_rope_(self) -> None:
         """Recompute `inv_freq` in fp32 (after a meta build or a dtype cast); on the CPU, as at
@@ -118,9 +125,27 @@ class Qwen3LLM(nn.Module):
         self.inv_freq = rope_inv_freq(self.cfg.head_dim, self.cfg.rope_theta).to(self.lm_head.weight.device)
 
     def fuse_projections(self) -> Qwen3LLM:
-        """q/k/v and gate/up as one matmul each (`fuse_layers`: state_dict keys and values unchanged)."""
+        """q/k/v and gate/up as one matmul each (`fuse_layers`), and the lm_head's rows padded to a multiple of
+        `LM_HEAD_ALIGN` (`_pad_lm_head`): state_dict keys and values unchanged."""
         fuse_layers(self.model.layers)
+        self._pad_lm_head()
         return self
+
+    def _pad_lm_head(self) -> None:
+        """The lm_head weight as the first V rows of a zero-padded [V', H] buffer (a view: no extra memory, and a
+        load_state_dict still reaches it); `logits` multiplies by the whole buffer and cuts the V logits out."""
+        w = self.lm_head.weight
+        v = w.shape[0]
+        padded = torch.cat([w.detach(), w.new_zeros(-v % LM_HEAD_ALIGN, w.shape[1])])
+        self.lm_head.weight = nn.Parameter(padded[:v], requires_grad=w.requires_grad)
+        self.lm_head_padded = padded
+
+    def _apply(self, fn, recurse=True):  # noqa: ANN001, ANN202 - nn.Module signature
+        # a device/dtype move copies the parameter and the buffer apart: alias them again (as `fuse_layers` does)
+        out = super()._apply(fn, recurse)
+        if self.lm_head_padded is not None:
+            self._pad_lm_head()
+        return out
 
     def pad_gemm_rows(self, rows: int, tile: bool = False) -> Qwen3LLM:
         """Every GEMM of the forward and `logits` at least `rows` rows (`layers.linear`: a row's numbers then do
@@ -240,7 +265,9 @@ class Qwen3LLM(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """lm_head on selected final-norm hidden states [..., H] → [..., V] in the model dtype."""
-        return linear(hidden, self.lm_head.weight, self.min_rows, self.tile)
+        if self.lm_head_padded is None:
+            return linear(hidden, self.lm_head.weight, self.min_rows, self.tile)
+        return linear(hidden, self.lm_head_padded, self.min_rows, self.tile)[..., :self.cfg.vocab_size]
 
     def rotate_keys(self, keys: torch.Tensor, shift: int | torch.Tensor) -> torch.Tensor:
         """Move cached (post-RoPE) keys [..., L, D] back by `shift` positions (model.md §7.4).

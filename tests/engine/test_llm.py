@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -180,6 +182,33 @@ def test_fused_projections_keep_keys_and_outputs(models: tuple, fold_gqa: bool, 
                                ours.model.layers[0].self_attn.q_proj.weight.double() * 0.5)
     gate_up = moved.model.layers[1].mlp.gate_up_weight
     torch.testing.assert_close(gate_up[TINY.intermediate_size:], ours.model.layers[1].mlp.up_proj.weight.double() * 0.5)
+
+
+def test_fused_lm_head_pads_an_unaligned_vocab_and_keeps_its_logits() -> None:
+    """fuse_projections() pads the lm_head's rows to a multiple of LM_HEAD_ALIGN (a vocab like MiniCPM-o's 151,748
+    ran a slower GEMM): the logits keep the vocab's width and values, the state_dict its keys and shapes, and the
+    weight stays a view of the padded buffer after a dtype move, so a later load_state_dict reaches the logits."""
+    from engine.model.llm import LM_HEAD_ALIGN
+
+    cfg = dataclasses.replace(TINY, vocab_size=300)  # not a multiple of 64
+    model = Qwen3LLM(cfg).eval()
+    hidden = torch.randn(3, cfg.hidden_size, generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        want = model.logits(hidden)
+        state = {k: v.clone() for k, v in model.state_dict().items()}
+        fused = model.fuse_projections()
+        got = fused.logits(hidden)
+    assert fused.lm_head_padded.shape == (320, cfg.hidden_size) and 320 % LM_HEAD_ALIGN == 0
+    assert got.shape == (3, 300)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    assert {k: tuple(v.shape) for k, v in fused.state_dict().items()} == {k: tuple(v.shape) for k, v in state.items()}
+    moved = fused.to(torch.float64)
+    moved.load_state_dict({k: v.double() * 0.5 for k, v in state.items()})
+    assert moved.lm_head.weight.untyped_storage().data_ptr() == moved.lm_head_padded.untyped_storage().data_ptr()
+    assert torch.equal(moved.lm_head_padded[300:], torch.zeros(20, cfg.hidden_size, dtype=torch.float64))
+    with torch.no_grad():
+        torch.testing.assert_close(moved.logits(hidden.double()),
+                                   hidden.double() @ state["lm_head.weight"].double().mul(0.5).T, atol=1e-9, rtol=1e-9)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
