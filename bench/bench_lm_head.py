@@ -8,23 +8,17 @@ pads to a multiple of `LM_HEAD_ALIGN`).
 from __future__ import annotations
 
 import argparse
-import time
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.bench_stage0 import timed  # noqa: E402
+
 VOCAB, HIDDEN = 151748, 4096
-
-
-def timed_ms(fn, iters: int = 50, warmup: int = 5) -> float:  # noqa: ANN001 - any callable
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / iters * 1e3
 
 
 def main() -> None:
@@ -38,9 +32,10 @@ def main() -> None:
         wp = torch.cat([w, w.new_zeros(vp - VOCAB, HIDDEN)])
         for m in (int(r) for r in args.rows.split(",")):
             x = torch.randn(m, HIDDEN, dtype=torch.bfloat16, device="cuda")
-            ms = timed_ms(lambda x=x, wp=wp: F.linear(x, wp))
+            median, p99 = timed(lambda x=x, wp=wp: F.linear(x, wp), 50, 5, w.device)
             same = torch.equal(F.linear(x, wp)[:, :VOCAB], F.linear(x, w))
-            print(f"lm_head {vp} rows x {m}: {ms:.3f} ms, logits bit-equal to {VOCAB} rows: {same}", flush=True)
+            print(f"lm_head {vp} rows x {m}: {median:.3f} / {p99:.3f} ms median / p99, logits bit-equal to {VOCAB} "
+                  f"rows: {same}", flush=True)
 
 
 if __name__ == "__main__":

@@ -85,14 +85,15 @@ def dense_blocks(write_pos: torch.Tensor, idle_pos: int, max_len: int, cache_row
     b = write_pos.shape[0]
     pos = torch.where(write_pos == idle_pos, -1, write_pos)
     rows = torch.arange(b, device=write_pos.device)
-    blocks = slot_blocks(pos, torch.ones_like(pos, dtype=torch.bool), rows, b, max_len, keys_per_split)
-    return blocks._replace(dense=True, split_kv=decode_splits(max_len, write_pos.device, keys_per_split, cache_rows))
+    return slot_blocks(pos, torch.ones_like(pos, dtype=torch.bool), rows, b, max_len, keys_per_split,
+                       cache_rows)._replace(dense=True)
 
 
 def slot_blocks(write_pos: torch.Tensor, valid: torch.Tensor, slot_ids: torch.Tensor, slots: int,
-                max_len: int, keys_per_split: int = KEYS_PER_SPLIT) -> SlotBlocks:
+                max_len: int, keys_per_split: int = KEYS_PER_SPLIT, split_rows: int | None = None) -> SlotBlocks:
     """write_pos, valid [B, T]; slot_ids [B]; `slots` cache rows (the scratch slot included), `max_len`
-    positions each. A padded query attends as its row's first query does (it is discarded)."""
+    positions each. A padded query attends as its row's first query does (it is discarded). `split_rows`:
+    `decode_splits`' rows for keys_per_split 0."""
     b, t = write_pos.shape
     device = write_pos.device
     qpos = torch.where(valid, write_pos, write_pos[:, :1])  # [B, T]
@@ -119,7 +120,7 @@ def slot_blocks(write_pos: torch.Tensor, valid: torch.Tensor, slot_ids: torch.Te
         partial[:, None].to(torch.int32), kv_indices[:, None].contiguous(),
         full[:, None].to(torch.int32), full_indices[:, None].contiguous(),
         BLOCK_SIZE=(Q_BLOCK, KV_BLOCK), mask_mod=mask_mod, seq_lengths=(t, max_len), compute_q_blocks=False)
-    return SlotBlocks(mask, slot_ids, decode_splits(max_len, device, keys_per_split))
+    return SlotBlocks(mask, slot_ids, decode_splits(max_len, device, keys_per_split, split_rows))
 
 
 # Shapes one process compiles the standalone flex kernel for (batch bucket x length bucket x dtype x kernel options:

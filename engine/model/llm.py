@@ -141,9 +141,11 @@ class Qwen3LLM(nn.Module):
         self.lm_head_padded = padded
 
     def _apply(self, fn, recurse=True):  # noqa: ANN001, ANN202 - nn.Module signature
-        # a device/dtype move copies the parameter and the buffer apart: alias them again (as `fuse_layers` does)
+        # a device/dtype move would copy the parameter and the buffer apart: move the parameter alone, then pad it
+        # again (the buffer is not moved only to be dropped: a 1.2 GB copy at full size)
+        padded, self.lm_head_padded = self.lm_head_padded, None
         out = super()._apply(fn, recurse)
-        if self.lm_head_padded is not None:
+        if padded is not None:
             self._pad_lm_head()
         return out
 
@@ -265,9 +267,8 @@ class Qwen3LLM(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """lm_head on selected final-norm hidden states [..., H] → [..., V] in the model dtype."""
-        if self.lm_head_padded is None:
-            return linear(hidden, self.lm_head.weight, self.min_rows, self.tile)
-        return linear(hidden, self.lm_head_padded, self.min_rows, self.tile)[..., :self.cfg.vocab_size]
+        weight = self.lm_head.weight if self.lm_head_padded is None else self.lm_head_padded
+        return linear(hidden, weight, self.min_rows, self.tile)[..., :self.cfg.vocab_size]
 
     def rotate_keys(self, keys: torch.Tensor, shift: int | torch.Tensor) -> torch.Tensor:
         """Move cached (post-RoPE) keys [..., L, D] back by `shift` positions (model.md §7.4).
