@@ -348,7 +348,10 @@ def engine_at_context(model: Qwen3LLM, cfg: LLMConfig, b: int, args: argparse.Na
     front: object = BenchFrontEnd(cfg, config.audio_embeddings_per_unit, dev, dtype)
     if not args.no_engine_frontend:  # the real batched front end: a unit step is front end + prefill
         audio_cfg = TINY_AUDIO if args.tiny else FULL_AUDIO
-        front = AudioFrontEndAdapter(build_frontend(audio_cfg, cfg.hidden_size, dev, dtype, kv_slots=b))  # as served
+        audio = build_frontend(audio_cfg, cfg.hidden_size, dev, dtype, kv_slots=b)  # as served
+        if config.use_cuda_graphs:  # as the stage0 bridge's warm-up does: the encoder's layers in CUDA graphs
+            audio.capture_graphs(eager_replay=config.eager_replay_graphs)
+        front = AudioFrontEndAdapter(audio)
     engine = Stage0Engine(model, tok, front, lambda event: None, config, rules)
     sids = [f"s{i}" for i in range(b)]
     for i, sid in enumerate(sids):

@@ -43,3 +43,30 @@ def test_results_of_separate_runs_merge_at_the_same_commit(tmp_path: Path) -> No
     assert got == [("forward_decode", 2048, 1.5), ("forward_decode", 8192, 2.0), ("engine_decode", 8192, 3.0)]
     write_results(out, [row("forward_decode", 2048, 9.0)], "another gpu")  # another device: a fresh file
     assert [r["median_ms"] for r in json.loads(out.read_text())["rows"]] == [9.0]
+
+
+
+def test_engine_rows_run_the_audio_encoder_in_graphs_as_served() -> None:
+    """The engine rows' unit step holds the batched front end: with the engine's graphs on, its encoder layers
+    run from their graphs as the stage0 bridge's warm-up captures them (stop 49: built eager, the front end
+    alone took 27 of a 45 ms batch-1 unit step on an H100, which no served step pays)."""
+    import argparse
+
+    import torch
+
+    from bench.bench_stage0 import TINY, dummy_init, engine_args, engine_at_context, unit_steps
+    from engine.model.llm import Qwen3LLM
+
+    torch.manual_seed(0)
+    model = Qwen3LLM(TINY).eval()
+    dummy_init(model)
+    args = engine_args(argparse.Namespace(context=64, tiny=True, no_engine_frontend=False, engine_units=1))
+    engine, sids, config = engine_at_context(model, TINY, 2, args, torch.device("cpu"), torch.float32)
+    graphs = engine.frontend.audio.graphs
+    assert graphs is not None and graphs.keys()
+    replays = []
+    run = graphs.run
+    graphs.run = lambda *a, **k: replays.append(a[1].numel()) or run(*a, **k)
+    for _unit, _kind in unit_steps(engine, sids, config, 1):
+        engine.step()
+    assert replays and max(replays) == 2  # both sessions' units in one replay, every unit through the graphs
