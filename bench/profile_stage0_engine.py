@@ -146,6 +146,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="the engine's max_sessions (a served engine's: 32 in the h200 profile); 0: the batch")
     ap.add_argument("--decode-attention", default="flex", choices=("flex", "matmul"),
                     help="decode attention of the engine's graphs (flex: the h200 profile's)")
+    ap.add_argument("--flex-prefill-keys-per-split", type=int, default=2048,
+                    help="keys per split of the unit prefill's flex kernel (2048: the h200 profile's; 0: torch's)")
     ap.add_argument("--tiny", action="store_true")
     args = ap.parse_args(argv)
     dev = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
