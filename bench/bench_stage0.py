@@ -27,6 +27,7 @@ Prints a table last: median and p99 ms per step, beside the bandwidth floor (LLM
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import subprocess
@@ -123,7 +124,7 @@ def graph_modes(args: argparse.Namespace) -> list[str | None]:
 
 # what engine_config reads beyond `context`, with the values a script that has no option for one takes
 ENGINE_DEFAULTS = dict(engine_units=5, slot_len=None, no_graphs=False, compile=None, compile_static=False,
-                       no_fuse=False, prefill_attention=["gather"], decode_attention=["matmul"], slots=0)
+                       no_fuse=False, prefill_attention=["gather"], decode_attention=["matmul"], slots=0, profile=None)
 
 
 def engine_args(args: argparse.Namespace, **given: object) -> argparse.Namespace:
@@ -164,6 +165,21 @@ def engine_config(b: int, args: argparse.Namespace, dev: torch.device) -> tuple[
         # all speak units, so every session decodes in lock step (turn-end every `speak_units`)
         script_plan=ScriptPlan(listen_units=0, tail_listen_units=0))
     return config, rules
+
+
+def served_kernels(config: Stage0Config, profile: str | None) -> Stage0Config:
+    """`config` with the kernel options of a deploy profile's stage0 engine options, mapped as the stage0 bridge
+    maps them (compile, attention, GEMM rows and tiles, mixed steps, shared buckets), so the engine rows time
+    what that profile serves; None: `config` as it is."""
+    return config if profile is None else dataclasses.replace(config, **profile_kernels(profile))
+
+
+def profile_kernels(profile: str) -> dict:
+    """The Stage0Config keywords of a deploy profile's stage0 kernel options (the profile checked on load)."""
+    from build.make_model_repository import DeployProfile
+    from model_repository.common.bridges.stage0_bridge import kernel_options
+
+    return kernel_options(DeployProfile.load(Path(profile)).engine_options.get("stage0", {}))
 
 
 def fresh_compile(mode: str | None) -> None:
@@ -343,7 +359,8 @@ def engine_at_context(model: Qwen3LLM, cfg: LLMConfig, b: int, args: argparse.Na
                       dtype: torch.dtype) -> tuple[Stage0Engine, list[str], Stage0Config]:
     """The engine rows' engine: b sessions opened, prefixes run, each with `args.context` retained positions."""
     config, rules = engine_config(b, args, dev)
-    fresh_compile(args.compile)
+    config = served_kernels(config, args.profile)
+    fresh_compile(config.compile_mode)
     tok = BenchTokenizer(cfg.vocab_size)
     front: object = BenchFrontEnd(cfg, config.audio_embeddings_per_unit, dev, dtype)
     if not args.no_engine_frontend:  # the real batched front end: a unit step is front end + prefill
@@ -580,10 +597,15 @@ def main(argv: list[str] | None = None) -> None:
                          "0: torch's)")
     ap.add_argument("--flex-prefill-keys-per-split", type=int, default=flex.KEYS_PER_SPLIT,
                     help="the same for unit prefills (Stage0Config.flex_prefill_keys_per_split)")
+    ap.add_argument("--profile", default=None,
+                    help="engine rows with the stage0 kernel options of this deploy profile (attention, splits, "
+                         "GEMM tiles, mixed steps), as its stage0 bridge builds them; its compile mode for every row")
     ap.add_argument("--json", default=None)
     ap.add_argument("--results", default=None,
                     help="write issue 16's JSON (commit, device, rows of what/batch/context/median_ms/p99_ms)")
     args = parse(ap, sys.argv[1:] if argv is None else argv)
+    if args.profile:  # the profile's compile mode for every row, so the rows' names say what ran
+        args.compile = profile_kernels(args.profile)["compile_mode"]
     dev = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     cfg = TINY if args.tiny else FULL

@@ -146,15 +146,16 @@ def main(argv: list[str] | None = None) -> None:
                     help="the engine's max_sessions (a served engine's: 32 in the h200 profile); 0: the batch")
     ap.add_argument("--decode-attention", default="flex", choices=("flex", "matmul"),
                     help="decode attention of the engine's graphs (flex: the h200 profile's)")
-    ap.add_argument("--flex-prefill-keys-per-split", type=int, default=2048,
-                    help="keys per split of the unit prefill's flex kernel (2048: the h200 profile's; 0: torch's)")
+    ap.add_argument("--profile", default="deploy/profiles/h200.yaml",
+                    help="the engine's stage0 kernel options from this deploy profile, as served ('': the options "
+                         "above)")
     ap.add_argument("--tiny", action="store_true")
     args = ap.parse_args(argv)
     dev = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
     dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
     cfg = TINY if args.tiny else FULL
     engine_args(args, compile=args.compile or None, engine_units=args.units, prefill_attention=["auto"],
-                decode_attention=[args.decode_attention])
+                decode_attention=[args.decode_attention], profile=args.profile or None)
     with torch.device(dev):
         model = Qwen3LLM(cfg).to(dtype).eval()
     dummy_init(model)

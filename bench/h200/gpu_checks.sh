@@ -50,11 +50,12 @@ timeout "$MEMORY_S" $PY bench/bench_stage_memory.py --checkpoint /tmp/ckpt --pro
 echo "[gpu] memory rc=$?"
 fi
 # issue 16's JSON for the serving configuration of h200.yaml: flex decode, a 32-session cache around every row
-# (the unit prefill's flex kernel runs over every slot: bench/RESULTS.md stop 43), its prefill split, the 8 k window
+# (the unit prefill's flex kernel runs over every slot: bench/RESULTS.md stop 43), the engine rows with the profile's
+# kernel options (--profile: its splits, GEMM tiles, shared pass), the 8 k window
 if step "${STAGE0_S:=260}"; then
 timeout "$STAGE0_S" $PY bench/bench_stage0.py --compile default --batches 1,32 --engine-batches 1,32 \
-  --contexts 8192 --slots 32 --decode-attention flex,matmul --flex-prefill-keys-per-split 2048 --no-hf --frontend-batches '' --sampler-batches '' \
-  --iters 20 --results "$OUT/stage0-h200.json" > "$OUT/stage0-h200.log" 2>&1
+  --contexts 8192 --slots 32 --decode-attention flex,matmul --profile "$PROFILE" --no-hf --frontend-batches '' \
+  --sampler-batches '' --iters 20 --results "$OUT/stage0-h200.json" > "$OUT/stage0-h200.log" 2>&1
 echo "[gpu] stage0 bench rc=$?"; tail -25 "$OUT/stage0-h200.log"
 fi
 ( cd "$OUT" && tar -czf diag.tgz --remove-files ./*.log 2>/dev/null; ls "$OUT" )

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 REPO = Path(__file__).resolve().parents[2]
 WHATS = {"forward_decode", "engine_decode", "forward_prefill", "engine_prefill"}
 
@@ -52,8 +54,6 @@ def test_engine_rows_run_the_audio_encoder_in_graphs_as_served() -> None:
     alone took 27 of a 45 ms batch-1 unit step on an H100, which no served step pays)."""
     import argparse
 
-    import torch
-
     from bench.bench_stage0 import TINY, dummy_init, engine_args, engine_at_context, unit_steps
     from engine.model.llm import Qwen3LLM
 
@@ -70,3 +70,22 @@ def test_engine_rows_run_the_audio_encoder_in_graphs_as_served() -> None:
     for _unit, _kind in unit_steps(engine, sids, config, 1):
         engine.step()
     assert replays and max(replays) == 2  # both sessions' units in one replay, every unit through the graphs
+
+
+def test_engine_rows_take_the_kernel_options_a_profile_serves() -> None:
+    """--profile: the engine rows' Stage0Config carries the stage0 kernel options of a deploy profile exactly as
+    the stage0 bridge maps them (one mapping, `kernel_options`), and keeps the bench's own geometry."""
+    import argparse
+
+    from bench.bench_stage0 import engine_args, engine_config, served_kernels
+
+    args = engine_args(argparse.Namespace(context=64, tiny=True, engine_units=1, slots=32))
+    plain, _ = engine_config(4, args, torch.device("cpu"))
+    served = served_kernels(plain, str(REPO / "deploy" / "profiles" / "h200.yaml"))
+    assert (served.decode_attention, served.mixed_step, served.gemm_tile_rows, served.flex_prefill_keys_per_split,
+            served.compile_mode, served.merge_unit_close) == ("flex", "shared", 128, 2048, "default", True)
+    assert served.shared_decode_buckets == (2, 4, 8, 16, 32)
+    assert (plain.decode_attention, plain.mixed_step, plain.gemm_tile_rows) != ("flex", "shared", 128)
+    assert (served.max_sessions, served.decode_batch_buckets, served.max_context) == (
+        plain.max_sessions, plain.decode_batch_buckets, plain.max_context)
+    assert served_kernels(plain, None) is plain

@@ -97,6 +97,20 @@ def _buckets(opts: dict[str, Any], name: str) -> dict[str, tuple[int, ...]]:
     return {name: tuple(value)}
 
 
+def kernel_options(opts: dict[str, Any]) -> dict[str, Any]:
+    """The Stage0Config keywords of the engine options that shape a step's kernels (compile, attention, GEMM rows
+    and tiles, mixed steps, the shared pass's buckets): what a benchmark takes from a deploy profile so it times
+    the served kernels (bench/bench_stage0.py --profile)."""
+    return dict(compile_mode=opts.get("compile_mode"), merge_unit_close=bool(opts.get("merge_unit_close", True)),
+                mixed_step=opts.get("mixed_step", "split"), prefill_attention=opts.get("prefill_attention", "auto"),
+                decode_attention=opts.get("decode_attention", "matmul"),
+                **count_option(opts, "stage0", "gemm_min_rows"), **count_option(opts, "stage0", "gemm_tile_rows"),
+                **count_option(opts, "stage0", "flex_keys_per_split"),
+                **count_option(opts, "stage0", "flex_prefill_keys_per_split"),
+                gemm_pad_buckets=flag_option(opts, "stage0", "gemm_pad_buckets", True),
+                **_buckets(opts, "shared_decode_buckets"))
+
+
 class Stage0Bridge(EngineBridge):
     def __init__(self, settings: StageSettings) -> None:
         super().__init__(settings)
@@ -117,19 +131,9 @@ class Stage0Bridge(EngineBridge):
         cfg = Stage0Config(max_sessions=settings.max_sessions, window_high=settings.kv_window,
                            window_low=max(1, int(settings.kv_window * WINDOW_LOW_FRACTION)),
                            use_cuda_graphs=settings.device.startswith("cuda") and opts.get("cuda_graphs", True),
-                           compile_mode=opts.get("compile_mode"),
-                           merge_unit_close=bool(opts.get("merge_unit_close", True)),
-                           mixed_step=opts.get("mixed_step", "split"),
-                           prefill_attention=opts.get("prefill_attention", "auto"),
-                           decode_attention=opts.get("decode_attention", "matmul"),
-                           **count_option(opts, "stage0", "gemm_min_rows"),
-                           **count_option(opts, "stage0", "gemm_tile_rows"),
-                           **count_option(opts, "stage0", "flex_keys_per_split"),
-                           **count_option(opts, "stage0", "flex_prefill_keys_per_split"),
-                           gemm_pad_buckets=flag_option(opts, "stage0", "gemm_pad_buckets", True),
-                           **count_option(opts, "stage0", "prefix_chunk"),
+                           **kernel_options(opts), **count_option(opts, "stage0", "prefix_chunk"),
                            **count_option(opts, "stage0", "prefill_hold_ms"),
-                           **_buckets(opts, "prefill_batch_buckets"), **_buckets(opts, "shared_decode_buckets"),
+                           **_buckets(opts, "prefill_batch_buckets"),
                            **scripted_decisions(opts.get("scripted_decisions")))
         self.hidden_dim = ck.config.llm.hidden_size
         self.engine = Stage0Engine(model.llm, ck.tokenizer, frontend, self._on_event, cfg)
