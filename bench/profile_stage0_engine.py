@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="the engine's max_sessions (a served engine's: 32 in the h200 profile); 0: the batch")
     ap.add_argument("--decode-attention", default="flex", choices=("flex", "matmul"),
                     help="decode attention of the engine's graphs (flex: the h200 profile's)")
-    ap.add_argument("--profile", default="deploy/profiles/h200.yaml",
+    ap.add_argument("--profile", default=str(Path(__file__).resolve().parents[1] / "deploy/profiles/h200.yaml"),
                     help="the engine's stage0 kernel options from this deploy profile, as served ('': the options "
                          "above)")
     ap.add_argument("--tiny", action="store_true")
