@@ -8,6 +8,10 @@
   opened a response -> that response's first audio delta; `unit_to_decision_ms`: the same origin -> the
   unit's `response.listen` / `response.speak`. Units come from the rebuilt grid (grid.py); none are timed
   past a point where the grid is unknown.
+- `unit_to_audio_by_position_ms`: the same origin -> each unit's first audio, by the unit's position in its
+  response; `unit_to_audio_step_ms`: per pair of consecutive units of a response, how much later the second's
+  audio came after its send than the first's (units are sent 1 s apart, so their first audio is 1 s + this
+  apart); `over_200`: pairs whose first audio came more than 1.2 s apart.
 - `cancel_to_last_audio_ms`: send time of our `response.cancel` -> receipt of the cancelled response's last
   audio delta (0 if none arrived after the cancel); `cancel_to_done_ms`: the same origin -> its `response.done`.
 - `transcript_delay_ms`: per model unit, first transcript delta receipt - first audio delta receipt (negative
@@ -108,7 +112,15 @@ def unit_latencies(log: UserLog) -> tuple[list[float], list[float]]:
     return audio, decided
 
 
+UNIT_STEP_BOUND_MS = MAX_CHUNK_GAP_MS - 1000.0  # a step over this: two units' first audio over 1.2 s apart
 POSITIONS = ("1", "2", "3", "4+")  # unit latency by position in the response: 1st, 2nd, 3rd, 4th and later
+
+
+def response_unit_audio(log: UserLog, r: ResponseLog) -> list[tuple[int, float]]:
+    """(position in the response, unit sent -> that unit's first audio in ms) for the response's units in order,
+    those whose send time is known."""
+    return [(i, (r.unit_audio_t[unit] - sent) * MS) for i, unit in enumerate(sorted(r.unit_audio_t))
+            if (sent := unit_sent(log, unit)) is not None]
 
 
 def unit_audio_by_position(log: UserLog) -> dict[str, list[float]]:
@@ -116,11 +128,20 @@ def unit_audio_by_position(log: UserLog) -> dict[str, list[float]]:
     latency that grows along a response makes the chunk gaps exceed 1 s."""
     out: dict[str, list[float]] = {k: [] for k in POSITIONS}
     for r in log.responses.values():
-        for i, unit in enumerate(sorted(r.unit_audio_t)):
-            sent = unit_sent(log, unit)
-            if sent is not None:
-                out[POSITIONS[min(i, len(POSITIONS) - 1)]].append((r.unit_audio_t[unit] - sent) * MS)
+        for i, ms in response_unit_audio(log, r):
+            out[POSITIONS[min(i, len(POSITIONS) - 1)]].append(ms)
     return out
+
+
+def unit_audio_steps(log: UserLog) -> list[float]:
+    """How much later (ms) each unit's audio came after its send than the previous unit's of the same response
+    did: their first audio is 1 s + this apart, so the steps say whether the latency grows from unit to unit
+    (the P8 question: do the chunk gaps over 1.2 s come from such growth, or from within a unit's audio?)."""
+    steps = []
+    for r in log.responses.values():
+        lat = response_unit_audio(log, r)
+        steps += [b - a for (i, a), (j, b) in zip(lat, lat[1:], strict=False) if j == i + 1]
+    return steps
 
 
 def cancel_latency(resp: ResponseLog) -> float | None:
@@ -218,6 +239,7 @@ def run_figures(sessions: int, logs: list[UserLog], scripted: bool | None) -> di
     created_ms = [(r.audio_t[0] - r.created_t) * MS for r in responses if r.audio_t]
     by_unit = [unit_latencies(log) for log in logs]
     by_position = [unit_audio_by_position(log) for log in logs]
+    steps = [x for log in logs for x in unit_audio_steps(log)]
     cancel_ms = [x for r in responses if (x := cancel_latency(r)) is not None]
     text_ms = [(r.unit_text_t[u] - t) * MS for r in responses for u, t in r.unit_audio_t.items() if u in r.unit_text_t]
     rtfs = [p["realtime_factor"] for p in per if p["realtime_factor"] is not None]
@@ -233,6 +255,7 @@ def run_figures(sessions: int, logs: list[UserLog], scripted: bool | None) -> di
         "unit_to_decision_ms": pcts([x for _, decided in by_unit for x in decided], 50, 99),
         "unit_to_audio_by_position_ms": {k: pcts([x for pos in by_position for x in pos[k]], 50, 99)
                                          for k in POSITIONS},
+        "unit_to_audio_step_ms": pcts(steps, 50, 90, 99) | {"over_200": sum(x > UNIT_STEP_BOUND_MS for x in steps)},
         "cancel_to_last_audio_ms": pcts(cancel_ms, 50, 99),
         "cancel_to_done_ms": pcts([x for r in responses if (x := cancel_to_done(r)) is not None], 50, 99),
         "transcript_delay_ms": pcts(text_ms, 50, 99),

@@ -12,7 +12,7 @@ import pytest
 
 from bench.loadgen import stages, text_wait
 from bench.loadgen.grid import FIRST_UNIT, UNIT
-from bench.loadgen.report import commit_latencies, play, run_figures
+from bench.loadgen.report import commit_latencies, play, run_figures, unit_audio_steps
 from bench.loadgen.user import ResponseLog, UserLog, audio_delta_ms
 from tests.ports import free_port
 
@@ -84,9 +84,29 @@ def test_unit_latency_by_position_in_the_response() -> None:
     r.unit_audio_t = {2: sent[2] + 0.2, 3: sent[3] + 0.3, 4: sent[4] + 0.45}
     r.audio_t, r.audio_ms = sorted(r.unit_audio_t.values()), [1000.0] * 3
     log.responses = {"r": r}
-    by_position = run_figures(1, [log], scripted=True)["unit_to_audio_by_position_ms"]
+    run = run_figures(1, [log], scripted=True)
+    by_position = run["unit_to_audio_by_position_ms"]
     assert [by_position[k]["p50"] for k in ("1", "2", "3")] == pytest.approx([200.0, 300.0, 450.0])
     assert by_position["4+"]["count"] == 0
+    # from one unit to the next the audio came 100, then 150 ms later: no pair's first audio 1.2 s apart
+    steps = run["unit_to_audio_step_ms"]
+    assert (steps["count"], steps["over_200"]) == (2, 0)
+    assert steps["p50"] == pytest.approx(125.0) and steps["p99"] == pytest.approx(149.5)
+
+
+def test_unit_audio_steps_pair_only_neighbours_whose_send_is_known() -> None:
+    """A step over 200 ms counts as two units' first audio over 1.2 s apart; a unit past the known grid has no
+    step, and no step joins two responses."""
+    log = UserLog(0)
+    log.chunk_sent = [0.2 * (k + 1) for k in range(40)]  # the grid known up to 8 s
+    sent = {u: log.chunk_sent[(FIRST_UNIT + u * UNIT - 1) // 3200] for u in (2, 3, 5)}
+    a, b = ResponseLog("a", 2.0), ResponseLog("b", 5.0)
+    a.unit_audio_t = {2: sent[2] + 0.2, 3: sent[3] + 0.45, 40: 50.0}  # unit 40: past the grid, no send time
+    b.unit_audio_t = {5: sent[5] + 0.3}
+    log.responses = {"a": a, "b": b}
+    assert unit_audio_steps(log) == pytest.approx([250.0])
+    run = run_figures(1, [log], scripted=True)
+    assert (run["unit_to_audio_step_ms"]["count"], run["unit_to_audio_step_ms"]["over_200"]) == (1, 1)
 
 
 def test_a_session_without_audio_or_with_a_failure_does_not_hold() -> None:
