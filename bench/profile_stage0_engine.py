@@ -139,13 +139,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batches", default="1,32")
     ap.add_argument("--contexts", default="2048,8192")
     ap.add_argument("--units", type=int, default=3, help="timed units per session (a warm-up unit first)")
-    ap.add_argument("--compile", default="default", help="the graphs' compile mode ('' = eager kernels)")
+    ap.add_argument("--compile", default="default",
+                    help="the graphs' compile mode ('' = eager kernels) where --profile is ''; else the profile's")
     ap.add_argument("--rows", type=int, default=25, help="ops listed per profiled step")
     ap.add_argument("--no-engine-frontend", action="store_true", help="random unit embeddings, no audio encoder")
     ap.add_argument("--slots", type=int, default=0,
                     help="the engine's max_sessions (a served engine's: 32 in the h200 profile); 0: the batch")
     ap.add_argument("--decode-attention", default="flex", choices=("flex", "matmul"),
-                    help="decode attention of the engine's graphs (flex: the h200 profile's)")
+                    help="decode attention of the engine's graphs where --profile is '' (else the profile's)")
     ap.add_argument("--profile", default=str(Path(__file__).resolve().parents[1] / "deploy/profiles/h200.yaml"),
                     help="the engine's stage0 kernel options from this deploy profile, as served ('': the options "
                          "above)")
