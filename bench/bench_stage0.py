@@ -176,7 +176,11 @@ def served_kernels(config: Stage0Config, profile: str | None) -> Stage0Config:
 
 def profile_kernels(profile: str) -> dict:
     """The Stage0Config keywords of a deploy profile's stage0 kernel options (the profile checked on load)."""
-    from build.make_model_repository import DeployProfile
+    # by its directory, as bench_stage_memory does: a host with pypa's `build` installed shadows `build.` (the H100's)
+    build_dir = str(Path(__file__).resolve().parents[1] / "build")
+    if build_dir not in sys.path:
+        sys.path.insert(0, build_dir)
+    from make_model_repository import DeployProfile
     from model_repository.common.bridges.stage0_bridge import kernel_options
 
     return kernel_options(DeployProfile.load(Path(profile)).engine_options.get("stage0", {}))
