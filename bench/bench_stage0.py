@@ -181,6 +181,7 @@ def profile_kernels(profile: str) -> dict:
     if build_dir not in sys.path:
         sys.path.insert(0, build_dir)
     from make_model_repository import DeployProfile
+
     from model_repository.common.bridges.stage0_bridge import kernel_options
 
     return kernel_options(DeployProfile.load(Path(profile)).engine_options.get("stage0", {}))

@@ -182,15 +182,52 @@ def linear(x: torch.Tensor, weight: torch.Tensor, min_rows: int = 0, tile: bool 
     return F.linear(flat, weight, bias)[:rows].reshape(*x.shape[:-1], weight.shape[0])
 
 
+# Whether one GEMM over `rows` rows (a multiple of the tile) gave, on this process's device, bit for bit the result of
+# its `tile`-row GEMMs, per weight layout: `verify_one_gemm_tiles` fills it, `tiled_linear` then runs such a GEMM
+# whole, reading the weight once instead of once per tile. cuBLAS names other kernels for other row counts, yet on an
+# H100 every LLM weight at 256-1024 rows gave the tiles' bits, 2-2.4x sooner (bench/bench_gemm_tiles.py, stop 50);
+# where a device's choice differs the tiles stay, so a row's numbers never depend on what shares its step.
+_ONE_GEMM: dict[tuple, bool] = {}
+
+
+def _one_gemm_key(weight: torch.Tensor, tile: int, rows: int) -> tuple:
+    # what cuBLAS picks a kernel by, beside the rows: the weight's shape, strides, dtype, device and alignment
+    return (tuple(weight.shape), weight.stride(), weight.dtype, str(weight.device), weight.data_ptr() % 256, tile,
+            rows)
+
+
+@torch.no_grad()
+def verify_one_gemm_tiles(weights: list[torch.Tensor], tile: int, max_rows: int, seed: int = 0) -> tuple[int, int]:
+    """For each weight's layout and each multiple of `tile` in (tile, max_rows]: whether one GEMM over a seeded random
+    input gives the tiles' bits (`tiled_linear` runs it whole from then on). Before any graph capture: the capture
+    records whichever way it finds. Returns (row counts run whole, kept in tiles), over the layouts checked now."""
+    whole = tiled = 0
+    for w in weights:
+        for rows in range(2 * tile, max_rows + 1, tile):
+            key = _one_gemm_key(w, tile, rows)
+            if key in _ONE_GEMM:
+                continue
+            g = torch.Generator(device=w.device).manual_seed(seed)
+            x = torch.randn(rows, w.shape[1], generator=g, device=w.device, dtype=w.dtype)
+            same = torch.equal(F.linear(x, w), torch.cat([F.linear(c, w) for c in x.split(tile)]))
+            _ONE_GEMM[key] = same
+            whole, tiled = whole + same, tiled + (not same)
+    return whole, tiled
+
+
 @torch.library.custom_op("duplex::tiled_linear", mutates_args=(),
                          schema="(Tensor x, Tensor weight, Tensor? bias, int tile) -> Tensor")
 def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tile: int) -> torch.Tensor:
-    """x [..., K] through GEMMs of exactly `tile` rows each (the last chunk zero-padded). An opaque op to
-    torch.compile: a loop over a symbolic row count would recompile the compiled layer for every chunk count."""
+    """x [..., K] through GEMMs of exactly `tile` rows each (the last chunk zero-padded), or through one GEMM over the
+    padded rows where `verify_one_gemm_tiles` found it gives the same bits. An opaque op to torch.compile: a loop over
+    a symbolic row count would recompile the compiled layer for every chunk count."""
     rows = x.numel() // x.shape[-1]
     padded = -(-rows // tile) * tile
     flat = F.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, padded - rows))
-    out = torch.cat([F.linear(chunk, weight, bias) for chunk in flat.split(tile)])
+    if bias is None and _ONE_GEMM.get(_one_gemm_key(weight, tile, padded), False):
+        out = F.linear(flat, weight)
+    else:
+        out = torch.cat([F.linear(chunk, weight, bias) for chunk in flat.split(tile)])
     return out[:rows].reshape(*x.shape[:-1], weight.shape[0])
 
 

@@ -40,6 +40,7 @@ from engine.model.layers import (
     run_layer,
     set_gemm_rows,
     slot_layout,
+    verify_one_gemm_tiles,
 )
 
 __all__ = ["Attention", "Qwen3LLM", "Qwen3Model", "RMSNorm", "SlotKVCache", "apply_rope", "rotate_half"]
@@ -156,6 +157,23 @@ class Qwen3LLM(nn.Module):
         set_gemm_rows(self.model.layers, rows, tile)
         self.min_rows, self.tile = rows, tile and rows > 0
         return self
+
+    def verify_gemm_tiles(self, max_rows: int) -> tuple[int, int]:
+        """With tiled GEMMs (`pad_gemm_rows(rows, tile=True)`): which row counts up to `max_rows` may run as one GEMM
+        over every weight layout of the forward and the lm_head (`layers.verify_one_gemm_tiles`); call it before
+        any graph capture. Returns (row counts run whole, kept in tiles) over the layouts checked."""
+        if not self.tile:
+            return 0, 0
+        weights = []
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv = [attn.qkv_weight] if attn.qkv_weight is not None else \
+                [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]
+            gate_up = [mlp.gate_up_weight] if mlp.gate_up_weight is not None else \
+                [mlp.gate_proj.weight, mlp.up_proj.weight]
+            weights += [*qkv, attn.o_proj.weight, *gate_up, mlp.down_proj.weight]
+        weights.append(self.lm_head.weight if self.lm_head_padded is None else self.lm_head_padded)
+        return verify_one_gemm_tiles(weights, self.min_rows, max_rows)
 
     @property
     def gemm_min_rows(self) -> int:

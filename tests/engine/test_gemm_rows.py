@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.model.layers import linear
+from engine.model import layers
+from engine.model.layers import linear, verify_one_gemm_tiles
 from engine.model.llm import SlotKVCache
 from engine.stage0 import DecodeRules, Stage0Config, Stage0Engine
 from engine.stage0.graphs import DecodeGraphs, PrefillGraphs
@@ -176,3 +177,50 @@ def test_tts_gemm_tiles_leave_out_cudnn_sdpa() -> None:
     assert len(kernels) == 1 and SDPBackend.CUDNN_ATTENTION not in next(iter(kernels)) and None not in kernels
     assert {layer.self_attn.sdpa_backends for layer in model.tile_gemm_rows(0).model.layers} == {None}
     assert {layer.self_attn.sdpa_backends for layer in tiny_llm().model.layers} == {None}
+
+
+def test_verified_row_counts_run_as_one_gemm_with_the_tiles_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`verify_one_gemm_tiles`: where one GEMM over a multiple of the tile gives the tiles' bits (here, on the CPU),
+    `tiled_linear` runs it whole, reading the weight once; the values stay the tiles'."""
+    gen = torch.Generator().manual_seed(2)
+    w = torch.randn(24, 40, generator=gen).to(torch.bfloat16)  # a layout no other test uses
+    x = torch.randn(21, 40, generator=gen).to(torch.bfloat16)
+    tiles = torch.cat([F.linear(c, w) for c in F.pad(x, (0, 0, 0, 3)).split(8)])[:21]
+    assert verify_one_gemm_tiles([w, w], 8, 24) == (2, 0)  # 16 and 24 rows; the second weight's layout: known
+    seen, plain = [], F.linear
+    monkeypatch.setattr(F, "linear", lambda x, *a: seen.append(x.shape[0]) or plain(x, *a))
+    out = linear(x, w, 8, True)
+    assert seen == [24] and torch.equal(out, tiles)
+    seen.clear()
+    linear(torch.randn(30, 40).to(torch.bfloat16), w, 8, True)  # 32 rows: past what was verified, so tiles
+    assert seen == [8, 8, 8, 8]
+
+
+def test_a_row_count_whose_gemm_differs_from_the_tiles_stays_tiled(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A device whose one GEMM over 16 rows gives other bits than its 8-row tiles (here a GEMM that rounds by its
+    row count) keeps the tiles at 16 rows, so a row's numbers still do not depend on what shares its step."""
+    plain = F.linear
+
+    def by_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        out = plain(x, weight, bias)
+        return out + 1e-3 if x.shape[0] == 16 else out
+
+    w = torch.randn(12, 40, generator=torch.Generator().manual_seed(3))
+    monkeypatch.setattr(F, "linear", by_rows)
+    assert verify_one_gemm_tiles([w], 8, 24) == (1, 1)  # 16 rows differ, 24 agree
+    seen = []
+    monkeypatch.setattr(F, "linear", lambda x, *a: seen.append(x.shape[0]) or by_rows(x, *a))
+    x = torch.randn(13, 40)
+    assert torch.equal(linear(x, w, 8, True), torch.cat([plain(c, w) for c in F.pad(x, (0, 0, 0, 3)).split(8)])[:13])
+    assert seen == [8, 8]
+
+
+def test_the_engine_verifies_its_tiled_gemms_before_any_capture() -> None:
+    """Stage0Engine with `gemm_tile_rows` checks every LLM weight layout up to its graphs' rows at construction."""
+    model = tiny_llm()
+    before = len(layers._ONE_GEMM)
+    Stage0Engine(model, tiny_tokenizer(), FakeFrontEnd(), lambda e: None,
+                 Stage0Config(max_sessions=2, gemm_tile_rows=16, use_cuda_graphs=False))
+    assert len(layers._ONE_GEMM) > before
+    checked = {k[0] for k in layers._ONE_GEMM if k[5] == 16}
+    assert tuple(model.model.layers[0].mlp.down_proj.weight.shape) in checked
