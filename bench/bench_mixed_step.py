@@ -42,13 +42,18 @@ def build(model: Qwen3LLM, args: argparse.Namespace, dev: torch.device, dtype: t
                                  **how)
     prefill = PrefillGraphs.create(model, kv, UNIT_BUCKETS, (MERGED_PREFILL,), args.spans, flex=dev.type == "cuda",
                                    **how)
-    shared = SharedGraphs.create(decode, prefill, MERGED_PREFILL, max(DECODE_BUCKETS), **how) if args.mixes else None
+    shared = SharedGraphs.create(decode, prefill, MERGED_PREFILL, max(shared_buckets(args)), **how) if args.mixes else None
     assert decode is not None and prefill is not None
     return decode, prefill, shared
 
 
 def decode_buckets(args: argparse.Namespace) -> tuple[int, ...]:
     return tuple(b for b in (2, 4, 8, 16, 32, 64) if b <= args.slots)
+
+
+def shared_buckets(args: argparse.Namespace) -> tuple[int, ...]:
+    """The shared pass's dense token buckets: `DECODE_BUCKETS`, or as given (the h200 profiles' go to 32 or 64)."""
+    return getattr(args, "shared_buckets", None) or DECODE_BUCKETS
 
 
 def mix_inputs(decode: DecodeGraphs, units: int, tokens: int, context: int, seed: int) -> tuple:
@@ -190,6 +195,7 @@ def main(argv: list[str] | None = None) -> None:
     dummy_init(model)
     model.fuse_projections()
     model.pad_gemm_rows(args.tile_rows or args.min_rows, tile=args.tile_rows > 0)
+    model.verify_gemm_tiles(max(UNIT_BUCKETS) * MERGED_PREFILL + max(shared_buckets(args)))  # as the engine does
     graphs = build(model, args, dev, dtype)
     rows = []
     for mix in filter(None, args.mixes.split(",")):
