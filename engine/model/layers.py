@@ -188,6 +188,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, min_rows: int = 0, tile: bool 
 # H100 every LLM weight at 256-1024 rows gave the tiles' bits, 2-2.4x sooner (bench/bench_gemm_tiles.py, stop 50);
 # where a device's choice differs the tiles stay, so a row's numbers never depend on what shares its step.
 _ONE_GEMM: dict[tuple, bool] = {}
+_VERIFIED_WEIGHTS: set[int] = set()  # the data pointers of the weights checked (others keep the tiles)
 
 
 def _one_gemm_key(weight: torch.Tensor, tile: int, rows: int) -> tuple:
@@ -199,10 +200,12 @@ def _one_gemm_key(weight: torch.Tensor, tile: int, rows: int) -> tuple:
 @torch.no_grad()
 def verify_one_gemm_tiles(weights: list[torch.Tensor], tile: int, max_rows: int, seed: int = 0) -> tuple[int, int]:
     """For each weight's layout and each multiple of `tile` in (tile, max_rows]: whether one GEMM over a seeded random
-    input gives the tiles' bits (`tiled_linear` runs it whole from then on). Before any graph capture: the capture
-    records whichever way it finds. Returns (row counts run whole, kept in tiles), over the layouts checked now."""
+    input gives the tiles' bits (`tiled_linear` runs it whole from then on, for these weights only; a layout is
+    checked once). Before any graph capture: the capture records whichever way it finds. Returns (row counts run
+    whole, kept in tiles), over the layouts checked now."""
     whole = tiled = 0
     for w in weights:
+        _VERIFIED_WEIGHTS.add(w.data_ptr())
         for rows in range(2 * tile, max_rows + 1, tile):
             key = _one_gemm_key(w, tile, rows)
             if key in _ONE_GEMM:
@@ -224,7 +227,7 @@ def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     rows = x.numel() // x.shape[-1]
     padded = -(-rows // tile) * tile
     flat = F.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, padded - rows))
-    if bias is None and _ONE_GEMM.get(_one_gemm_key(weight, tile, padded), False):
+    if bias is None and weight.data_ptr() in _VERIFIED_WEIGHTS and _ONE_GEMM.get(_one_gemm_key(weight, tile, padded)):
         out = F.linear(flat, weight)
     else:
         out = torch.cat([F.linear(chunk, weight, bias) for chunk in flat.split(tile)])

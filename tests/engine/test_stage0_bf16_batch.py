@@ -169,8 +169,9 @@ def test_bf16_full_width_shared_pass_rows_equal_split_with_gemm_tiles(tile: int,
     # beside 8 units are 136 rows)
     model.verify_gemm_tiles(8 * 13 + 32)
     ctx = 1024  # the engine's decode, prefill and shared graph sets over one KV of 32 slots, flex attention
-    args = argparse.Namespace(slots=32, context=ctx, compile=compile_mode, spans=(ctx + 32,), decode_attention="flex",
-                              mixes="1:1", shared_buckets=(2, 4, 8, 16, 32))  # h200-scripted's shared buckets
+    # 40 slots: 32 token rows, then 8 units (h200-scripted's shared buckets go to 32)
+    args = argparse.Namespace(slots=40, context=ctx, compile=compile_mode, spans=(ctx + 32,), decode_attention="flex",
+                              mixes="1:1", shared_buckets=(2, 4, 8, 16, 32))
     graphs = build(model, args, torch.device("cuda"), torch.bfloat16)
     mixes = ((1, 1), (3, 2), (8, 5), (16, 8), (32, 8))  # token rows, units
     assert [(n, m) for n, m in mixes if shared_vs_split(graphs, m, n, ctx) != (0.0, 0.0)] == []
