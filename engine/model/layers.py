@@ -199,14 +199,15 @@ def _one_gemm_key(weight: torch.Tensor, tile: int, rows: int) -> tuple:
 
 @torch.no_grad()
 def verify_one_gemm_tiles(weights: list[torch.Tensor], tile: int, max_rows: int, seed: int = 0) -> tuple[int, int]:
-    """For each weight's layout and each multiple of `tile` in (tile, max_rows]: whether one GEMM over a seeded random
+    """For each weight's layout and each multiple of `tile` past it up to `max_rows` rounded up to the tile (what a
+    step of `max_rows` rows is padded to): whether one GEMM over a seeded random
     input gives the tiles' bits (`tiled_linear` runs it whole from then on, for these weights only; a layout is
     checked once). Before any graph capture: the capture records whichever way it finds. Returns (row counts run
     whole, kept in tiles), over the layouts checked now."""
     whole = tiled = 0
     for w in weights:
         _VERIFIED_WEIGHTS.add(w.data_ptr())
-        for rows in range(2 * tile, max_rows + 1, tile):
+        for rows in range(2 * tile, -(-max_rows // tile) * tile + 1, tile):
             key = _one_gemm_key(w, tile, rows)
             if key in _ONE_GEMM:
                 continue

@@ -158,10 +158,11 @@ class Qwen3LLM(nn.Module):
         self.min_rows, self.tile = rows, tile and rows > 0
         return self
 
-    def verify_gemm_tiles(self, max_rows: int) -> tuple[int, int]:
-        """With tiled GEMMs (`pad_gemm_rows(rows, tile=True)`): which row counts up to `max_rows` may run as one GEMM
-        over every weight layout of the forward and the lm_head (`layers.verify_one_gemm_tiles`); call it before
-        any graph capture. Returns (row counts run whole, kept in tiles) over the layouts checked."""
+    def verify_gemm_tiles(self, max_rows: int, logit_rows: int | None = None) -> tuple[int, int]:
+        """With tiled GEMMs (`pad_gemm_rows(rows, tile=True)`): which row counts up to `max_rows` (the lm_head's: up
+        to `logit_rows`, default the same) may run as one GEMM over every weight layout of the forward
+        (`layers.verify_one_gemm_tiles`); call it before any graph capture. Returns (row counts run whole, kept in
+        tiles) over the layouts checked."""
         if not self.tile:
             return 0, 0
         weights = []
@@ -172,8 +173,10 @@ class Qwen3LLM(nn.Module):
             gate_up = [mlp.gate_up_weight] if mlp.gate_up_weight is not None else \
                 [mlp.gate_proj.weight, mlp.up_proj.weight]
             weights += [*qkv, attn.o_proj.weight, *gate_up, mlp.down_proj.weight]
-        weights.append(self.lm_head.weight if self.lm_head_padded is None else self.lm_head_padded)
-        return verify_one_gemm_tiles(weights, self.min_rows, max_rows)
+        head = self.lm_head.weight if self.lm_head_padded is None else self.lm_head_padded
+        body = verify_one_gemm_tiles(weights, self.min_rows, max_rows)
+        logits = verify_one_gemm_tiles([head], self.min_rows, max_rows if logit_rows is None else logit_rows)
+        return body[0] + logits[0], body[1] + logits[1]
 
     @property
     def gemm_min_rows(self) -> int:

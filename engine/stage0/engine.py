@@ -58,9 +58,10 @@ class Stage0Engine:
             model.fuse_projections()  # same parameters (views), so the caller's model is unchanged in value
         model.pad_gemm_rows(config.gemm_tile_rows or config.gemm_min_rows, tile=config.gemm_tile_rows > 0)
         # before any capture: the row counts of the graphs (units of every length in the largest prefill bucket,
-        # with the largest decode bucket beside them) that run as one GEMM with the tiles' bits on this device
+        # with the largest decode bucket beside them; the lm_head: a row per session at most) that run as one GEMM
+        # with the tiles' bits on this device
         model.verify_gemm_tiles(max(config.prefill_batch_buckets) * max(config.prefill_lengths())
-                                + max(config.decode_batch_buckets))
+                                + max(config.decode_batch_buckets), logit_rows=config.max_sessions)
         model.flex_keys_per_split = config.flex_keys_per_split
         model.flex_prefill_keys_per_split = config.flex_prefill_keys_per_split
         p = next(model.parameters())

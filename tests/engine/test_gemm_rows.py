@@ -196,6 +196,13 @@ def test_verified_row_counts_run_as_one_gemm_with_the_tiles_bits(monkeypatch: py
     assert seen == [8, 8, 8, 8]
 
 
+def test_verification_reaches_the_rows_a_step_is_padded_to() -> None:
+    """A step of 17 rows runs padded to 24 (three 8-row tiles): 24 is checked too. (Stop 50 checked the multiples up
+    to the step's rows only, so the engine's 416-row prefill, padded to 512, kept its tiles.)"""
+    w = torch.randn(20, 24, generator=torch.Generator().manual_seed(4))
+    assert verify_one_gemm_tiles([w], 8, 17) == (2, 0)  # 16 and 24
+
+
 def test_a_row_count_whose_gemm_differs_from_the_tiles_stays_tiled(monkeypatch: pytest.MonkeyPatch) -> None:
     """A device whose one GEMM over 16 rows gives other bits than its 8-row tiles (here a GEMM that rounds by its
     row count) keeps the tiles at 16 rows, so a row's numbers still do not depend on what shares its step."""
