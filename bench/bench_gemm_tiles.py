@@ -24,15 +24,12 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
 from bench.bench_stage0 import timed  # noqa: E402
+from engine.model.layers import gemm_tiles  # noqa: E402
 
 # (name, out_features, in_features) of the full-size Qwen3-8B GEMMs as the engine runs them (fused projections,
 # the lm_head padded to a multiple of 64 rows: engine/model/llm.py)
 WEIGHTS = (("qkv", 6144, 4096), ("o_proj", 4096, 4096), ("gate_up", 24576, 4096), ("down", 4096, 12288),
            ("lm_head", 151808, 4096))
-
-
-def tiled(x: torch.Tensor, w: torch.Tensor, tile: int) -> torch.Tensor:
-    return torch.cat([F.linear(chunk, w) for chunk in x.split(tile)])
 
 
 def main() -> None:
@@ -53,8 +50,8 @@ def main() -> None:
         w = (torch.randn(n, k, device=dev, dtype=dtype, generator=gen) * k ** -0.5).contiguous()
         for m in rows:
             x = torch.randn(m, k, device=dev, dtype=dtype, generator=gen)
-            same = bool(torch.equal(tiled(x, w, args.tile), F.linear(x, w)))
-            t_tiled, _ = timed(lambda x=x, w=w: tiled(x, w, args.tile), args.iters, 3, dev)
+            same = bool(torch.equal(gemm_tiles(x, w, args.tile), F.linear(x, w)))
+            t_tiled, _ = timed(lambda x=x, w=w: gemm_tiles(x, w, args.tile), args.iters, 3, dev)
             t_single, _ = timed(lambda x=x, w=w: F.linear(x, w), args.iters, 3, dev)
             print(f"{name:<8} {m:>5} {t_tiled:>9.3f} {t_single:>10.3f} {'yes' if same else 'NO':>9}", flush=True)
             out["rows"].append({"weight": name, "m": m, "tiled_ms": round(t_tiled, 4), "single_ms": round(t_single, 4),

@@ -37,23 +37,19 @@ def build(model: Qwen3LLM, args: argparse.Namespace, dev: torch.device, dtype: t
     with mixes to time)."""
     kv = random_kv(model.cfg, args.slots, args.context + 64, dev, dtype)
     how = dict(compile_mode=args.compile, eager_replay=dev.type != "cuda")
+    model.verify_gemm_tiles(max(UNIT_BUCKETS) * MERGED_PREFILL + max(args.shared_buckets))  # as the engine does
     fresh_compile(args.compile)
     decode = DecodeGraphs.create(model, kv, decode_buckets(args), args.spans, decode_attention=args.decode_attention,
                                  **how)
     prefill = PrefillGraphs.create(model, kv, UNIT_BUCKETS, (MERGED_PREFILL,), args.spans, flex=dev.type == "cuda",
                                    **how)
-    shared = SharedGraphs.create(decode, prefill, MERGED_PREFILL, max(shared_buckets(args)), **how) if args.mixes else None
+    shared = SharedGraphs.create(decode, prefill, MERGED_PREFILL, max(args.shared_buckets), **how) if args.mixes else None
     assert decode is not None and prefill is not None
     return decode, prefill, shared
 
 
 def decode_buckets(args: argparse.Namespace) -> tuple[int, ...]:
     return tuple(b for b in (2, 4, 8, 16, 32, 64) if b <= args.slots)
-
-
-def shared_buckets(args: argparse.Namespace) -> tuple[int, ...]:
-    """The shared pass's dense token buckets: `DECODE_BUCKETS`, or as given (the h200 profiles' go to 32 or 64)."""
-    return getattr(args, "shared_buckets", None) or DECODE_BUCKETS
 
 
 def mix_inputs(decode: DecodeGraphs, units: int, tokens: int, context: int, seed: int) -> tuple:
@@ -176,6 +172,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--decode-attention", default=None, choices=("matmul", "sdpa", "flex"),
                     help="the token rows' attention (default: the model's, matmul)")
     ap.add_argument("--slots", type=int, default=16, help="KV slots (the decode buckets go up to it, at most 64)")
+    ap.add_argument("--shared-buckets", default=",".join(map(str, DECODE_BUCKETS)),
+                    help="the shared pass's token buckets (Stage0Config.shared_decode_buckets; the h200 profiles' "
+                         "go to 32 or 64)")
     ap.add_argument("--min-rows", type=int, default=0, help="least GEMM rows (Stage0Config.gemm_min_rows; 0: off)")
     ap.add_argument("--tile-rows", type=int, default=0,
                     help="every GEMM on exactly this many rows (Stage0Config.gemm_tile_rows; 0: off, --min-rows rules)")
@@ -186,6 +185,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     args.spans = tuple(int(v) for v in args.spans.split(",") if v)
+    args.shared_buckets = tuple(int(v) for v in args.shared_buckets.split(",") if v)
     if args.tiny:
         args.context, args.iters, args.warmup = min(args.context, 128), 3, 1
     dev = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
@@ -195,7 +195,6 @@ def main(argv: list[str] | None = None) -> None:
     dummy_init(model)
     model.fuse_projections()
     model.pad_gemm_rows(args.tile_rows or args.min_rows, tile=args.tile_rows > 0)
-    model.verify_gemm_tiles(max(UNIT_BUCKETS) * MERGED_PREFILL + max(shared_buckets(args)))  # as the engine does
     graphs = build(model, args, dev, dtype)
     rows = []
     for mix in filter(None, args.mixes.split(",")):

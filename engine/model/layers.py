@@ -197,6 +197,11 @@ def _one_gemm_key(weight: torch.Tensor, tile: int, rows: int) -> tuple:
             rows)
 
 
+def gemm_tiles(x: torch.Tensor, weight: torch.Tensor, tile: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [rows, K], rows a multiple of `tile`, through one GEMM of exactly `tile` rows per chunk."""
+    return torch.cat([F.linear(chunk, weight, bias) for chunk in x.split(tile)])
+
+
 @torch.no_grad()
 def verify_one_gemm_tiles(weights: list[torch.Tensor], tile: int, max_rows: int, seed: int = 0) -> tuple[int, int]:
     """For each weight's layout and each multiple of `tile` past it up to `max_rows` rounded up to the tile (what a
@@ -213,7 +218,7 @@ def verify_one_gemm_tiles(weights: list[torch.Tensor], tile: int, max_rows: int,
                 continue
             g = torch.Generator(device=w.device).manual_seed(seed)
             x = torch.randn(rows, w.shape[1], generator=g, device=w.device, dtype=w.dtype)
-            same = torch.equal(F.linear(x, w), torch.cat([F.linear(c, w) for c in x.split(tile)]))
+            same = torch.equal(F.linear(x, w), gemm_tiles(x, w, tile))
             _ONE_GEMM[key] = same
             whole, tiled = whole + same, tiled + (not same)
     return whole, tiled
@@ -231,7 +236,7 @@ def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     if bias is None and weight.data_ptr() in _VERIFIED_WEIGHTS and _ONE_GEMM.get(_one_gemm_key(weight, tile, padded)):
         out = F.linear(flat, weight)
     else:
-        out = torch.cat([F.linear(chunk, weight, bias) for chunk in flat.split(tile)])
+        out = gemm_tiles(flat, weight, tile, bias)
     return out[:rows].reshape(*x.shape[:-1], weight.shape[0])
 
 
