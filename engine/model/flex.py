@@ -52,6 +52,17 @@ class SlotBlocks(NamedTuple):
     slot_ids: torch.Tensor  # [B] the rows' slots (dummy rows: the scratch slot)
     split_kv: int | None = None  # the decoding kernel's splits of each row's keys (None: torch's choice)
     dense: bool = False  # single-token rows, row i = slot i: the kernel's batch is B (`dense_flex_decode`)
+    tuning: tuple[tuple[str, int], ...] = ()  # the decoding kernel's num_warps / num_stages (`decode_tuning`)
+
+
+def decode_tuning(warps: int, stages: int, device: torch.device) -> tuple[tuple[str, int], ...]:
+    """The flex decoding kernel's Triton configuration beside its split (0: torch's). torch's default on sm_90 is
+    one stage and two warps (torch/_inductor/template_heuristics/triton.py `get_flex_decode_configs`), sized for a
+    decode row's few query rows per KV head; a unit packs its heads x positions (4 x 13 = 52) into each tile.
+    Fixed per engine, so a row's numbers never follow its batch. Empty off CUDA (eager flex takes no options)."""
+    if device.type != "cuda":
+        return ()
+    return tuple((k, v) for k, v in (("num_warps", warps), ("num_stages", stages)) if v > 0)
 
 
 def decode_splits(max_len: int, device: torch.device, keys_per_split: int = KEYS_PER_SPLIT,
@@ -90,10 +101,11 @@ def dense_blocks(write_pos: torch.Tensor, idle_pos: int, max_len: int, cache_row
 
 
 def slot_blocks(write_pos: torch.Tensor, valid: torch.Tensor, slot_ids: torch.Tensor, slots: int,
-                max_len: int, keys_per_split: int = KEYS_PER_SPLIT, split_rows: int | None = None) -> SlotBlocks:
+                max_len: int, keys_per_split: int = KEYS_PER_SPLIT, split_rows: int | None = None,
+                tuning: tuple[tuple[str, int], ...] = ()) -> SlotBlocks:
     """write_pos, valid [B, T]; slot_ids [B]; `slots` cache rows (the scratch slot included), `max_len`
     positions each. A padded query attends as its row's first query does (it is discarded). `split_rows`:
-    `decode_splits`' rows for keys_per_split 0."""
+    `decode_splits`' rows for keys_per_split 0; `tuning`: `decode_tuning`'s options for the decoding kernel."""
     b, t = write_pos.shape
     device = write_pos.device
     qpos = torch.where(valid, write_pos, write_pos[:, :1])  # [B, T]
@@ -120,7 +132,7 @@ def slot_blocks(write_pos: torch.Tensor, valid: torch.Tensor, slot_ids: torch.Te
         partial[:, None].to(torch.int32), kv_indices[:, None].contiguous(),
         full[:, None].to(torch.int32), full_indices[:, None].contiguous(),
         BLOCK_SIZE=(Q_BLOCK, KV_BLOCK), mask_mod=mask_mod, seq_lengths=(t, max_len), compute_q_blocks=False)
-    return SlotBlocks(mask, slot_ids, decode_splits(max_len, device, keys_per_split, split_rows))
+    return SlotBlocks(mask, slot_ids, decode_splits(max_len, device, keys_per_split, split_rows), tuning=tuning)
 
 
 # Shapes one process compiles the standalone flex kernel for (batch bucket x length bucket x dtype x kernel options:
@@ -155,7 +167,8 @@ def flex_slot_attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if t > FLEX_DECODING_MAX_POSITIONS:
         options = {"FORCE_USE_FLEX_ATTENTION": True}
     else:
-        options = {"SPLIT_KV": blocks.split_kv} if blocks.split_kv is not None else None
+        options = dict(blocks.tuning) | ({"SPLIT_KV": blocks.split_kv} if blocks.split_kv is not None else {})
+        options = options or None
     out = fn(dense, k_cache, v_cache, block_mask=blocks.block_mask, enable_gqa=heads != k_cache.shape[1],
              kernel_options=options)
     return out[blocks.slot_ids]  # type: ignore[index] - no return_lse

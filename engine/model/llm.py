@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import LLMConfig
-from engine.model.flex import KEYS_PER_SPLIT, dense_blocks, slot_blocks
+from engine.model.flex import KEYS_PER_SPLIT, decode_tuning, dense_blocks, slot_blocks
 from engine.model.layers import (
     DecoderLayer,
     GatedMLP,
@@ -109,6 +109,9 @@ class Qwen3LLM(nn.Module):
     # partial results scale with the rows' positions (flex.py `split_partials_bytes`)
     flex_keys_per_split: int = KEYS_PER_SPLIT
     flex_prefill_keys_per_split: int = KEYS_PER_SPLIT
+    # the decoding kernel's warps and stages for unit prefills (flex.py `decode_tuning`; 0: torch's)
+    flex_prefill_warps: int = 0
+    flex_prefill_stages: int = 0
 
     def __init__(self, cfg: LLMConfig) -> None:
         super().__init__()
@@ -246,8 +249,9 @@ class Qwen3LLM(nn.Module):
             return lay, "flex", dense_blocks(lay.write_pos, kv.reserved_pos, kv.max_len,
                                              (kv.slots + 1) * self.cfg.num_key_value_heads, self.flex_keys_per_split)
         if use_flex:
+            tuning = decode_tuning(self.flex_prefill_warps, self.flex_prefill_stages, pos.device)
             return lay, "flex", slot_blocks(lay.write_pos, lay.write_slot != kv.scratch, slot_ids, kv.slots + 1,
-                                            kv.max_len, self.flex_prefill_keys_per_split)
+                                            kv.max_len, self.flex_prefill_keys_per_split, tuning=tuning)
         mode = "matmul" if t == 1 and decode_attention == "matmul" else "fold" if self.fold_gqa else "gqa"
         return lay, mode, self._mask(lay.visible, mode, dtype)
 

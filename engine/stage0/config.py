@@ -157,6 +157,10 @@ class Stage0Config:
     # this module stays free of torch.
     flex_keys_per_split: int = 512  # flex decode rows
     flex_prefill_keys_per_split: int = 512  # unit prefills (rows of 2-16 positions)
+    # The same kernel's Triton warps and stages for unit prefills (0: torch's, 2 warps and 1 stage on sm_90, sized
+    # for decode rows; engine/model/flex.py `decode_tuning`): fixed per engine like the split.
+    flex_prefill_warps: int = 0
+    flex_prefill_stages: int = 0
     # A step with both decoded tokens and unit prefills (or closes):
     # "split": the decode graph, then the prefill graph: two passes over the weights (at batch 1-2 either reads
     #   all 16 GB of bf16 weights).
@@ -237,9 +241,10 @@ class Stage0Config:
             raise ValueError(f"prefix_chunk {self.prefix_chunk}: use 0 (whole prefix) or a position count")
         if self.prefill_hold_ms < 0:
             raise ValueError(f"prefill_hold_ms {self.prefill_hold_ms}: use 0 (off) or a wait in ms")
-        for name in ("flex_keys_per_split", "flex_prefill_keys_per_split"):
+        for name in ("flex_keys_per_split", "flex_prefill_keys_per_split", "flex_prefill_warps",
+                     "flex_prefill_stages"):
             if getattr(self, name) < 0:
-                raise ValueError(f"{name} {getattr(self, name)}: use 0 (torch's choice) or a key count")
+                raise ValueError(f"{name} {getattr(self, name)}: use 0 (torch's choice) or a count")
         for name in ("gemm_min_rows", "gemm_tile_rows"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} {getattr(self, name)}: use 0 (off) or a row count")

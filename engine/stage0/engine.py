@@ -64,6 +64,7 @@ class Stage0Engine:
                                 + max(config.decode_batch_buckets), logit_rows=config.max_sessions)
         model.flex_keys_per_split = config.flex_keys_per_split
         model.flex_prefill_keys_per_split = config.flex_prefill_keys_per_split
+        model.flex_prefill_warps, model.flex_prefill_stages = config.flex_prefill_warps, config.flex_prefill_stages
         p = next(model.parameters())
         kv = SlotKVCache.allocate(model.cfg, config.max_sessions, config.slot_len(rules), dtype=p.dtype,
                                   device=p.device)

@@ -198,7 +198,7 @@ def test_the_models_split_lengths_reach_their_blocks(monkeypatch: pytest.MonkeyP
     seen: list[int] = []
     for name in ("slot_blocks", "dense_blocks"):
         real = getattr(llm, name)
-        monkeypatch.setattr(llm, name, lambda *a, _real=real: seen.append(a[-1]) or _real(*a))
+        monkeypatch.setattr(llm, name, lambda *a, _real=real, **k: seen.append(a[-1]) or _real(*a, **k))
     model = tiny_llm()
     model.flex_keys_per_split, model.flex_prefill_keys_per_split = 16, 32
     kv = SlotKVCache.allocate(TINY, 2, 64, dtype=torch.float32)
@@ -206,3 +206,33 @@ def test_the_models_split_lengths_reach_their_blocks(monkeypatch: pytest.MonkeyP
                      torch.float32)
     model._attention(torch.tensor([[4], [5]]), None, kv, None, None, False, "flex", torch.float32)
     assert seen == [32, 16]
+
+
+def test_the_unit_kernels_tuning_reaches_the_flex_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`Qwen3LLM.flex_prefill_warps` / `flex_prefill_stages` (stage0's engine options) become the unit blocks'
+    tuning on CUDA (none elsewhere: eager flex takes no kernel options), and `flex_slot_attend` hands them to the
+    decoding kernel beside the split; rows of more than 16 positions (the flex attention kernel) never get them."""
+    from engine.model import flex
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert flex.decode_tuning(4, 2, cuda) == (("num_warps", 4), ("num_stages", 2))
+    assert flex.decode_tuning(0, 3, cuda) == (("num_stages", 3),) and flex.decode_tuning(0, 0, cuda) == ()
+    assert flex.decode_tuning(4, 2, cpu) == ()
+    import engine.model.llm as llm
+
+    seen: list[tuple] = []
+    monkeypatch.setattr(llm, "decode_tuning", lambda w, s, d: seen.append((w, s, d.type)) or (("num_warps", w),))
+    model = tiny_llm()
+    model.flex_prefill_warps, model.flex_prefill_stages = 4, 2
+    kv = SlotKVCache.allocate(TINY, 2, 64, dtype=torch.float32)
+    _, _, blocks = model._attention(torch.arange(3)[None].expand(2, 3), torch.tensor([0, 1]), kv, None, None, True,
+                                    "matmul", torch.float32)
+    assert seen == [(4, 2, "cpu")] and blocks.tuning == (("num_warps", 4),)
+    calls: list[object] = []
+    monkeypatch.setattr(flex, "flex_attention", lambda *a, **k: calls.append(k["kernel_options"]) or a[0])
+    for t in (3, 17):
+        q = torch.zeros(1, 4, t, 8)
+        blocks = flex.SlotBlocks(None, torch.tensor([0]), split_kv=5,  # type: ignore[arg-type]
+                                 tuning=(("num_warps", 4), ("num_stages", 2)))
+        flex.flex_slot_attend(q, torch.zeros(2, 2, 32, 8), torch.zeros(2, 2, 32, 8), blocks)
+    assert calls == [{"num_warps": 4, "num_stages": 2, "SPLIT_KV": 5}, {"FORCE_USE_FLEX_ATTENTION": True}]

@@ -287,6 +287,8 @@ def test_stage0_gemm_min_rows_option(tiny_checkpoint: Path) -> None:
     ("gemm_pad_buckets", ("1", '"false"', "null"), True, False),  # graphs pad their GEMMs over their buckets
     ("flex_keys_per_split", ("-1", "512.0", "true"), 512, 0),  # the flex decoding kernel's split (0 = torch's)
     ("flex_prefill_keys_per_split", ("-1", "512.0", "true"), 512, 2048),  # the same for unit prefills
+    ("flex_prefill_warps", ("-1", "4.0", "true"), 0, 4),  # that kernel's Triton warps for unit prefills (0 = torch's)
+    ("flex_prefill_stages", ("-1", "2.0", "false"), 0, 2),  # and its stages
     ("gemm_tile_rows", ("-1", "128.0", "true"), 0, 128),  # every LLM GEMM in tiles of this many rows (0 = off)
 ])
 def test_stage0_config_options(tiny_checkpoint: Path, name: str, bad: tuple[str, ...], default: object,
@@ -307,9 +309,11 @@ def test_stage0_config_options(tiny_checkpoint: Path, name: str, bad: tuple[str,
 def test_stage0_flex_split_lengths_reach_the_model(tiny_checkpoint: Path) -> None:
     """The model's attention reads the splits from the model (tests/engine/test_flex_prefill.py), which the engine
     sets from its config, each from its own option."""
-    options = '{"flex_keys_per_split": 0, "flex_prefill_keys_per_split": 2048}'
+    options = ('{"flex_keys_per_split": 0, "flex_prefill_keys_per_split": 2048, "flex_prefill_warps": 4, '
+               '"flex_prefill_stages": 3}')
     model = bridges.stage0(settings("stage0", tiny_checkpoint, engine_options=options)).engine.model
     assert (model.flex_keys_per_split, model.flex_prefill_keys_per_split) == (0, 2048)
+    assert (model.flex_prefill_warps, model.flex_prefill_stages) == (4, 3)
 
 
 def test_stage0_session_warm_up_leaves_no_trace(tiny_checkpoint: Path) -> None:
