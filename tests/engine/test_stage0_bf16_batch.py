@@ -134,8 +134,10 @@ def test_bf16_full_width_graph_rows_alone_equal_among_others(compile_mode: str |
 
     alone = step(1)
     assert [n for n in (2, 4, 8, 16, 32, 64) if not torch.equal(step(n), alone)] == []
-    for keys in (512, 0, 2048):  # the unit prefill's flex split: the default, torch's count, a long one (stop 43)
-        model.flex_prefill_keys_per_split = keys
+    # the unit prefill's flex split: the default, torch's count, a long one (stop 43); the last with the kernel's
+    # own warps and stages (flex_prefill_warps / flex_prefill_stages)
+    for keys, warps, stages in ((512, 0, 0), (0, 0, 0), (2048, 0, 0), (2048, 4, 2)):
+        model.flex_prefill_keys_per_split, model.flex_prefill_warps, model.flex_prefill_stages = keys, warps, stages
         prefill = PrefillGraphs.create(model, kv, (2, 4, 8), (MERGED_PREFILL,), (ctx + 32,),
                                        compile_mode=compile_mode, flex=True)
         assert prefill is not None
