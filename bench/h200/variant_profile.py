@@ -22,7 +22,11 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script from anywhere
 
-from build.make_model_repository import DeployProfile, ProfileError  # noqa: E402
+try:
+    from build.make_model_repository import DeployProfile, ProfileError
+except ModuleNotFoundError:  # pypa's `build` installed shadows the repository's (the H100 device's venv, stop 51)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "build"))
+    from make_model_repository import DeployProfile, ProfileError
 
 
 def apply(data: dict[str, Any], key: str, value: Any) -> None:

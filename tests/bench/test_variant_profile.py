@@ -49,3 +49,21 @@ def test_a_bad_setting_writes_nothing(tmp_path: Path, setting: str, message: str
     with pytest.raises(ProfileError, match=message):
         variant_profile.variant(BASE, out, [setting])
     assert not out.exists()
+
+
+def test_runs_where_an_installed_build_package_shadows_the_repositorys(tmp_path: Path) -> None:
+    """The H100 device's venv has pypa's `build` (a regular package), which wins over the repository's `build/` (a
+    namespace directory) whatever the path order: the script then loads the profile code by its directory."""
+    import os
+    import subprocess
+    import sys
+
+    shadow = tmp_path / "site" / "build"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("")  # like pypa's build: no make_model_repository inside
+    out = tmp_path / "ab.yaml"
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "site")}
+    done = subprocess.run([sys.executable, str(REPO / "bench" / "h200" / "variant_profile.py"), str(BASE), str(out),
+                           "max_sessions=16"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert DeployProfile.load(out).max_sessions == 16
