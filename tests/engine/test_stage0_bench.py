@@ -85,6 +85,8 @@ def test_engine_rows_take_the_kernel_options_a_profile_serves() -> None:
     assert (served.decode_attention, served.mixed_step, served.gemm_tile_rows, served.flex_prefill_keys_per_split,
             served.compile_mode, served.merge_unit_close) == ("flex", "shared", 128, 2048, "default", True)
     assert served.shared_decode_buckets == (2, 4, 8, 16, 32)
+    assert (served.flex_prefill_warps, served.flex_prefill_stages) == (4, 2)
+    assert (plain.flex_prefill_warps, plain.flex_prefill_stages) == (0, 0)
     assert (plain.decode_attention, plain.mixed_step, plain.gemm_tile_rows) != ("flex", "shared", 128)
     assert (served.max_sessions, served.decode_batch_buckets, served.max_context) == (
         plain.max_sessions, plain.decode_batch_buckets, plain.max_context)
