@@ -61,9 +61,9 @@ WINDOW_LOW_FRACTION = 0.75  # eviction drops old units down to this share of the
 WARM_SESSION_BATCHES = (1, 2, 4, 8, 16)  # sessions opened at once by the warm-up (capped at max_sessions)
 # deploy profile `engine_options.stage0` keys
 OPTIONS = ("audio_worker", "compile_mode", "cuda_graphs", "decode_attention", "flex_keys_per_split",
-           "flex_prefill_keys_per_split", "flex_prefill_stages", "flex_prefill_warps", "gemm_min_rows", "gemm_pad_buckets", "gemm_tile_rows", "merge_unit_close",
-           "mixed_step", "prefill_attention", "prefill_batch_buckets", "prefill_hold_ms", "prefix_chunk",
-           "scripted_decisions", "shared_decode_buckets")
+           "flex_prefill_keys_per_split", "flex_prefill_stages", "flex_prefill_warps", "gemm_min_rows",
+           "gemm_pad_buckets", "gemm_tile_rows", "merge_unit_close", "mixed_step", "prefill_attention",
+           "prefill_batch_buckets", "prefill_hold_ms", "prefix_chunk", "scripted_decisions", "shared_decode_buckets")
 PLAN_KEYS = ("listen_units", "speak_units", "text_ids_per_unit", "tail_listen_units")  # ScriptPlan's fields
 
 
@@ -107,7 +107,8 @@ def kernel_options(opts: dict[str, Any]) -> dict[str, Any]:
                 **count_option(opts, "stage0", "gemm_min_rows"), **count_option(opts, "stage0", "gemm_tile_rows"),
                 **count_option(opts, "stage0", "flex_keys_per_split"),
                 **count_option(opts, "stage0", "flex_prefill_keys_per_split"),
-                **count_option(opts, "stage0", "flex_prefill_warps"), **count_option(opts, "stage0", "flex_prefill_stages"),
+                **count_option(opts, "stage0", "flex_prefill_warps"),
+                **count_option(opts, "stage0", "flex_prefill_stages"),
                 gemm_pad_buckets=flag_option(opts, "stage0", "gemm_pad_buckets", True),
                 **_buckets(opts, "shared_decode_buckets"))
 
