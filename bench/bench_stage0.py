@@ -187,6 +187,19 @@ def profile_kernels(profile: str) -> dict:
     return kernel_options(DeployProfile.load(Path(profile)).engine_options.get("stage0", {}))
 
 
+def graph_flex_options(args: argparse.Namespace) -> dict[str, int]:
+    """The flex kernel options of the graph rows (`Qwen3LLM` attributes): the command's splits, where --profile sets
+    one the profile's, and the profile's unit-kernel warps and stages (0 = torch's without one), so the graph rows
+    run the attention the engine rows and the served profile do."""
+    options = dict(flex_keys_per_split=args.flex_keys_per_split,
+                   flex_prefill_keys_per_split=args.flex_prefill_keys_per_split, flex_prefill_warps=0,
+                   flex_prefill_stages=0)
+    if args.profile:
+        served = profile_kernels(args.profile)
+        options.update({name: served[name] for name in options if name in served})
+    return options
+
+
 def fresh_compile(mode: str | None) -> None:
     """Forget earlier compiles of the decoder layer before a compiled graph set or engine is built, so each row
     compiles as a fresh serving process does. NOTE: dynamo keeps per-code-object state: after another row's
@@ -604,7 +617,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="the same for unit prefills (Stage0Config.flex_prefill_keys_per_split)")
     ap.add_argument("--profile", default=None,
                     help="engine rows with the stage0 kernel options of this deploy profile (attention, splits, "
-                         "GEMM tiles, mixed steps), as its stage0 bridge builds them; its compile mode for every row")
+                         "GEMM tiles, mixed steps), as its stage0 bridge builds them; its compile mode and flex "
+                         "kernel options (splits it sets, the unit kernel's warps and stages) for every row")
     ap.add_argument("--json", default=None)
     ap.add_argument("--results", default=None,
                     help="write issue 16's JSON (commit, device, rows of what/batch/context/median_ms/p99_ms)")
@@ -622,8 +636,8 @@ def main(argv: list[str] | None = None) -> None:
         model = Qwen3LLM(cfg).to(dtype).eval()
     dummy_init(model)
     # the graph rows; the engine rows take them from their config
-    Qwen3LLM.flex_keys_per_split, Qwen3LLM.flex_prefill_keys_per_split = (args.flex_keys_per_split,
-                                                                           args.flex_prefill_keys_per_split)
+    for name, value in graph_flex_options(args).items():
+        setattr(Qwen3LLM, name, value)
     Qwen3LLM.fold_gqa = not args.no_fold
     Qwen3LLM.decode_attention = args.decode_attention[0]
     if not args.no_fuse:

@@ -108,3 +108,16 @@ def test_engine_args_fill_only_what_is_missing() -> None:
     assert (args.slots, args.compile, args.engine_units) == (32, None, 2)
     assert args.flex_prefill_keys_per_split == Qwen3LLM.flex_prefill_keys_per_split
     assert all(hasattr(args, name) for name in ENGINE_DEFAULTS)
+
+
+def test_graph_rows_take_the_profiles_flex_kernel_options() -> None:
+    """With --profile the graph rows run the unit kernel the profile serves (its split, warps and stages); without,
+    the command's splits and torch's configuration."""
+    from bench.bench_stage0 import graph_flex_options
+
+    args = argparse.Namespace(flex_keys_per_split=512, flex_prefill_keys_per_split=512, profile=None)
+    assert graph_flex_options(args) == dict(flex_keys_per_split=512, flex_prefill_keys_per_split=512,
+                                            flex_prefill_warps=0, flex_prefill_stages=0)
+    args.profile = str(Path(__file__).resolve().parents[2] / "deploy" / "profiles" / "h200.yaml")
+    assert graph_flex_options(args) == dict(flex_keys_per_split=512, flex_prefill_keys_per_split=2048,
+                                            flex_prefill_warps=4, flex_prefill_stages=2)
