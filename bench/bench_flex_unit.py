@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import statistics
 import sys
 from pathlib import Path
 
@@ -26,27 +25,26 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.bench_stage0 import stats  # noqa: E402
 from engine.model import flex  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128  # Qwen3-8B
 
 
-def kernel_options(name: str, split_kv: int | None) -> dict[str, object]:
+def kernel_options(name: str, split_kv: int | None) -> dict[str, int]:
     """`default` or `[nN][wW][sS]` → the flex call's kernel_options (SPLIT_KV as the engine passes it)."""
-    options: dict[str, object] = {} if split_kv is None else {"SPLIT_KV": split_kv}
     if name == "default":
-        return options
+        return flex.decoding_options(split_kv)
     m = re.fullmatch(r"(?:n(\d+))?(?:w(\d+))?(?:s(\d+))?", name)
     if not m or not any(m.groups()):
         raise ValueError(f"bad configuration {name!r}: default or [nBLOCK_N][wWARPS][sSTAGES]")
-    for key, value in zip(("BLOCK_N", "num_warps", "num_stages"), m.groups(), strict=True):
-        if value:
-            options[key] = int(value)
-    return options
+    tuning = tuple((key, int(value)) for key, value in zip(("BLOCK_N", "num_warps", "num_stages"), m.groups(),
+                                                           strict=True) if value)
+    return flex.decoding_options(split_kv, tuning)  # as the engine merges them (flex_slot_attend)
 
 
 def time_config(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: flex.SlotBlocks,
-                options: dict[str, object], iters: int) -> tuple[list[float], torch.Tensor]:
+                options: dict[str, int], iters: int) -> tuple[list[float], torch.Tensor]:
     def call() -> torch.Tensor:
         return flex.compiled_flex_attention(q, k, v, block_mask=blocks.block_mask, enable_gqa=True,
                                             kernel_options=options)
@@ -107,7 +105,7 @@ def main(argv: list[str] | None = None) -> None:
             if ref is None:
                 ref = out
             diff = float((out - ref).abs().max())
-            med, p99 = statistics.median(times), sorted(times)[min(len(times) - 1, int(0.99 * len(times)))]
+            med, p99 = stats(times)
             print(f"{rows} | {name} | {med:.3f} | {p99:.3f} | {kv_gb:.3f} | {diff:.3g}")
             results.append({"rows": rows, "config": name, "median_ms": round(med, 4), "p99_ms": round(p99, 4),
                             "kv_floor_gb": round(kv_gb, 4), "max_abs_diff": diff})

@@ -65,6 +65,12 @@ def decode_tuning(warps: int, stages: int, device: torch.device) -> tuple[tuple[
     return tuple((k, v) for k, v in (("num_warps", warps), ("num_stages", stages)) if v > 0)
 
 
+def decoding_options(split_kv: int | None, tuning: tuple[tuple[str, int], ...] = ()) -> dict[str, int]:
+    """The flex decoding kernel's kernel_options: the Triton configuration (`decode_tuning`) and the split (None:
+    torch's)."""
+    return dict(tuning) | ({} if split_kv is None else {"SPLIT_KV": split_kv})
+
+
 def decode_splits(max_len: int, device: torch.device, keys_per_split: int = KEYS_PER_SPLIT,
                   rows: int | None = None) -> int | None:
     """SPLIT_KV for the flex decoding kernel over cache rows of `max_len` positions: one split per `keys_per_split`
@@ -167,8 +173,7 @@ def flex_slot_attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if t > FLEX_DECODING_MAX_POSITIONS:
         options = {"FORCE_USE_FLEX_ATTENTION": True}
     else:
-        options = dict(blocks.tuning) | ({"SPLIT_KV": blocks.split_kv} if blocks.split_kv is not None else {})
-        options = options or None
+        options = decoding_options(blocks.split_kv, blocks.tuning) or None
     out = fn(dense, k_cache, v_cache, block_mask=blocks.block_mask, enable_gqa=heads != k_cache.shape[1],
              kernel_options=options)
     return out[blocks.slot_ids]  # type: ignore[index] - no return_lse
@@ -184,6 +189,6 @@ def dense_flex_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     compiled flex can trace its mask (vmap and functionalization are excluded there)."""
     b, heads = q.shape[:2]
     fn = compiled_flex_attention if q.device.type == "cuda" else flex_attention
-    options = {"SPLIT_KV": blocks.split_kv} if blocks.split_kv is not None else None
+    options = decoding_options(blocks.split_kv) or None
     return fn(q, k_cache[:b], v_cache[:b], block_mask=blocks.block_mask, enable_gqa=heads != k_cache.shape[1],
               kernel_options=options)  # type: ignore[return-value] - no return_lse
