@@ -73,6 +73,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--unit-align-s", type=float, default=None,
                     help="the gateway's DUPLEX_UNIT_ALIGN_S (its unit grid after a commit; 0: off; default: the "
                          "--profile's unit_align_s, which `duplex serve` gives the gateway, else 0)")
+    ap.add_argument("--unit-align-min-sessions", type=int, default=None,
+                    help="the gateway's DUPLEX_UNIT_ALIGN_MIN_SESSIONS (it aligns only while that many sessions "
+                         "are live; default: the --profile's unit_align_min_sessions, else 0)")
     ap.add_argument("--instructions-chars", type=int, default=0,
                     help="each session's system prompt, this many characters of filler (at most 32768; the "
                          "byte-level test tokenizers make about one KV position each): sessions that start deep "
@@ -94,6 +97,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.profile_values = read_profile(args.profile)  # read once: the sweep takes the plan and device from it
         if args.unit_align_s is None:  # the grid follows the gateway's, which the profile sets
             args.unit_align_s = profile_unit_align_s(args.profile_values)
+        if args.unit_align_min_sessions is None:
+            args.unit_align_min_sessions = int(args.profile_values.get("unit_align_min_sessions") or 0)
     except (OSError, yaml.YAMLError, TypeError, ValueError) as exc:
         ap.error(f"cannot read unit_align_s from --profile {args.profile}: {exc}")
     return args
@@ -199,8 +204,12 @@ async def _start(user: User, delay_s: float) -> UserLog:
 
 async def run_step(n: int, args: argparse.Namespace, speech: list[Any],
                    plan: dict[str, int] | None = None) -> list[UserLog]:
+    def live() -> int:  # the step's open sessions: the gateway's live count while it serves only this load
+        return sum(u.live for u in users)
+
     users = [User(i, args.url, speech, args.duration, cancel_every_s=args.cancel_every, api_key=args.api_key,
-                  plan=plan, unit_align_s=args.unit_align_s,
+                  plan=plan, unit_align_s=args.unit_align_s, unit_align_min_sessions=args.unit_align_min_sessions,
+                  live_sessions=live,
                   instructions=long_instructions(args.instructions_chars) if args.instructions_chars else None)
              for i in range(n)]
     progress = asyncio.create_task(_progress(n, users, time.monotonic()))
@@ -282,6 +291,7 @@ async def sweep(args: argparse.Namespace) -> dict[str, Any]:
                            "scripted_plan": plan, "instructions_chars": args.instructions_chars,
                            "url": args.url, "duration_s": args.duration, "cancel_every_s": args.cancel_every,
                            "unit_align_s": args.unit_align_s,  # effective: --unit-align-s, else the profile's
+                           "unit_align_min_sessions": args.unit_align_min_sessions,
                            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "runs": []}
     for i, n in enumerate(args.sessions):
         if i:

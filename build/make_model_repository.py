@@ -58,6 +58,9 @@ class DeployProfile:
     # the gateway's unit alignment period in seconds (passed to it as DUPLEX_UNIT_ALIGN_S; 0: off): after each
     # commit the next unit is cut short on a shared tick, so the sessions' units reach the stages together
     unit_align_s: float = 0.0
+    # > 0: align only while at least this many sessions are live on the gateway (DUPLEX_UNIT_ALIGN_MIN_SESSIONS):
+    # the unaligned latency at low load, the batched steps above it; 0: whenever unit_align_s > 0
+    unit_align_min_sessions: int = 0
     stage0_instances: int = 1
     tts_instances: int = 1
     token2wav_instances: int = 1
@@ -97,6 +100,7 @@ class DeployProfile:
             "sequence_idle_timeout_s": _positive_number(self.sequence_idle_timeout_s)
             and self.sequence_idle_timeout_s >= self.session_idle_ttl_s,
             "unit_align_s": _non_negative_number(self.unit_align_s),
+            "unit_align_min_sessions": _non_negative_int(self.unit_align_min_sessions),
             **{f"{s}_instances": _positive_int(getattr(self, f"{s}_instances")) for s in (*STAGES, "pipeline")},
         }
         for name, ok in checks.items():
@@ -128,6 +132,7 @@ _HINTS = {
     "dtype": " (float32, bfloat16 or float16)",
     "sequence_idle_timeout_s": " (must be a number >= session_idle_ttl_s)",
     "unit_align_s": " (a number of seconds >= 0; 0: off)",
+    "unit_align_min_sessions": " (an integer >= 0; 0: align whenever unit_align_s > 0)",
     "mps": f" ({', '.join(MPS_MODES)}; on needs device: cuda)",
     "mps_thread_percentage": f" (a mapping of {', '.join(STAGES)} to integers 1..100; needs device: cuda)",
     "gpus": f" (a mapping of {', '.join(MODELS)} to non-empty lists of distinct GPU ids >= 0; needs device: cuda)",
@@ -177,6 +182,10 @@ def _instance_group(model: str, profile: DeployProfile) -> str:
 
 def _positive_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+
+def _non_negative_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
 def _positive_number(v: Any) -> bool:

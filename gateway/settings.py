@@ -73,6 +73,9 @@ class GatewaySettings(BaseModel):
     # sessions' units reach the stages together (gateway/session/units.py); 0 = off. A deploy profile's
     # `unit_align_s` sets it (served A/B: bench/RESULTS.md "Stop 30")
     unit_align_s: float = Field(0.0, ge=0)
+    # DUPLEX_UNIT_ALIGN_MIN_SESSIONS > 0: align only while at least this many sessions are live on this gateway
+    # (a deploy profile's `unit_align_min_sessions`); 0 = whenever unit_align_s > 0
+    unit_align_min_sessions: int = Field(0, ge=0)
     # admission, auth, VAD, web demo
     cleanup_retry_base_s: float = Field(0.5, gt=0)
     bind_host: str = "127.0.0.1"

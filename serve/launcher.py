@@ -115,10 +115,11 @@ def gateway_env(triton_url: str, profile: dict[str, object]) -> dict[str, str]:
            "DUPLEX_TRITON_READY_MODELS": ",".join(PIPELINE_MODELS),
            "DUPLEX_MAX_SESSIONS": str(profile["max_sessions"]),
            "DUPLEX_IDLE_TTL_S": str(profile["session_idle_ttl_s"])}
-    # The operator's own DUPLEX_UNIT_ALIGN_S wins over the profile's: that is how an A/B overrides a profile
-    # (an empty one, as compose's `${VAR:-}` gives, counts as unset).
-    if not os.environ.get("DUPLEX_UNIT_ALIGN_S"):
-        env["DUPLEX_UNIT_ALIGN_S"] = str(profile["unit_align_s"])
+    # The operator's own DUPLEX_UNIT_ALIGN_S (or _MIN_SESSIONS) wins over the profile's: that is how an A/B
+    # overrides a profile (an empty one, as compose's `${VAR:-}` gives, counts as unset).
+    for var, key in (("DUPLEX_UNIT_ALIGN_S", "unit_align_s"), ("DUPLEX_UNIT_ALIGN_MIN_SESSIONS", "unit_align_min_sessions")):
+        if not os.environ.get(var):
+            env[var] = str(profile[key])
     return env
 
 

@@ -130,10 +130,15 @@ class User:
     def __init__(self, index: int, url: str, speech: list[np.ndarray], duration_s: float, *,
                  cancel_every_s: float | None = None, api_key: str | None = None,
                  plan: dict[str, int] | None = None, clock: Callable[[], float] = time.monotonic,
-                 unit_align_s: float = 0.0, instructions: str | None = None) -> None:
+                 unit_align_s: float = 0.0, unit_align_min_sessions: int = 0,
+                 live_sessions: Callable[[], int] | None = None, instructions: str | None = None) -> None:
         self.url, self.speech, self.duration_s, self.plan = url, speech, duration_s, plan
         self.instructions = instructions
         self.unit_align_s = unit_align_s  # the gateway's DUPLEX_UNIT_ALIGN_S: its grid after a commit
+        # the gateway aligns only while this many sessions are live (DUPLEX_UNIT_ALIGN_MIN_SESSIONS); the load's
+        # own open sessions stand for its count, which holds while the gateway serves only this load
+        self.unit_align_min_sessions, self.live_sessions = unit_align_min_sessions, live_sessions
+        self.live = False  # session.created seen and session.close not yet sent
         self._t0: float | None = None  # the send schedule's start: chunk k is due at t0 + k x APPEND_S
         self.cancel_every_s, self.api_key, self.clock = cancel_every_s, api_key, clock
         self.log = UserLog(index)
@@ -180,9 +185,11 @@ class User:
             return
         self.log.session_id = (first.get("session") or {}).get("id")
         self.log.opened_t = self.clock()
+        self.live = True
 
     async def _close(self, receiver: asyncio.Task[None]) -> None:
         assert self._ws is not None
+        self.live = False
         with contextlib.suppress(ConnectionClosed):
             await self._ws.send(json.dumps({"type": "session.close"}))
         try:
@@ -336,10 +343,18 @@ class User:
             self.log.commits.append(t)
         if md.get("reason") == "committed" and not md.get("response_create_deferred"):
             self.log.grid.flush_at(pos)
-            if self.unit_align_s > 0:
+            if self._aligning():
                 self._align_after(pos, t)
         elif md.get("reason") != "short_overlap_ack":  # padded later (deferred) or dropped: position unknown
             self.log.grid.lose_at(pos)
+
+    def _aligning(self) -> bool:
+        """Whether the gateway puts the unit after this commit on its tick (gateway/session/units.py)."""
+        if self.unit_align_s <= 0:
+            return False
+        if self.unit_align_min_sessions <= 0 or self.live_sessions is None:
+            return True
+        return self.live_sessions() >= self.unit_align_min_sessions
 
     def _align_after(self, pos: int, t: float) -> None:
         """The gateway cuts the unit after a commit short on the next tick of its clock (time.monotonic, this

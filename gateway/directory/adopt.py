@@ -140,7 +140,9 @@ def _session(gw: GatewayState, entry: Entry, config: Any, host: AdoptableHost) -
                          key=SessionKey(entry.session_id, entry.correlation_id), outbox=host.outbox,
                          post_lane=host.post_lane, clock=time.monotonic,
                          geometry=UnitGeometry(deadline_grace_s=s.unit_deadline_grace_s,
-                                               align_period_s=s.unit_align_s),
+                                               align_period_s=s.unit_align_s,
+                                               align_min_sessions=s.unit_align_min_sessions,
+                                               live_sessions=gw.admission.live),
                          runtime_defaults=RuntimeDefaults(), capabilities=gw.capabilities, limits_json=s.limits_json())
 
 

@@ -12,11 +12,17 @@ each stage step batches them together instead of each session's unit arriving at
 that grid is complete when the client's chunk that passes its end arrives, up to one chunk period after the
 end (200 ms for the load generator's chunks), at each session's own phase, and leaves then: holding it until
 its grid end + 0.25 s was measured worse on the H200 (bench/RESULTS.md "Stop 30" item 3) and removed.
+
+With `align_min_sessions` > 0 a commit arms the tick only while at least that many sessions are live on this
+gateway (`live_sessions`): in phase, each stage's GPU time per second fell 40-49 % at 16 sessions on an H100 but
+commit->first audio rose 213 -> 271 ms p50 (bench/RESULTS.md "Stop 52 on an H100"), so one profile can keep the unaligned
+latency at low load and the batched steps at high load.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -29,6 +35,16 @@ class UnitGeometry:
     unit_samples: int = 16000
     deadline_grace_s: float = 0.25  # NOTE: slack for client jitter before silence is injected
     align_period_s: float = 0.0  # > 0: units put on a shared tick after each commit (module docstring); 0: off
+    align_min_sessions: int = 0  # > 0: align only while live_sessions() reaches it (module docstring)
+    live_sessions: Callable[[], int] | None = field(default=None, compare=False)  # this gateway's live sessions
+
+    def aligning(self) -> bool:
+        """Whether a commit now puts the next unit on the shared tick."""
+        if self.align_period_s <= 0:
+            return False
+        if self.align_min_sessions <= 0 or self.live_sessions is None:
+            return True
+        return self.live_sessions() >= self.align_min_sessions
 
     def length(self, k: int) -> int:
         return self.first_unit_samples if k == 0 else self.unit_samples
@@ -73,9 +89,9 @@ class UnitCutter:
         return self._push(samples, now)
 
     def arm_tick(self, now: float) -> None:
-        """After a commit: the partial unit will end on the next shared tick (no-op when alignment is off)."""
-        period = self.geometry.align_period_s
-        if period > 0:
+        """After a commit: the partial unit will end on the next shared tick (no-op when not aligning now)."""
+        if self.geometry.aligning():
+            period = self.geometry.align_period_s
             self._tick_at = (now // period + 1) * period
 
     def cut_if_tick(self, now: float) -> list[CutUnit]:

@@ -93,7 +93,9 @@ async def open_session(state: GatewayState, params: ConnectionParams, session_pa
                                 key=SessionKey(session_id, ids.correlation_id()), outbox=outbox,
                                 post_lane=post_lane, clock=clock,
                                 geometry=UnitGeometry(deadline_grace_s=s.unit_deadline_grace_s,
-                                                      align_period_s=s.unit_align_s),
+                                                      align_period_s=s.unit_align_s,
+                                                      align_min_sessions=s.unit_align_min_sessions,
+                                                      live_sessions=state.admission.live),
                                 runtime_defaults=RuntimeDefaults(), capabilities=state.capabilities,
                                 limits_json=s.limits_json())
         await session.open()

@@ -34,6 +34,14 @@ def test_the_default_is_the_profiles_unit_align_s(tmp_path: Path, parse: Callabl
     assert parse("--profile", str(REPO / "deploy" / "profiles" / "h200-64-scripted.yaml")).unit_align_s == 1.0
 
 
+def test_the_alignment_floor_comes_from_the_profile_unless_given(tmp_path: Path,
+                                                                 parse: Callable[..., argparse.Namespace]) -> None:
+    profile = str(_profile(tmp_path, "unit_align_s: 1.0\nunit_align_min_sessions: 24\n"))
+    assert parse("--profile", profile).unit_align_min_sessions == 24
+    assert parse("--profile", profile, "--unit-align-min-sessions", "0").unit_align_min_sessions == 0
+    assert parse().unit_align_min_sessions == 0
+
+
 def test_off_without_a_profile_or_without_the_key(tmp_path: Path, parse: Callable[..., argparse.Namespace]) -> None:
     assert parse().unit_align_s == 0.0
     assert parse("--profile", str(_profile(tmp_path, "max_sessions: 4\n"))).unit_align_s == 0.0

@@ -71,3 +71,22 @@ def test_with_the_gateways_unit_alignment_the_grid_restarts_on_the_tick_after_a_
     plain._t0, plain.log.chunk_sent = user._t0, list(user.log.chunk_sent)
     plain._on_commit({"reason": "committed", "audio_end_ms": pos * 1000 // 16000}, 103.31)
     assert plain.log.grid.unit_at(tick_cut)[1] == pos  # no alignment: regular units from the commit on
+
+
+def test_with_a_floor_of_live_sessions_the_grid_follows_the_gateways_count() -> None:
+    """`unit_align_min_sessions`: the gateway aligns only while that many sessions are live; the user reads the
+    load's own open sessions at each commit, so its grid restarts on the tick only at or above the floor."""
+    pos = 16 * APPEND_SAMPLES
+    tick_cut = APPEND_SAMPLES + round((104.0 - 100.3) * 16000)
+    live = [3]
+    user = User(0, "ws://x:1", [np.zeros(UNIT, np.int16)], 30.0, plan=PLAN, unit_align_s=1.0,
+                unit_align_min_sessions=4, live_sessions=lambda: live[0])
+    user._t0, user.log.chunk_sent = 100.3, [100.3 + 0.2 * k for k in range(40)]
+    user._on_commit({"reason": "committed", "audio_end_ms": pos * 1000 // 16000}, 103.31)
+    assert user.log.grid.unit_at(tick_cut)[1] == pos  # 3 live: no tick, regular units from the commit on
+    live[0] = 4
+    at_floor = User(0, "ws://x:1", [np.zeros(UNIT, np.int16)], 30.0, plan=PLAN, unit_align_s=1.0,
+                    unit_align_min_sessions=4, live_sessions=lambda: live[0])
+    at_floor._t0, at_floor.log.chunk_sent = user._t0, list(user.log.chunk_sent)
+    at_floor._on_commit({"reason": "committed", "audio_end_ms": pos * 1000 // 16000}, 103.31)
+    assert at_floor.log.grid.unit_at(tick_cut)[1] == tick_cut  # the short unit ended on the tick

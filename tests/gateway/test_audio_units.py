@@ -135,3 +135,19 @@ def test_a_tick_with_no_audio_past_it_cuts_the_partial_unit_and_no_alignment_whe
     off.push(_signal(16480 + 800), now=5.0)
     off.arm_tick(5.0)
     assert off.cut_if_tick(9.0) == [] and off.push(_signal(800), now=9.0) == [] and off.residual == 1600
+
+
+def test_alignment_follows_the_live_sessions_when_it_has_a_floor() -> None:
+    """align_min_sessions: a commit arms the tick only while live_sessions() reaches the floor, read at each commit."""
+    live = [3]
+    cutter = UnitCutter(UnitGeometry(deadline_grace_s=0.0, align_period_s=1.0, align_min_sessions=4,
+                                     live_sessions=lambda: live[0]))
+    cutter.push(_signal(16480 + 800), now=2.2)
+    cutter.arm_tick(2.2)  # 3 live: below the floor, no tick
+    assert cutter.cut_if_tick(3.5) == [] and cutter.residual == 800
+    live[0] = 4
+    cutter.arm_tick(3.5)  # at the floor: the partial unit ends on the tick at 4.0
+    (short,) = cutter.cut_if_tick(4.01)
+    assert short.client_samples == 800 and len(short.samples) == 16000
+    assert UnitGeometry(align_min_sessions=4, live_sessions=lambda: 9).aligning() is False  # no period: off
+    assert UnitGeometry(align_period_s=1.0, align_min_sessions=4).aligning() is True  # no count: the period rules

@@ -63,3 +63,15 @@ async def test_without_alignment_the_unit_after_a_commit_takes_a_whole_second() 
     rt, committed_at, events = await _commit_then_stream(1.4)
     assert 0.9 < rt.append_times[1] - committed_at < 1.4
     assert_conformant(events)
+
+
+async def test_alignment_waits_for_its_number_of_live_sessions() -> None:
+    """`unit_align_min_sessions`: this session alone is one live session, so a floor of 2 leaves its units on their
+    own second and a floor of 1 puts them on the tick."""
+    rt, committed_at, events = await _commit_then_stream(1.4, unit_align_s=PERIOD_S, unit_align_min_sessions=2)
+    assert 0.9 < rt.append_times[1] - committed_at < 1.4
+    assert_conformant(events)
+    rt, committed_at, events = await _commit_then_stream(1.4, unit_align_s=PERIOD_S, unit_align_min_sessions=1)
+    tick = (committed_at // PERIOD_S + 1) * PERIOD_S
+    assert tick <= rt.append_times[1] < tick + 0.3
+    assert_conformant(events)

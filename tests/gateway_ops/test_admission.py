@@ -35,6 +35,7 @@ def test_counts_open_detached_closing(clock: FakeClock) -> None:
         adm.reserve(sid)
     adm.set_state("b", SlotState.DETACHED)
     assert adm.counts() == {"open": 2, "detached": 1, "closing": 0}
+    assert adm.live() == 3  # open and detached sessions go on making units
     assert seen[-1] == adm.counts()
     adm.set_state("b", SlotState.OPEN)
     assert adm.state_of("b") is SlotState.OPEN
@@ -74,6 +75,7 @@ async def test_failed_cleanup_keeps_slot_and_retries_with_backoff(clock: FakeClo
 
     assert await adm.close("a", flaky) is False
     assert adm.state_of("a") is SlotState.CLOSING
+    assert (len(adm), adm.live()) == (1, 0)  # a closing session holds its slot but is not live
     with pytest.raises(ProtocolError):  # AD-3: the closing session still holds its slot
         adm.reserve("b")
     assert await adm.retry_due() == []  # not due yet (backoff 1 s)

@@ -24,7 +24,8 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.mark.parametrize("field,value", [("max_sessions", 0), ("device", "tpu"), ("dtype", "int8"),
                                          ("engine", "magic"), ("kv_window", -5), ("stage0_instances", True),
                                          ("unit_align_s", -0.5), ("unit_align_s", "1s"), ("unit_align_s", True),
-                                         ("unit_align_s", float("inf"))])
+                                         ("unit_align_s", float("inf")), ("unit_align_min_sessions", -1),
+                                         ("unit_align_min_sessions", 1.5), ("unit_align_min_sessions", True)])
 def test_bad_profile_value_names_the_field(field: str, value: object) -> None:
     with pytest.raises(ProfileError, match=repr(field)):
         DeployProfile(**{field: value})
@@ -45,6 +46,7 @@ def test_unit_align_s_is_read_and_printed_by_the_check(tmp_path: Path) -> None:
                            "--profile", str(profile)], capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["unit_align_s"] == 1.5
+    assert json.loads(done.stdout)["unit_align_min_sessions"] == 0  # align whenever unit_align_s > 0
     profile.write_text("unit_align_s: -1\n")
     done = subprocess.run([sys.executable, str(REPO / "build" / "make_model_repository.py"), "--check",
                            "--profile", str(profile)], capture_output=True, text=True, check=False)
