@@ -350,11 +350,8 @@ class User:
 
     def _aligning(self) -> bool:
         """Whether the gateway puts the unit after this commit on its tick (gateway/session/units.py)."""
-        if self.unit_align_s <= 0:
-            return False
-        if self.unit_align_min_sessions <= 0 or self.live_sessions is None:
-            return True
-        return self.live_sessions() >= self.unit_align_min_sessions
+        floor_met = self.live_sessions is None or self.live_sessions() >= self.unit_align_min_sessions
+        return self.unit_align_s > 0 and floor_met
 
     def _align_after(self, pos: int, t: float) -> None:
         """The gateway cuts the unit after a commit short on the next tick of its clock (time.monotonic, this

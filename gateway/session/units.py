@@ -39,12 +39,9 @@ class UnitGeometry:
     live_sessions: Callable[[], int] | None = field(default=None, compare=False)  # this gateway's live sessions
 
     def aligning(self) -> bool:
-        """Whether a commit now puts the next unit on the shared tick."""
-        if self.align_period_s <= 0:
-            return False
-        if self.align_min_sessions <= 0 or self.live_sessions is None:
-            return True
-        return self.live_sessions() >= self.align_min_sessions
+        """Whether a commit now puts the next unit on the shared tick (without a count, the period alone rules)."""
+        live = self.live_sessions
+        return self.align_period_s > 0 and (live is None or live() >= self.align_min_sessions)
 
     def length(self, k: int) -> int:
         return self.first_unit_samples if k == 0 else self.unit_samples
