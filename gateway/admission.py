@@ -86,7 +86,7 @@ class Admission:
 
     def live(self) -> int:
         """Sessions holding a slot that are not closing (open or detached): the load a unit alignment follows."""
-        return sum(1 for slot in self._slots.values() if slot.state is not SlotState.CLOSING)
+        return len(self._slots) - self.counts()[SlotState.CLOSING.value]
 
     def cleanup_pending(self) -> list[str]:
         return [sid for sid, s in self._slots.items() if s.state is SlotState.CLOSING and not s.running]

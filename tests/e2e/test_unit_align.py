@@ -117,10 +117,11 @@ async def _session(addr: str) -> Run:
     return Run(commit_at, decided_at, events)
 
 
-def _served(cache: Path, align: str) -> Run:
-    """Start a stack on the profile (`align`: DUPLEX_UNIT_ALIGN_S, "" for the profile's), run one session, and
-    stop the stack in the background (the next stack starts meanwhile)."""
-    s = Stack(cache, profile=PROFILE, env={**ENV, "DUPLEX_UNIT_ALIGN_S": align}, max_sessions=1)
+def _served(cache: Path, align: str, min_sessions: str = "") -> Run:
+    """Start a stack on the profile (`align`: DUPLEX_UNIT_ALIGN_S, `min_sessions`: DUPLEX_UNIT_ALIGN_MIN_SESSIONS, ""
+    for the profile's), run one session, and stop the stack in the background (the next stack starts meanwhile)."""
+    env = {**ENV, "DUPLEX_UNIT_ALIGN_S": align, "DUPLEX_UNIT_ALIGN_MIN_SESSIONS": min_sessions}
+    s = Stack(cache, profile=PROFILE, env=env, max_sessions=1)
     s.start()
     try:
         return asyncio.run(_session(s.addr))
@@ -138,6 +139,11 @@ def unaligned(e2e_cache: Path) -> Run:
     return _served(e2e_cache, "0")
 
 
+@pytest.fixture(scope="module")
+def below_floor(e2e_cache: Path) -> Run:
+    return _served(e2e_cache, "", min_sessions="2")  # the profile's period, but aligned only from 2 live sessions
+
+
 def test_the_unit_after_a_commit_is_cut_on_the_next_tick(aligned: Run) -> None:
     # the first mark, 0.1 s past the tick, is already in unit 2: unit 1 ended on the tick, 0.7 s after the commit
     assert aligned.forced == ALIGNED_UNITS, (aligned.forced, _times(aligned))
@@ -150,6 +156,11 @@ def test_without_alignment_the_commit_does_not_move_the_grid(unaligned: Run) -> 
     # unit k after the commit waits for k whole seconds of audio from it: none is decided sooner
     early = {k: t for k, t in unaligned.decided_at.items() if 1 <= k <= 4 and t < unaligned.commit_at + k}
     assert not early, _times(unaligned)
+
+
+def test_below_its_floor_of_live_sessions_the_profile_does_not_align(below_floor: Run) -> None:
+    """`unit_align_min_sessions` through `duplex serve`: one live session is below a floor of 2."""
+    assert below_floor.forced == UNALIGNED_UNITS, (below_floor.forced, _times(below_floor))
 
 
 @pytest.mark.parametrize("mode", ["aligned", "unaligned"])
