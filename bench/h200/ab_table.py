@@ -6,8 +6,8 @@ Reads the load JSONs of bench/load_realtime.py (what bench/h200/ab_run.sh brings
 session count: held, commit->first audio p50 / p99, each stage's step, queue wait, rows per step and busy time,
 stage0's prefill and decode steps apart (`stage_step_ms_by_kind`), P12 (`p12`: token rows per step that decoded tokens,
 the sessions speaking, their share), the first
-unit's TTS and Token2Wav times, and cancel->last audio. A figure a JSON lacks (older files, a level with no cancel)
-reads "-". The commit and the profile of each file come first, so a table never mixes runs unawares.
+unit's TTS and Token2Wav times, and cancel->last audio; then a second table of a unit's latency by its position in the
+response and each stage's place in it. A figure a JSON lacks (older files, a level with no cancel) reads "-". The commit and the profile of each file come first, so a table never mixes runs unawares.
 """
 
 from __future__ import annotations
@@ -71,11 +71,37 @@ def row(name: str, run: dict[str, Any]) -> list[str]:
             _pair(run.get("cancel_to_last_audio_ms"))]
 
 
+# the second table: a unit's latency by its position in the response (P8's gaps come from its growth), the client's
+# figure and, from the gateway, each stage's place in it (stage0 done, first TTS codes, first audio)
+POSITION_COLUMNS = ("variant", "N", "unit->audio p50 by position 1 / 2 / 3", "unit step p50 / p90 / p99 (over 200)",
+                    "s0 done p50 by position", "first TTS codes p50 by position", "first audio (gateway) p50 by position")
+_POSITIONS = ("1", "2", "3")
+
+
+def _by_position(d: dict[str, Any] | None) -> str:
+    d = d or {}
+    return " / ".join(_num((d.get(k) or {}).get("p50"), 0) for k in _POSITIONS)
+
+
+def position_row(name: str, run: dict[str, Any]) -> list[str]:
+    step = run.get("unit_to_audio_step_ms") or {}
+    stages = run.get("unit_stages_by_position_ms") or {}
+    return [name, str(run.get("sessions", "-")), _by_position(run.get("unit_to_audio_by_position_ms")),
+            " / ".join(_num(step.get(k), 0) for k in ("p50", "p90", "p99")) + f" ({step.get('over_200', '-')})",
+            *(_by_position(stages.get(k)) for k in ("thinker_done", "talker_first", "code2wav_first"))]
+
+
+def _markdown(columns: tuple[str, ...], rows: list[list[str]]) -> list[str]:
+    return (["| " + " | ".join(columns) + " |", "| " + " | ".join("---" for _ in columns) + " |"]
+            + ["| " + " | ".join(r) + " |" for r in rows])
+
+
 def table(files: list[tuple[str, dict[str, Any]]]) -> str:
     lines = [f"- {name}: commit {doc.get('commit', '-')}, profile {doc.get('profile', '-')}, {doc.get('device', '-')}"
              for name, doc in files]
-    lines += ["", "| " + " | ".join(COLUMNS) + " |", "| " + " | ".join("---" for _ in COLUMNS) + " |"]
-    lines += ["| " + " | ".join(row(name, run)) + " |" for name, doc in files for run in doc.get("runs", [])]
+    runs = [(name, run) for name, doc in files for run in doc.get("runs", [])]
+    lines += ["", *_markdown(COLUMNS, [row(name, run) for name, run in runs])]
+    lines += ["", *_markdown(POSITION_COLUMNS, [position_row(name, run) for name, run in runs])]
     return "\n".join(lines)
 
 

@@ -227,6 +227,28 @@ def first_unit_stages(responses: list[ResponseLog]) -> dict[str, Any]:
     return out
 
 
+# (figure, stage key) of each owned unit's time from its send to stage 0 (response.done stage_metrics'
+# `from_unit_ms_by_unit`, gateway clock): stage0's unit_done, the TTS's first codes, the Token2Wav's first audio
+UNIT_STAGES = (("thinker_done", "0"), ("talker_first", "1"), ("code2wav_first", "2"))
+
+
+def unit_stages_by_position(responses: list[ResponseLog]) -> dict[str, Any]:
+    """Each stage's place in a unit's latency by the unit's position in its response (`POSITIONS`): which stage
+    the growth along a response (`unit_to_audio_by_position_ms`, the P8 gaps) comes from."""
+    out: dict[str, Any] = {"measures": "p50/p99 over owned units of response.done duplex.stage_metrics "
+                                       "from_unit_ms_by_unit (gateway: unit sent to stage0 -> stage0 unit_done / "
+                                       "first TTS codes / first audio), by position in the response"}
+    for name, key in UNIT_STAGES:
+        by_pos: dict[str, list[float]] = {k: [] for k in POSITIONS}
+        for r in responses:
+            times = ((r.stage_metrics or {}).get(key) or {}).get("from_unit_ms_by_unit") or []
+            for i, ms in enumerate(times):
+                if ms is not None:
+                    by_pos[POSITIONS[min(i, len(POSITIONS) - 1)]].append(float(ms))
+        out[name] = {k: pcts(v, 50, 99) for k, v in by_pos.items()}
+    return out
+
+
 def run_figures(sessions: int, logs: list[UserLog], scripted: bool | None) -> dict[str, Any]:
     per = [session_figures(log) for log in logs]
     starts = [t for log in logs for t in ([log.opened_t] if log.opened_t is not None else log.commits[:1])]
@@ -260,6 +282,7 @@ def run_figures(sessions: int, logs: list[UserLog], scripted: bool | None) -> di
         "cancel_to_done_ms": pcts([x for r in responses if (x := cancel_to_done(r)) is not None], 50, 99),
         "transcript_delay_ms": pcts(text_ms, 50, 99),
         "first_unit_stages_ms": first_unit_stages(responses),
+        "unit_stages_by_position_ms": unit_stages_by_position(responses),
         "max_chunk_gap_ms": round(max((p["max_chunk_gap_ms"] for p in per), default=0.0), 1),
         "chunk_gap_ms": pcts(gaps, 50, 90, 99) | {"over_bound": sum(g > MAX_CHUNK_GAP_MS for g in gaps)},
         "underruns": sum(p["underruns"] for p in per),

@@ -186,6 +186,11 @@ class _Unit:
     sent: dict[str, float] = field(default_factory=dict)
     firsts: dict[str, dict[str, float]] = field(default_factory=dict)
 
+    def unit_done(self) -> None:
+        """Stage0 finished the unit (its `unit_done` came): ms from the unit's append, kept as the metrics'
+        `unit_done` entry (the first stage's place in the unit's latency, beside the others' `from_unit_ms`)."""
+        self.firsts.setdefault("unit_done", {"from_unit_ms": (time.perf_counter() - self.started) * MS_PER_S})
+
     def first_output(self, stage: str) -> None:
         """The stage's first output of the unit (protocol.md §10.1): ms from its input being sent
         (`first_output_ms`) and from the unit's append (`from_unit_ms`, the stage's place in the unit's latency)."""
@@ -366,6 +371,7 @@ class StagedTritonRuntime:
                 return
             parsed = typed_event(ev, None, fence.epoch)
             if isinstance(parsed, UnitDone):
+                flow.unit_done()
                 flow.done_event = parsed
                 s.order.settle()  # the units behind it may now send their decision and text
             elif not isinstance(parsed, dict):

@@ -3,8 +3,11 @@
 Fed only with the per-unit timing snapshots the runtime attaches to `unit_done` of units owned by one
 response (SM-1, SM-2). Expected `unit_done.metrics` layout (engine monotonic clock, ms):
   {"thinker": {"tokens": n, "ttft_ms": x, "token_times_ms": [t0, t1, ...]},
-   "talker": {"first_output_ms": y, "from_unit_ms": y'}, "code2wav": {"first_output_ms": z, "from_unit_ms": z'}}
-(first_output_ms from the stage's input, from_unit_ms from the unit's append: a project addition, §10.1)
+   "talker": {"first_output_ms": y, "from_unit_ms": y'}, "code2wav": {"first_output_ms": z, "from_unit_ms": z'},
+   "unit_done": {"from_unit_ms": d}}
+(first_output_ms from the stage's input, from_unit_ms from the unit's append: project additions, §10.1; so is each
+stage's `from_unit_ms_by_unit`, one entry per owned unit in order (null where the stage gave none), stage "0" from
+`unit_done`: where a unit's latency grows along a response)
 """
 
 from __future__ import annotations
@@ -38,6 +41,11 @@ class StageMetrics:
         self._stage_units: dict[str, int] = {}
         self._first_output: dict[str, float] = {}
         self._from_unit: dict[str, float] = {}
+        self._by_unit: dict[str, list[float | None]] = {"0": [], "1": [], "2": []}  # per owned unit, None: no time
+
+    def _unit_time(self, key: str, stage: Mapping[str, Any] | None) -> None:
+        ms = None if not stage or stage.get("from_unit_ms") is None else round(float(stage["from_unit_ms"]), 3)
+        self._by_unit[key].append(ms)
 
     def add_unit(self, metrics: Mapping[str, Any]) -> None:
         self.units += 1
@@ -52,8 +60,10 @@ class StageMetrics:
             self._span_ms += times[-1] - times[0]
             self._span_div += len(times) - 1
             self._itl.extend(b - a for a, b in zip(times, times[1:], strict=False))
+        self._unit_time("0", metrics.get("unit_done"))
         for key, name in _STAGES:
             stage = metrics.get(name)
+            self._unit_time(key, stage)
             if stage:
                 self._stage_units[key] = self._stage_units.get(key, 0) + 1
                 if key not in self._first_output and stage.get("first_output_ms") is not None:
@@ -71,4 +81,7 @@ class StageMetrics:
                     out[key] = {"stage": name, "units": self._stage_units[key],
                                 "first_output_ms": self._first_output.get(key),
                                 "from_unit_ms": self._from_unit.get(key)}
+        for key, times in self._by_unit.items():
+            if key in out and any(t is not None for t in times):
+                out[key]["from_unit_ms_by_unit"] = list(times)
         return out

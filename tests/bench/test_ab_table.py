@@ -24,7 +24,11 @@ NEW = {"commit": "b5e49a2873e2", "profile": "deploy/profiles/ab-p0.yaml", "devic
                                           "decode": {"steps": 700, "mean_rows": 1.83, "mean_ms": 11.4}}},
      "p12": {"token_rows_per_step": 2.1, "speaking_sessions": 7.5, "share": 0.28, "met": False},
      "first_unit_stages_ms": {"talker_own": {"p50": 64.6}, "code2wav_own": {"p50": 90.2}},
-     "cancel_to_last_audio_ms": {"p50": 0.0, "p99": 3.0}},
+     "cancel_to_last_audio_ms": {"p50": 0.0, "p99": 3.0},
+     "unit_to_audio_by_position_ms": {"1": {"p50": 240.4}, "2": {"p50": 280.0}, "3": {"p50": 331.2}},
+     "unit_to_audio_step_ms": {"p50": 40.5, "p90": 86.1, "p99": 152.3, "over_200": 1},
+     "unit_stages_by_position_ms": {"thinker_done": {"1": {"p50": 60.0}, "2": {"p50": 61.0}, "3": {"p50": 75.0}},
+                                    "code2wav_first": {"1": {"p50": 200.0}, "2": {"p50": 250.0}}}},
     {"sessions": 32, "held_realtime": False, "chunk_gap_ms": {"over_bound": 3}, "max_chunk_gap_ms": 1290.4}]}
 OLD = {"commit": "02f129af7198", "runs": [{"sessions": 16, "held_realtime": True,
                                            "commit_to_first_audio_ms": {"p50": 249.4, "p99": 488.4}}]}
@@ -37,7 +41,8 @@ def test_a_row_per_variant_and_level_with_the_files_named_first(tmp_path: Path, 
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == "- p0: commit b5e49a2873e2, profile deploy/profiles/ab-p0.yaml, cuda: NVIDIA H200"
     assert lines[1] == "- old: commit 02f129af7198, profile -, -"
-    rows = [line.strip("| ").split(" | ") for line in lines if line.startswith("| ") and "---" not in line][1:]
+    first, second = "\n".join(lines).split("\n\n")[1:]
+    rows = [line.strip("| ").split(" | ") for line in first.splitlines() if "---" not in line][1:]
     head = list(ab_table.COLUMNS)
     p16, p32, old = (dict(zip(head, r, strict=True)) for r in rows)
     assert (p16["variant"], p16["N"], p16["held"], p16["commit->first audio p50 / p99"]) == ("p0", "16", "yes", "251 / 402")
@@ -48,3 +53,12 @@ def test_a_row_per_variant_and_level_with_the_files_named_first(tmp_path: Path, 
     assert p32["held"] == "NO (3 gaps over 1.2 s, max 1290)" and p32["commit->first audio p50 / p99"] == "- / -"
     assert (old["variant"], old["commit->first audio p50 / p99"], old["s0 prefill / decode step ms"]) == (
         "old", "249 / 488", "- / -")
+    positions = [dict(zip(ab_table.POSITION_COLUMNS, line.strip("| ").split(" | "), strict=True))
+                 for line in second.splitlines() if "---" not in line][1:]
+    assert [(p["variant"], p["N"]) for p in positions] == [("p0", "16"), ("p0", "32"), ("old", "16")]
+    assert positions[0]["unit->audio p50 by position 1 / 2 / 3"] == "240 / 280 / 331"
+    assert positions[0]["unit step p50 / p90 / p99 (over 200)"] == "40 / 86 / 152 (1)"
+    assert positions[0]["s0 done p50 by position"] == "60 / 61 / 75"
+    assert positions[0]["first TTS codes p50 by position"] == "- / - / -"
+    assert positions[0]["first audio (gateway) p50 by position"] == "200 / 250 / -"
+    assert positions[2]["unit step p50 / p90 / p99 (over 200)"] == "- / - / - (-)"

@@ -69,6 +69,10 @@ def test_two_sessions_fill_every_field_and_the_stage_metrics(stack: Stack, tmp_p
                                                  "talker_own", "code2wav_own")), firsts
     assert firsts["talker_first_output"]["p50"] <= firsts["code2wav_first_output"]["p50"], firsts
     assert firsts["talker_own"]["p50"] <= firsts["talker_first_output"]["p50"], firsts   # own input comes later
+    # and each owned unit's, by its position in the response: stage0 ends the unit before its TTS codes come
+    by_pos = run["unit_stages_by_position_ms"]
+    assert all(by_pos[k]["1"]["count"] >= 1 for k in ("thinker_done", "talker_first", "code2wav_first")), by_pos
+    assert by_pos["thinker_done"]["1"]["p50"] <= by_pos["talker_first"]["1"]["p50"], by_pos
     # P13 from the gateway's /metrics: every delta timed from stage0's sampling stamp (one host, one clock)
     behind = run["transcript_behind_generation_ms"]
     assert behind["p50"] is not None and behind["p99"] is not None and behind["count"] >= 1, behind

@@ -134,6 +134,22 @@ def test_first_unit_stages_come_from_each_responses_stage_metrics() -> None:
     assert stages_ms["talker_own"]["p50"] == 70.0 and stages_ms["code2wav_own"] == {"p50": 90.0, "p99": 90.0, "count": 1}
 
 
+def test_unit_stages_by_position_come_from_each_owned_units_times() -> None:
+    rs = [_response(f"r{i}", 0.0, [0.5]) for i in range(2)]
+    rs[0].stage_metrics = {"0": {"stage": "thinker", "from_unit_ms_by_unit": [30.0, 40.0, 50.0, 60.0, 70.0]},
+                           "1": {"stage": "talker", "from_unit_ms_by_unit": [100.0, 150.0, None]},
+                           "2": {"stage": "code2wav", "from_unit_ms_by_unit": [200.0, 260.0]}}
+    rs[1].stage_metrics = {"0": {"stage": "thinker", "from_unit_ms_by_unit": [10.0]},
+                           "1": {"stage": "talker"}}  # a gateway without the lists (the one-stream pipeline)
+    log = UserLog(0, opened_t=0.0)
+    log.responses = {r.response_id: r for r in rs}
+    got = run_figures(1, [log], scripted=True)["unit_stages_by_position_ms"]
+    assert got["thinker_done"]["1"] == {"p50": 20.0, "p99": 29.8, "count": 2}
+    assert got["thinker_done"]["4+"] == {"p50": 65.0, "p99": 69.9, "count": 2}  # positions 4 and 5
+    assert got["talker_first"]["2"]["p50"] == 150.0 and got["talker_first"]["3"]["count"] == 0  # None: no time
+    assert (got["code2wav_first"]["1"]["p50"], got["code2wav_first"]["2"]["p50"]) == (200.0, 260.0)
+
+
 def test_audio_delta_duration_from_base64_length() -> None:
     import base64
 

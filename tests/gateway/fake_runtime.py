@@ -59,11 +59,12 @@ def tone(ms: int) -> bytes:
     return (np.sin(np.arange(n) * 0.05) * 8000).astype("<i2").tobytes()
 
 
-def unit_metrics(tokens: int) -> dict[str, Any]:
+def unit_metrics(tokens: int, unit: int = 0) -> dict[str, Any]:
     times = [10.0 + 5.0 * i for i in range(tokens)]
     return {"thinker": {"tokens": tokens, "ttft_ms": 10.0, "token_times_ms": times},
             "talker": {"first_output_ms": 7.0, "from_unit_ms": 40.0},
-            "code2wav": {"first_output_ms": 3.0, "from_unit_ms": 45.0}}
+            "code2wav": {"first_output_ms": 3.0, "from_unit_ms": 45.0},
+            "unit_done": {"from_unit_ms": 20.0 + unit}}  # the gateway's stamp (stages.py), as the staged runtime adds it
 
 
 class FakeRuntime:
@@ -108,7 +109,7 @@ class FakeRuntime:
         if isinstance(action, Listen):
             q.put_nowait(Decision(epoch=e, unit=u, action="listen", forced=forced))
             q.put_nowait(UnitDone(epoch=e, unit=u, is_listen=True, end_of_turn=action.end_of_turn,
-                                  metrics=unit_metrics(1), forced=forced))
+                                  metrics=unit_metrics(1, u), forced=forced))
             return
         q.put_nowait(Decision(epoch=e, unit=u, action="speak"))
         words = action.text
@@ -120,7 +121,7 @@ class FakeRuntime:
         q.put_nowait(AudioPiece(epoch=e, unit=u, seq=0, pcm16=pcm[:half], last=False if action.calls else None))
         q.put_nowait(AudioPiece(epoch=e, unit=u, seq=1, pcm16=pcm[half:], last=True if action.calls else None))
         q.put_nowait(UnitDone(epoch=e, unit=u, is_listen=False, end_of_turn=action.end_of_turn,
-                              metrics=unit_metrics(action.tokens)))
+                              metrics=unit_metrics(action.tokens, u)))
 
     async def cancel(self, key: SessionKey, fence: Fence, next_fence: Fence) -> None:
         seq = self.seqs[key.correlation_id]

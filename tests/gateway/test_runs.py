@@ -38,6 +38,9 @@ async def test_spoken_response_run() -> None:
     # the first owned unit's: from the stage's input, and from the unit's append (project addition, §10.1)
     assert (sm["1"]["first_output_ms"], sm["1"]["from_unit_ms"]) == (7.0, 40.0)
     assert (sm["2"]["first_output_ms"], sm["2"]["from_unit_ms"]) == (3.0, 45.0)
+    # each owned unit's, in order (project addition, §10.1): stage0 from its unit_done (fake: 20 ms + the unit index)
+    assert sm["0"]["from_unit_ms_by_unit"] == [21.0, 22.0]
+    assert sm["1"]["from_unit_ms_by_unit"] == [40.0, 40.0] and sm["2"]["from_unit_ms_by_unit"] == [45.0, 45.0]
 
 
 async def test_a_unit_of_several_token2wav_calls_sends_each_call_as_it_comes() -> None:

@@ -130,11 +130,13 @@ async def test_a_speak_unit_flows_through_the_three_stages_in_order() -> None:
     assert len(got[2].pcm16) == 960
     done = got[3]
     assert done.metrics["thinker"] == {"tokens": 2}
-    assert set(done.metrics) == {"thinker", "talker", "code2wav"}
+    assert set(done.metrics) == {"thinker", "talker", "code2wav", "unit_done"}
     talker, code2wav = done.metrics["talker"], done.metrics["code2wav"]
     # each stage from its own input (§10.1), and from the unit's append, which covers the stages before it
     assert all(m["from_unit_ms"] >= m["first_output_ms"] >= 0 for m in (talker, code2wav))
     assert code2wav["from_unit_ms"] >= talker["from_unit_ms"] + code2wav["first_output_ms"]
+    # stage0's unit_done came before the TTS answered the tts_input it sent
+    assert 0 <= done.metrics["unit_done"]["from_unit_ms"] <= talker["from_unit_ms"]
     tts = next(r for r in client.requests if r["request_id"].startswith("tts:append"))
     names = {i.name() for i in tts["inputs"]}
     assert {"TOKENS", "HIDDEN", "CONFIG"} <= names
