@@ -116,6 +116,11 @@ UNIT_STEP_BOUND_MS = MAX_CHUNK_GAP_MS - 1000.0  # a step over this: two units' f
 POSITIONS = ("1", "2", "3", "4+")  # unit latency by position in the response: 1st, 2nd, 3rd, 4th and later
 
 
+def position(i: int) -> str:
+    """The `POSITIONS` key of a response's i-th unit (0-based)."""
+    return POSITIONS[min(i, len(POSITIONS) - 1)]
+
+
 def response_unit_audio(log: UserLog, r: ResponseLog) -> list[tuple[int, float]]:
     """(position in the response, unit sent -> that unit's first audio in ms) for the response's units in order,
     those whose send time is known."""
@@ -129,7 +134,7 @@ def unit_audio_by_position(log: UserLog) -> dict[str, list[float]]:
     out: dict[str, list[float]] = {k: [] for k in POSITIONS}
     for r in log.responses.values():
         for i, ms in response_unit_audio(log, r):
-            out[POSITIONS[min(i, len(POSITIONS) - 1)]].append(ms)
+            out[position(i)].append(ms)
     return out
 
 
@@ -244,7 +249,7 @@ def unit_stages_by_position(responses: list[ResponseLog]) -> dict[str, Any]:
             times = ((r.stage_metrics or {}).get(key) or {}).get("from_unit_ms_by_unit") or []
             for i, ms in enumerate(times):
                 if ms is not None:
-                    by_pos[POSITIONS[min(i, len(POSITIONS) - 1)]].append(float(ms))
+                    by_pos[position(i)].append(float(ms))
         out[name] = {k: pcts(v, 50, 99) for k, v in by_pos.items()}
     return out
 
