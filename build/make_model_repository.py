@@ -220,9 +220,11 @@ def render_config(model: str, profile: DeployProfile, checkpoint: str) -> str:
     if profile.mps_thread_percentage.get(model):
         params["mps_thread_percentage"] = str(profile.mps_thread_percentage[model])
     options = dict(profile.engine_options.get(model) or {})
-    head = (profile.engine_options.get("tts") or {}).get("first_codes")
-    if model == "token2wav" and head:  # the TTS sends a turn's first codes early: Token2Wav warms up their shapes
-        options["head_codes"] = head
+    tts = profile.engine_options.get("tts") or {}
+    if model == "token2wav" and tts.get("first_codes"):  # the TTS sends first codes early: Token2Wav warms up
+        options["head_codes"] = tts["first_codes"]        # their shapes (and renders mid-turn heads, if it sends them)
+        if tts.get("head_every_unit"):
+            options["head_every_unit"] = tts["head_every_unit"]
     if options:
         params["engine_options"] = json.dumps(options, sort_keys=True).replace('"', '\\"')
     param_text = ",\n".join(f'  {{ key: "{k}" value: {{ string_value: "{v}" }} }}' for k, v in params.items())

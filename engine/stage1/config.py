@@ -37,6 +37,10 @@ class TTSEngineConfig:
     # codes of a turn's first unit sent as soon as they are sampled (the "head"), before the unit ends: the
     # vocoder starts that much earlier after the user stops (targets.md P7). 0 = off: each unit sent whole.
     first_codes: int = 0
+    # with first_codes: every unit sends its first codes early, not only a turn's first. The next unit's audio then
+    # starts (first_codes x 40 ms of it) while its remaining codes are drawn, so the pause between two units' audio
+    # shrinks by those draws (the P8 chunk gaps). Token2Wav renders each unit in two calls instead of one
+    head_every_unit: bool = False
     # every TTS GEMM on exactly this many rows, fewer padded, more in chunks (`TTSModel.tile_gemm_rows`; 0 = off):
     # a session's codes then do not depend on who shares its step (on the H200 they did from 8 sessions on,
     # bench/tts_batch_invariance.py; bench/RESULTS.md stop 38). On in the h200 profiles.
@@ -60,6 +64,8 @@ class TTSEngineConfig:
         if not 0 <= self.first_codes <= self.max_new_tokens - 2:  # a full unit keeps at least one code for the rest
             raise ValueError(f"TTSEngineConfig.first_codes: must be in [0, max_new_tokens - 2 = "
                              f"{self.max_new_tokens - 2}]")
+        if self.head_every_unit and not self.first_codes:
+            raise ValueError("TTSEngineConfig.head_every_unit: needs first_codes > 0")
 
     def batch_bucket(self, b: int) -> int:
         return next(x for x in self.batch_buckets if x >= b)

@@ -70,6 +70,9 @@ class Token2WavEngineConfig:
     # warm-up turns alternate between that and whole units, so the head's and rest's call shapes are built too
     # (served without them, every batch of heads ran its vocoder eagerly: bench/RESULTS.md, stop 33)
     head_codes: int = 0
+    # the TTS's `head_every_unit`: every unit may come as a head and a rest, and a head renders at once in any unit
+    # of a turn (not only in its first), so warm-up sends every unit of its turns in two parts
+    head_every_unit: bool = False
     # the flow's conformer and DiT blocks torch.compile'd (`Flow.compile_blocks`, regional: one block compiled for
     # all blocks of a kind) before its graphs are captured: fewer, fused kernels in the encoder and in each of the 5
     # Euler steps. Mel close to, not equal with, eager
@@ -87,6 +90,9 @@ class Token2WavEngineConfig:
         if not 0 <= self.tile_rows <= self.max_batch:
             raise ValueError(f"Token2WavEngineConfig.tile_rows: must be 0..max_batch ({self.max_batch}), "
                              f"got {self.tile_rows}")
+        if self.head_every_unit and not (self.head_codes and self.stream.force_flush == "always"):
+            raise ValueError("Token2WavEngineConfig.head_every_unit needs head_codes > 0 and the stream's "
+                             "force_flush 'always' (a rest of fewer than 28 codes then still makes its call)")
         if self.tile_rows and not self.ragged:
             raise ValueError("Token2WavEngineConfig.tile_rows needs the pooled flow (ragged=True)")
 
@@ -223,7 +229,7 @@ class Token2WavEngine:
 
     def _warm_turn(self, voice_id: str, b: int, rng: np.random.Generator, heads: bool = False) -> None:
         """`b` sessions speak one turn in lock step; with `heads` each turn's first unit comes as a head of
-        `head_codes` codes and a rest, as the TTS sends it with `first_codes`."""
+        `head_codes` codes and a rest (every unit, with `head_every_unit`), as the TTS sends it with `first_codes`."""
         fence, vocab = Fence(0, 0), self.models.flow_cfg.vocab_size
         sids = [WARMUP_SESSION.format(i) for i in range(b)]
         for i, sid in enumerate(sids):
@@ -233,7 +239,7 @@ class Token2WavEngine:
                 for sid in sids:
                     codes = rng.integers(0, vocab, self.cfg.stream.chunk_new).tolist()
                     end, k = unit == WARMUP_UNITS - 1, self.cfg.head_codes
-                    if heads and unit == 0 and 0 < k < len(codes):
+                    if heads and (unit == 0 or self.cfg.head_every_unit) and 0 < k < len(codes):
                         self.submit(sid, fence, unit, codes[:k], False, part="head", unit_codes=len(codes))
                         self.submit(sid, fence, unit, codes[k:], end, part="rest")
                     else:
@@ -313,7 +319,7 @@ class Token2WavEngine:
         if fence.epoch > s.fence.epoch:       # a newer epoch implies the older one was cancelled
             self._drop_older(s, fence)
         if part == "head":
-            plan, s.head_unit = s.stream.plan_head(codes, unit_codes), unit_index
+            plan, s.head_unit = s.stream.plan_head(codes, unit_codes, self.cfg.head_every_unit), unit_index
         elif head_unit is not None:
             plan, s.head_unit = s.stream.plan_rest(codes, end_of_turn), None
         else:

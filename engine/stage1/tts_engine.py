@@ -5,9 +5,9 @@ to bottom: collect (one queued unit per session) → prepare (condition rows, pe
 (one prefill + single-code steps for the whole batch, `TTSRunner`) → postprocess (trim at EOS, commit
 draws, advance or reset the turn) → emit (results whose fence is still live).
 
-With `first_codes` = K > 0 and an `on_head` callback, a unit that starts a TTS turn also sends its first K
-codes (`TTSHeadCodes`) during the run, as soon as they are sampled, unless one of them is EOS; its result
-then says so (`TTSUnitResult.head`).
+With `first_codes` = K > 0 and an `on_head` callback, a unit that starts a TTS turn (every unit, with
+`head_every_unit`) also sends its first K codes (`TTSHeadCodes`) during the run, as soon as they are sampled,
+unless one of them is EOS; its result then says so (`TTSUnitResult.head`).
 
 With `continuous`, a `step()` is one single-code step of every unit in flight (a lane each): queued units of
 sessions with nothing in flight first prefill into free lanes, a unit leaves when its last sample is drawn,
@@ -240,7 +240,7 @@ class TTSEngine:
         u = torch.stack([w.u for w in work])  # [B, S]
         heads: dict[int, TTSHeadCodes] = {}  # batch row -> the head sent for it
         send = None
-        if on_head is not None and self.cfg.first_codes > 0 and any(w.start_pos == 0 for w in work):
+        if on_head is not None and self.cfg.first_codes > 0 and any(self._sends_head(w) for w in work):
             send = functools.partial(self._send_heads, work, heads, on_head)
         samples = self.runner.run_unit(
             cond, [w.req.n_rows for w in work], [w.start_pos for w in work],
@@ -284,7 +284,7 @@ class TTSEngine:
             for f in self._flights:
                 f.t += 1
         for f in self._flights:
-            if head and f.t >= head and f.work.start_pos == 0 and not f.head_queued:  # samples 0 .. head-1 drawn
+            if head and f.t >= head and self._sends_head(f.work) and not f.head_queued:  # samples 0 .. head-1 drawn
                 f.head_queued = True
                 self._copies.append(_Copy(f, *self.runner.copy_lane(f.lane, head), is_head=True))
         done = [f for f in self._flights if f.t == steps]
@@ -350,13 +350,17 @@ class TTSEngine:
     def _send_heads(self, work: list[_Work], heads: dict[int, TTSHeadCodes],
                     on_head: Callable[[list[TTSHeadCodes]], None], host: torch.Tensor) -> None:
         """host [B, K] int64: every row's first K samples, read back while the unit still runs. A row that
-        starts its turn sends them, unless they hold EOS (the unit then goes out whole, at the end)."""
+        starts its turn (any row, with `head_every_unit`) sends them, unless they hold EOS (the unit then goes out
+        whole, at the end)."""
         eos, unit_codes = self.mcfg.eos_code, self.cfg.max_new_tokens - 1  # the last sample is never fed (Q16)
         for b, (w, row) in enumerate(zip(work, host.tolist(), strict=True)):
-            if w.start_pos == 0 and eos not in row and self._live(w):
+            if self._sends_head(w) and eos not in row and self._live(w):
                 heads[b] = TTSHeadCodes(w.session.session_id, w.req.fence, w.req.unit_index, tuple(row), unit_codes)
         if heads:
             on_head(list(heads.values()))
+
+    def _sends_head(self, w: _Work) -> bool:
+        return w.start_pos == 0 or self.cfg.head_every_unit
 
     @staticmethod
     def _live(w: _Work) -> bool:

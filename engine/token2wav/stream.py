@@ -133,19 +133,19 @@ class SessionStream:
         self.check_codes(codes)
         return self._close_unit(self._cut(codes, end_of_turn, first_hop=True), end_of_turn, emitted=0)
 
-    def plan_head(self, codes: Sequence[int], unit_codes: int | None) -> UnitPlan:
+    def plan_head(self, codes: Sequence[int], unit_codes: int | None, every_unit: bool = False) -> UnitPlan:
         """A unit's first codes, sent ahead of the rest so that a turn's first audio need not wait for the
-        whole unit. In a turn's first unit they make one early call, silence prefix + head, as the
-        `first_hop` call does, led by the §6.6 left pad that a whole unit of `unit_codes` codes would get;
-        elsewhere (or with fewer than `min_call` codes buffered) they are only buffered. The unit is counted
-        by its rest (`plan_rest`)."""
+        whole unit. In a turn's first unit (in any unit, with `every_unit`) they make one early call, the
+        buffered codes + head, as the `first_hop` call does, led by the §6.6 left pad that a whole unit of
+        `unit_codes` codes would get; elsewhere (or with fewer than `min_call` codes buffered) they are only
+        buffered. The unit is counted by its rest (`plan_rest`)."""
         self.check_codes(codes)
         if self.head is not None:
             raise StreamInputError("a head is already waiting for its rest")
         s = self.scfg
         calls: list[PendingCall] = []
         pad = 0
-        if self.turn_units == 0 and len(self.buffer) + len(codes) >= self.min_call:
+        if (self.turn_units == 0 or every_unit) and len(self.buffer) + len(codes) >= self.min_call:
             pad = self._whole_unit_pad(codes, unit_codes)
             hop = min(len(codes), s.chunk_new)    # one call adds at most chunk_call codes (the pool's caps)
             self.buffer.extend(int(c) for c in codes)

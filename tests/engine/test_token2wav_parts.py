@@ -1,5 +1,6 @@
 """A unit in two parts (head, rest): the head of a turn's first unit renders its first audio alone, the
-unit keeps its sample count, mid-turn heads only buffer, short rests pad after their audio, errors and
+unit keeps its sample count, mid-turn heads only buffer (render, with `head_every_unit`), short rests pad after
+their audio, errors and
 cancels (stream.py `plan_head` / `plan_rest`, token2wav_engine.py `submit(part=...)`)."""
 
 from __future__ import annotations
@@ -117,6 +118,50 @@ def test_mid_turn_head_only_buffers(models):
         np.testing.assert_array_equal(got[u], want[u])
 
 
+def every_unit_engine(models, ragged: bool = True) -> Token2WavEngine:
+    eng = Token2WavEngine(models, Token2WavEngineConfig(stream=StreamConfig(n_timesteps=N_TS), ragged=ragged,
+                                                        head_codes=8, head_every_unit=True))
+    eng.add_voice("a", make_voice(1))
+    eng.open("s", F0, "a", 0)
+    return eng
+
+
+@pytest.mark.parametrize("ragged", [True, False])
+def test_head_every_unit_renders_mid_turn_heads_at_once(models, ragged):
+    """The TTS's `head_every_unit`: a mid-turn head makes its own call (the 3 look-ahead codes + the head) before
+    the rest comes, and each unit keeps its second of audio."""
+    eng, whole = every_unit_engine(models, ragged), opened(models, ragged=ragged)
+    chunk = eng.cfg.stream.chunk_new                      # 25: the steady unit, no pad
+    units = [codes(60 + u, chunk) for u in range(3)]
+    for u, unit in enumerate(units):
+        whole.submit("s", F0, u, unit, u == 2)
+    out = []
+    for u, unit in enumerate(units):
+        stream = eng.sessions["s"].stream
+        look_ahead = list(stream.buffer)
+        head = eng.submit("s", F0, u, unit[:8], False, part="head", unit_codes=chunk)
+        if u:
+            assert head == 2 * 8 * SPF and stream.buffer == unit[5:8]   # one call of 3 + 8, 3 codes kept
+            assert look_ahead == units[u - 1][-3:]
+        got = drain(eng)                                   # the head's audio, before its rest is submitted
+        assert got and got[-1].part_final and not got[-1].unit_final and got[-1].pcm[-SPF:].any()
+        rest = eng.submit("s", F0, u, unit[8:], u == 2, part="rest")
+        if u < 2:
+            assert head + rest == 24000
+        out += got + drain(eng)
+    mine, want = per_unit(out, "s"), per_unit(drain(whole), "s")
+    assert [mine[u].shape for u in range(3)] == [want[u].shape for u in range(3)]
+    assert [mine[u].shape[0] for u in range(2)] == [24000, 24000]
+    assert not np.array_equal(mine[1], want[1])       # other chunking, other audio (as the first unit's head)
+
+
+def test_head_every_unit_needs_a_head_size_and_the_always_flush(models):
+    for kw in ({"head_every_unit": True}, {"head_every_unit": True, "head_codes": 8,
+                                           "stream": StreamConfig(force_flush="turn_start")}):
+        with pytest.raises(ValueError, match="head_every_unit"):
+            Token2WavEngineConfig(**kw)
+
+
 def test_short_rest_pads_after_its_audio(models):
     eng = opened(models)
     unit = codes(30, 18)                     # the TTS stopped short of its 24 codes (not end of turn)
@@ -188,10 +233,13 @@ def test_cancel_drops_a_units_head_and_rest(models):
 
 # ---------------------------------------------------------------------------- warm-up with heads
 @pytest.mark.parametrize("heads", [True, False])
-def test_a_warm_up_turn_sends_its_first_unit_as_the_tts_does(models, monkeypatch, heads):
-    """With `head_codes` (the TTS's first_codes) a warm-up turn's first unit comes as head and rest, so the served
-    head and rest call shapes are built at warm-up; the other units, and turns without heads, come whole."""
-    eng = Token2WavEngine(models, Token2WavEngineConfig(stream=StreamConfig(n_timesteps=N_TS), head_codes=8))
+@pytest.mark.parametrize("every_unit", [False, True])
+def test_a_warm_up_turn_sends_its_first_unit_as_the_tts_does(models, monkeypatch, heads, every_unit):
+    """With `head_codes` (the TTS's first_codes) a warm-up turn's first unit (every unit, with `head_every_unit`)
+    comes as head and rest, so the served head and rest call shapes are built at warm-up; the other units, and
+    turns without heads, come whole."""
+    eng = Token2WavEngine(models, Token2WavEngineConfig(stream=StreamConfig(n_timesteps=N_TS), head_codes=8,
+                                                        head_every_unit=every_unit))
     eng.add_voice("a", make_voice(1))
     sent: list[tuple[int, int, str | None, int | None]] = []
     submit = eng.submit
@@ -203,6 +251,9 @@ def test_a_warm_up_turn_sends_its_first_unit_as_the_tts_does(models, monkeypatch
     monkeypatch.setattr(eng, "submit", spy)
     eng._warm_turn("a", 2, np.random.default_rng(0), heads=heads)
     chunk = eng.cfg.stream.chunk_new
-    first = [(0, 8, "head", chunk), (0, chunk - 8, "rest", None)] if heads else [(0, chunk, None, None)]
-    assert sent == first * 2 + [(u, chunk, None, None) for u in range(1, 4) for _ in range(2)]
+    def parts(u: int) -> list[tuple[int, int, str | None, int | None]]:
+        if heads and (u == 0 or every_unit):
+            return [(u, 8, "head", chunk), (u, chunk - 8, "rest", None)]
+        return [(u, chunk, None, None)]
+    assert sent == [p for u in range(4) for p in parts(u) * 2]
     assert not eng.pending() and not eng.sessions

@@ -104,6 +104,21 @@ def test_heads_leave_before_their_unit_and_equal_its_first_codes(k: int) -> None
         assert order.index(("head", (f"s{s}", 0))) < order.index(("result", (f"s{s}", 0)))
 
 
+def test_heads_of_every_unit_leave_before_their_units_in_continuous_steps() -> None:
+    model = tiny_model()
+    script = [[_unit(f"s{s}", 0, 2 + s, start=True, seed=s), _unit(f"s{s}", 1, 3, seed=s)] for s in range(4)]
+    want = _whole(model, script)
+    rec = Recorder()
+    got = _all_queued(model, script, rec, first_codes=3, head_every_unit=True)
+    assert [dataclasses.replace(r, head=0) for r in got] == want and all(r.head == 3 for r in got)
+    heads = rec.heads()
+    assert set(heads) == {(f"s{s}", u) for s in range(4) for u in (0, 1)}  # mid-turn units too
+    order = [(kind, (x.session_id, x.unit_index)) for kind, x in rec.log]
+    for r in got:
+        key = (r.session_id, r.unit_index)
+        assert heads[key].codes == r.codes[:3] and order.index(("head", key)) < order.index(("result", key))
+
+
 def _all_queued(model: torch.nn.Module, script: list[list[TTSUnitRequest]], rec: Recorder,
                 **cfg: object) -> list[TTSUnitResult]:
     engine = TTSEngine(model, _cfg(continuous=True, **cfg))

@@ -77,6 +77,24 @@ def test_second_unit_of_a_turn_gets_no_head() -> None:
     assert set(rec.heads()) == {("a", 0)}
 
 
+def test_head_every_unit_sends_every_units_first_codes() -> None:
+    """`head_every_unit`: mid-turn units send their first K codes early too, with the codes of units sent whole."""
+    model, rec = tiny_model(), Recorder()
+    units = [_unit("a", 0, 2, start=True), _unit("a", 1, 3), _unit("a", 2, 4)]
+    engine = TTSEngine(model, _cfg(first_codes=K, head_every_unit=True))
+    engine.open("a", F0, seed=3)
+    got: list[TTSUnitResult] = []
+    for req in units:
+        engine.submit(req)
+        got += rec.run(engine)
+    want = _turn(model, 0, units, {"a": 3})
+    assert _unsent(got) == want and [r.head for r in got] == [K, K, K]
+    assert got[1].start_pos > 0 and got[2].start_pos > 0  # mid-turn units
+    heads = rec.heads()
+    assert [heads[("a", u)].codes for u in range(3)] == [w.codes[:K] for w in want]
+    assert [kind for kind, _ in rec.log] == ["head", "result"] * 3  # each head before its unit's result
+
+
 def test_a_new_turn_sends_a_head_again() -> None:
     model, rec = tiny_model(), Recorder()
     units = [_unit("a", 0, 2, start=True), _unit("a", 1, 3, end=True), _unit("a", 2, 2, start=True)]
@@ -154,6 +172,8 @@ def test_first_codes_is_validated() -> None:
     for bad in (-1, 25):
         with pytest.raises(ValueError, match="first_codes"):
             TTSEngineConfig(first_codes=bad)
+    with pytest.raises(ValueError, match="head_every_unit"):  # every unit's head needs a head size
+        TTSEngineConfig(head_every_unit=True)
     engine = TTSEngine(tiny_model(), _cfg())  # 0: off, even with a callback
     engine.open("a", F0, seed=1)
     engine.submit(_unit("a", 0, 2, start=True))

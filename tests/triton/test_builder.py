@@ -129,3 +129,6 @@ def test_the_tts_first_codes_reach_token2wav_as_its_head_codes() -> None:
     assert '{\\"first_codes\\": 8}' in render_config("tts", heads, "/c")
     assert "head_codes" not in render_config("stage0", heads, "/c")
     assert "head_codes" not in render_config("token2wav", DeployProfile(engine_options={"tts": {}}), "/c")
+    assert "head_every_unit" not in render_config("token2wav", heads, "/c")
+    every = DeployProfile(engine_options={"tts": {"first_codes": 8, "head_every_unit": True}})
+    assert '{\\"head_codes\\": 8, \\"head_every_unit\\": true}' in render_config("token2wav", every, "/c")

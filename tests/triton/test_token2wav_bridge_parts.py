@@ -89,7 +89,18 @@ def test_a_bad_head_codes_option_fails_the_load(tiny_checkpoint: Path, value: An
 
 def test_head_codes_reach_the_engine(tiny_checkpoint: Path) -> None:
     bridge = bridges.token2wav(settings("token2wav", tiny_checkpoint, engine_options='{"head_codes": 8}'))
-    assert bridge.engine.cfg.head_codes == 8
+    assert bridge.engine.cfg.head_codes == 8 and not bridge.engine.cfg.head_every_unit
+    every = bridges.token2wav(settings("token2wav", tiny_checkpoint,
+                                       engine_options='{"head_codes": 8, "head_every_unit": true}'))
+    assert every.engine.cfg.head_every_unit and every.engine.cfg.max_graphs > bridge.engine.cfg.max_graphs
+
+
+@pytest.mark.parametrize("options", ['{"head_every_unit": true}', '{"head_codes": 8, "head_every_unit": "yes"}'])
+def test_a_bad_head_every_unit_option_fails_the_load(tiny_checkpoint: Path, options: str) -> None:
+    from model_repository.common.settings import ConfigError
+
+    with pytest.raises(ConfigError, match="head_every_unit"):
+        bridges.token2wav(settings("token2wav", tiny_checkpoint, engine_options=options))
 
 
 @pytest.mark.parametrize("name", ["compile_flow", "compile_hift"])

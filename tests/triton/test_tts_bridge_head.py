@@ -64,3 +64,8 @@ def test_first_codes_option_is_checked_at_load(tiny_checkpoint: Path) -> None:
             bridges.tts(settings("tts", tiny_checkpoint, engine_options=f'{{"first_codes": {bad}}}'))
     for options, first in (("{}", 0), ('{"first_codes": 24}', 24)):
         assert bridges.tts(settings("tts", tiny_checkpoint, engine_options=options)).engine.cfg.first_codes == first
+    for bad in ('{"head_every_unit": true}', '{"first_codes": 8, "head_every_unit": 1}'):  # no head size; not a bool
+        with pytest.raises(ConfigError, match="head_every_unit"):
+            bridges.tts(settings("tts", tiny_checkpoint, engine_options=bad))
+    every = bridges.tts(settings("tts", tiny_checkpoint, engine_options='{"first_codes": 8, "head_every_unit": true}'))
+    assert every.engine.cfg.head_every_unit

@@ -54,13 +54,15 @@ MAX_CLIP_PACKS = 64  # clip voice packs kept for reuse (each a few hundred KiB; 
 # shape runs eager (counted as a miss either way).
 GRAPHS_PER_BUCKET = 10
 HEAD_GRAPHS = 2  # with heads: a head's and a rest's vocoder shapes more per row bucket
+MID_TURN_HEAD_GRAPHS = 1  # with heads in every unit: a mid-turn head's vocoder shape (its mel cache leads it)
 
 # deploy profile `engine_options.token2wav` keys; head_codes: the TTS's first_codes, which the model repository
 # builder copies here (build/make_model_repository.py), so warm-up builds the head's and rest's call shapes;
+# head_every_unit: the TTS's, copied the same way (heads render in any unit of a turn), false when absent;
 # compile_flow / compile_hift: the flow's conformer and DiT blocks / the HiFT's Snake activations torch.compile'd
 # before graph capture (Token2WavEngineConfig), false when absent; tile_rows: every flow and HiFT batch on exactly
 # that many rows (a session's PCM the same bits whatever shares its batch), 0 when absent
-OPTIONS = ("flow_dtype", "cuda_graphs", "head_codes", "compile_flow", "compile_hift", "tile_rows")
+OPTIONS = ("flow_dtype", "cuda_graphs", "head_codes", "head_every_unit", "compile_flow", "compile_hift", "tile_rows")
 
 
 class Token2WavBridge(EngineBridge):
@@ -82,11 +84,15 @@ class Token2WavBridge(EngineBridge):
         if isinstance(tile, bool) or not isinstance(tile, int) or not 0 <= tile <= settings.max_sessions:
             raise ConfigError(f"engine option tile_rows={tile!r} must be an integer 0..max_sessions "
                               f"({settings.max_sessions})")
+        every_unit = flag_option(opts, "token2wav", "head_every_unit")
+        if every_unit and not head:
+            raise ConfigError("engine option head_every_unit needs head_codes > 0")
         compiled = {name: flag_option(opts, "token2wav", name) for name in ("compile_flow", "compile_hift")}
         cuda = settings.device.startswith("cuda")
-        per_bucket = GRAPHS_PER_BUCKET + (HEAD_GRAPHS if head else 0)
+        per_bucket = GRAPHS_PER_BUCKET + (HEAD_GRAPHS if head else 0) + (MID_TURN_HEAD_GRAPHS if every_unit else 0)
         cfg = Token2WavEngineConfig(max_batch=settings.max_sessions, use_cuda_graphs=cuda and opts.get("cuda_graphs", True),
-                                    pool=PoolConfig(slots=settings.max_sessions), head_codes=head, **compiled,
+                                    pool=PoolConfig(slots=settings.max_sessions), head_codes=head,
+                                    head_every_unit=every_unit, **compiled,
                                     tile_rows=tile,
                                     max_graphs=per_bucket * len(row_buckets(settings.max_sessions)))
         self.engine = Token2WavEngine(ck.token2wav, cfg)

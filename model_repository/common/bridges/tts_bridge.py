@@ -2,7 +2,8 @@
 CONFIG = {"unit", "is_turn_eos", "end_of_turn", "turn_start"}) -> engine.stage1.TTSEngine -> one
 `audio_tokens` event (TOKENS = the unit's codes), then FINAL.
 
-With `engine_options.tts.first_codes` = K > 0, a unit that starts a TTS turn goes out in two parts, so
+With `engine_options.tts.first_codes` = K > 0, a unit that starts a TTS turn (every unit, with
+`head_every_unit`) goes out in two parts, so
 Token2Wav can start on it early (targets.md P7): `audio_tokens {"part": "head", "unit_codes"}` with its first
 K codes as soon as they are sampled (`unit_codes`: the codes a full unit has), then `audio_tokens {"part":
 "rest", "eos", "end_of_turn"}` with the others when the unit ends, then FINAL. A unit whose first K codes hold
@@ -41,8 +42,10 @@ from .options import check_config, seed_of, talker_sampling
 # longer turn goes on in a fresh TTS context), the engine default 8192 when absent; first_codes: a turn's first
 # codes sent early (module docstring), 0 (off) when absent; gemm_tile_rows: every TTS GEMM on exactly that many
 # rows, 0 (off) when absent (TTSEngineConfig); continuous: units join and leave between single-code steps
-# (continuous batching, TTSEngineConfig.continuous), false when absent
-OPTIONS = ("compile_step", "cuda_graphs", "max_turn_positions", "first_codes", "gemm_tile_rows", "continuous")
+# (continuous batching, TTSEngineConfig.continuous), false when absent; head_every_unit: with first_codes, every
+# unit's first codes sent early, not only a turn's first (TTSEngineConfig.head_every_unit), false when absent
+OPTIONS = ("compile_step", "cuda_graphs", "max_turn_positions", "first_codes", "gemm_tile_rows", "continuous",
+           "head_every_unit")
 
 
 class TTSBridge(EngineBridge):
@@ -58,12 +61,15 @@ class TTSBridge(EngineBridge):
             raise ConfigError(f"engine option first_codes={first!r} must be an integer in [0, {most}]")
         tile = count_option(opts, "tts", "gemm_tile_rows")  # checked before the weights load
         continuous = flag_option(opts, "tts", "continuous")
+        every_unit = flag_option(opts, "tts", "head_every_unit")
+        if every_unit and not first:
+            raise ConfigError("engine option head_every_unit needs first_codes > 0 (the head's size)")
         ck = load_checkpoint(settings.checkpoint_dir, device=settings.device, dtype=torch_dtype(settings),
                              with_vision=False, with_token2wav=False, components=TTS_COMPONENTS)
         cfg = TTSEngineConfig(max_sessions=settings.max_sessions, max_batch=settings.max_sessions,
                               use_cuda_graphs=settings.device.startswith("cuda") and opts.get("cuda_graphs", True),
                               compile_step=bool(opts.get("compile_step", False)), max_turn_positions=turn,
-                              first_codes=first, continuous=continuous, **tile)
+                              first_codes=first, head_every_unit=every_unit, continuous=continuous, **tile)
         self.llm_dim = ck.config.tts.llm_dim
         self.engine = TTSEngine(ck.model.tts, cfg)  # the process holds only the TTS weights
         self.pending: dict[str, list[tuple[TTSUnitRequest, Any]]] = {}
