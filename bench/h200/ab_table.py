@@ -6,8 +6,8 @@ Reads the load JSONs of bench/load_realtime.py (what bench/h200/ab_run.sh brings
 session count: held, commit->first audio p50 / p99, each stage's step, queue wait, rows per step and busy time,
 stage0's prefill and decode steps apart (`stage_step_ms_by_kind`), P12 (`p12`: token rows per step that decoded tokens,
 the sessions speaking, their share), the first
-unit's TTS and Token2Wav times, and cancel->last audio; then a second table of a unit's latency by its position in the
-response and each stage's place in it. A figure a JSON lacks (older files, a level with no cancel) reads "-". The
+unit's TTS and Token2Wav times, and cancel->last audio; then a second table of P8's chunk gaps and the player's
+underruns, and a unit's latency by its position in the response and each stage's place in it. A figure a JSON lacks (older files, a level with no cancel) reads "-". The
 commit and the profile of each file come first, so a table never mixes runs unawares.
 """
 
@@ -72,10 +72,12 @@ def row(name: str, run: dict[str, Any]) -> list[str]:
             _pair(run.get("cancel_to_last_audio_ms"))]
 
 
-# the second table: a unit's latency by its position in the response (P8's gaps come from its growth), the client's
-# figure and, from the gateway, each stage's place in it (stage0 done, first TTS codes, first audio)
-POSITION_COLUMNS = ("variant", "N", "unit->audio p50 by position 1 / 2 / 3", "unit step p50 / p90 / p99 (over 200)",
-                    "s0 done p50 by position", "first TTS codes p50 by position", "first audio (gateway) p50 by position")
+# the second table: P8's chunk gaps and the player's underruns, then a unit's latency by its position in the response
+# (the gaps come from its growth), the client's figure and, from the gateway, each stage's place in it (stage0 done,
+# first TTS codes, first audio)
+POSITION_COLUMNS = ("variant", "N", "chunk gap p90 / p99 / max", "underruns (s)", "unit->audio p50 by position 1 / 2 / 3",
+                    "unit step p50 / p90 / p99 (over 200)", "s0 done p50 by position", "first TTS codes p50 by position",
+                    "first audio (gateway) p50 by position")
 _POSITIONS = ("1", "2", "3")
 
 
@@ -87,7 +89,11 @@ def _by_position(d: dict[str, Any] | None) -> str:
 def position_row(name: str, run: dict[str, Any]) -> list[str]:
     step = run.get("unit_to_audio_step_ms") or {}
     stages = run.get("unit_stages_by_position_ms") or {}
-    return [name, str(run.get("sessions", "-")), _by_position(run.get("unit_to_audio_by_position_ms")),
+    gaps, underrun_ms = run.get("chunk_gap_ms") or {}, run.get("underrun_ms")
+    return [name, str(run.get("sessions", "-")),
+            " / ".join(_num(x, 0) for x in (gaps.get("p90"), gaps.get("p99"), run.get("max_chunk_gap_ms"))),
+            f"{run.get('underruns', '-')} ({_num(None if underrun_ms is None else underrun_ms / 1000)})",
+            _by_position(run.get("unit_to_audio_by_position_ms")),
             " / ".join(_num(step.get(k), 0) for k in ("p50", "p90", "p99")) + f" ({step.get('over_200', '-')})",
             *(_by_position(stages.get(k)) for k in ("thinker_done", "talker_first", "code2wav_first"))]
 

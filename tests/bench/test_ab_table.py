@@ -25,6 +25,8 @@ NEW = {"commit": "b5e49a2873e2", "profile": "deploy/profiles/ab-p0.yaml", "devic
      "p12": {"token_rows_per_step": 2.1, "speaking_sessions": 7.5, "share": 0.28, "met": False},
      "first_unit_stages_ms": {"talker_own": {"p50": 64.6}, "code2wav_own": {"p50": 90.2}},
      "cancel_to_last_audio_ms": {"p50": 0.0, "p99": 3.0},
+     "chunk_gap_ms": {"p50": 110.2, "p90": 1061.7, "p99": 1150.4, "over_bound": 0}, "max_chunk_gap_ms": 1190.6,
+     "underruns": 121, "underrun_ms": 7282.8,
      "unit_to_audio_by_position_ms": {"1": {"p50": 240.4}, "2": {"p50": 280.0}, "3": {"p50": 331.2}},
      "unit_to_audio_step_ms": {"p50": 40.5, "p90": 86.1, "p99": 152.3, "over_200": 1},
      "unit_stages_by_position_ms": {"thinker_done": {"1": {"p50": 60.0}, "2": {"p50": 61.0}, "3": {"p50": 75.0}},
@@ -56,6 +58,9 @@ def test_a_row_per_variant_and_level_with_the_files_named_first(tmp_path: Path, 
     positions = [dict(zip(ab_table.POSITION_COLUMNS, line.strip("| ").split(" | "), strict=True))
                  for line in second.splitlines() if "---" not in line][1:]
     assert [(p["variant"], p["N"]) for p in positions] == [("p0", "16"), ("p0", "32"), ("old", "16")]
+    assert positions[0]["chunk gap p90 / p99 / max"] == "1062 / 1150 / 1191"
+    assert positions[0]["underruns (s)"] == "121 (7.3)" and positions[2]["underruns (s)"] == "- (-)"
+    assert positions[1]["chunk gap p90 / p99 / max"] == "- / - / 1290"
     assert positions[0]["unit->audio p50 by position 1 / 2 / 3"] == "240 / 280 / 331"
     assert positions[0]["unit step p50 / p90 / p99 (over 200)"] == "40 / 86 / 152 (1)"
     assert positions[0]["s0 done p50 by position"] == "60 / 61 / 75"
