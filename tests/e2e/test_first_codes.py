@@ -39,10 +39,11 @@ def _samples(ev: dict[str, Any]) -> int:
     return len(base64.b64decode(ev["delta"])) // 2
 
 
-async def test_a_turns_first_unit_arrives_head_first_and_whole(stack: Stack) -> None:
-    c, _ = await opened(stack.addr)
+async def speak_one_turn(addr: str, units: int) -> tuple[dict[str, Any], list[dict[str, Any]], dict[int, list[int]]]:
+    """`units` units of silence at once; the first response.done, every event, and each unit's delta sizes."""
+    c, _ = await opened(addr)
     async with cleanup(c):
-        await send_audio(c, fit_units(silence(0), UNITS), pace=0)
+        await send_audio(c, fit_units(silence(0), units), pace=0)
         done = await collect_until(c, lambda e: e["type"] == "response.done", wait_s=120)
         events = await close_session(c)
     assert done["response"]["status"] == "completed", done
@@ -50,6 +51,11 @@ async def test_a_turns_first_unit_arrives_head_first_and_whole(stack: Stack) -> 
     for e in events:
         if e["type"] == "response.output_audio.delta":
             deltas.setdefault(e["metadata"]["model_unit_index"], []).append(_samples(e))
+    return done, events, deltas
+
+
+async def test_a_turns_first_unit_arrives_head_first_and_whole(stack: Stack) -> None:
+    _, events, deltas = await speak_one_turn(stack.addr, UNITS)
     first, *later = sorted(deltas)
     assert later, deltas  # the turn's second unit spoke too
     head, *rest = deltas[first]

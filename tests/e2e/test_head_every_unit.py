@@ -14,17 +14,8 @@ import pytest
 
 from clients.triton_example import FIRST_UNIT_SAMPLES, UNIT_SAMPLES
 from tests.e2e.stack import REPO_ROOT, Stack
-from tests.e2e.test_first_codes import HEAD_SAMPLES, OUT_RATE, _samples
-from tests.e2e.wire import (
-    assert_conformant,
-    cleanup,
-    close_session,
-    collect_until,
-    fit_units,
-    send_audio,
-    silence,
-)
-from tests.gateway_ops.wire import opened
+from tests.e2e.test_first_codes import HEAD_SAMPLES, OUT_RATE, speak_one_turn
+from tests.e2e.wire import assert_conformant
 from tests.triton.talk import run_session
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
@@ -41,16 +32,7 @@ def _check_turn(per_unit: list[list[int]]) -> None:
 
 
 async def test_every_unit_of_a_turn_arrives_head_first(stack: Stack) -> None:
-    c, _ = await opened(stack.addr)
-    async with cleanup(c):
-        await send_audio(c, fit_units(silence(0), UNITS), pace=0)
-        done = await collect_until(c, lambda e: e["type"] == "response.done", wait_s=120)
-        events = await close_session(c)
-    assert done["response"]["status"] == "completed", done
-    deltas: dict[int, list[int]] = {}
-    for e in events:
-        if e["type"] == "response.output_audio.delta":
-            deltas.setdefault(e["metadata"]["model_unit_index"], []).append(_samples(e))
+    done, events, deltas = await speak_one_turn(stack.addr, UNITS)
     _check_turn([deltas[u] for u in sorted(deltas)])
     # the stage metrics see each unit's first TTS codes (its head) before its first audio
     talker = done["response"]["duplex"]["stage_metrics"]["1"]["from_unit_ms_by_unit"]
