@@ -4,6 +4,7 @@ serve` loads a profile, and a bad setting writes nothing."""
 from __future__ import annotations
 
 import importlib.util
+import subprocess
 from dataclasses import asdict
 from pathlib import Path
 
@@ -67,3 +68,19 @@ def test_runs_where_an_installed_build_package_shadows_the_repositorys(tmp_path:
                            "max_sessions=16"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert DeployProfile.load(out).max_sessions == 16
+
+
+def test_the_device_plans_variants_are_made_and_differ_where_the_plan_says(tmp_path: Path) -> None:
+    """bench/h200/make_variants.sh: every variant of the latest plan loads as a profile, and the pairs an A/B
+    compares differ in the one setting it is about."""
+    subprocess.run(["bash", str(REPO / "bench" / "h200" / "make_variants.sh"), str(tmp_path)], check=True, cwd=REPO,
+                   capture_output=True, text=True)
+    load = {p.stem: asdict(DeployProfile.load(p)) for p in tmp_path.glob("ab-*.yaml")}
+    assert set(load) == {"ab-64s", "ab-64pb", "ab-64pbm", "ab-64pbmh", "ab-64u", "ab-64uh", "ab-u32", "ab-u32h"}
+    for whole, heads in (("ab-64u", "ab-64uh"), ("ab-64pbm", "ab-64pbmh"), ("ab-u32", "ab-u32h")):
+        a, b = load[whole], load[heads]
+        assert not a["engine_options"]["tts"].get("head_every_unit") and b["engine_options"]["tts"]["head_every_unit"]
+        a["engine_options"]["tts"].pop("head_every_unit", None), b["engine_options"]["tts"].pop("head_every_unit")
+        assert a == b, (whole, heads)
+    assert load["ab-64u"]["unit_align_s"] == 0 and load["ab-64pbm"]["unit_align_min_sessions"] == 24
+    assert load["ab-u32"]["kv_window"] == 4096 and load["ab-u32"]["max_sessions"] == 32
