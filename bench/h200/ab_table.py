@@ -7,8 +7,9 @@ session count: held, commit->first audio p50 / p99, each stage's step, queue wai
 stage0's prefill and decode steps apart (`stage_step_ms_by_kind`), P12 (`p12`: token rows per step that decoded tokens,
 the sessions speaking, their share), the first
 unit's TTS and Token2Wav times, and cancel->last audio; then a second table of P8's chunk gaps and the player's
-underruns, and a unit's latency by its position in the response and each stage's place in it. A figure a JSON lacks (older files, a level with no cancel) reads "-". The
-commit and the profile of each file come first, so a table never mixes runs unawares.
+underruns, and a unit's latency by its position in the response and each stage's place in it. A figure a JSON lacks
+(older files, a level with no cancel) reads "-". The commit and the profile of each file come first, so a table
+never mixes runs unawares.
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
 """A unit in two parts (head, rest): the head of a turn's first unit renders its first audio alone, the
 unit keeps its sample count, mid-turn heads only buffer (render, with `head_every_unit`), short rests pad after
-their audio, errors and
-cancels (stream.py `plan_head` / `plan_rest`, token2wav_engine.py `submit(part=...)`)."""
+their audio, errors and cancels (stream.py `plan_head` / `plan_rest`, token2wav_engine.py `submit(part=...)`)."""
 
 from __future__ import annotations
 
