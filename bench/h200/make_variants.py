@@ -36,6 +36,11 @@ VARIANTS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     # 32 slots on an 80 GB H100 (stop 54): h200-scripted's window cut to 4096; with (as the profile) and without heads
     ("ab-u32h", "h200-scripted", ("kv_window=4096", "engine_options.tts.max_turn_positions=4096")),
     ("ab-u32", "ab-u32h", ("engine_options.tts.head_every_unit=false",)),
+    # 48 slots on an 80 GB H100 (stop 56): the window cut to 2048, unaligned and aligned above 24 live, both with heads
+    ("ab-u48h", "h200-scripted", ("max_sessions=48", "kv_window=2048", "engine_options.tts.max_turn_positions=2048",
+                                  "engine_options.stage0.shared_decode_buckets=[2,4,8,16,32,64]")),
+    ("ab-a48h", "ab-u48h", ("unit_align_s=1.0", "unit_align_min_sessions=24",
+                            "engine_options.stage0.prefill_batch_buckets=[2,4,8,16,32,64]")),
 )
 
 

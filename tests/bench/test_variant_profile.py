@@ -77,7 +77,8 @@ def test_the_device_plans_variants_are_made_and_differ_where_the_plan_says(tmp_p
     spec.loader.exec_module(make_variants)
     make_variants.main([str(tmp_path)])
     load = {p.stem: asdict(DeployProfile.load(p)) for p in tmp_path.glob("ab-*.yaml")}
-    assert set(load) == {"ab-64s", "ab-64pb", "ab-64pbm", "ab-64pbmh", "ab-64u", "ab-64uh", "ab-u32", "ab-u32h"}
+    assert set(load) == {"ab-64s", "ab-64pb", "ab-64pbm", "ab-64pbmh", "ab-64u", "ab-64uh", "ab-u32", "ab-u32h",
+                         "ab-u48h", "ab-a48h"}
     for whole, heads in (("ab-64u", "ab-64uh"), ("ab-64pbm", "ab-64pbmh"), ("ab-u32", "ab-u32h")):
         a, b = load[whole], load[heads]
         assert not a["engine_options"]["tts"].get("head_every_unit") and b["engine_options"]["tts"]["head_every_unit"]
@@ -85,3 +86,8 @@ def test_the_device_plans_variants_are_made_and_differ_where_the_plan_says(tmp_p
         assert a == b, (whole, heads)
     assert load["ab-64u"]["unit_align_s"] == 0 and load["ab-64pbm"]["unit_align_min_sessions"] == 24
     assert load["ab-u32"]["kv_window"] == 4096 and load["ab-u32"]["max_sessions"] == 32
+    u, a = load["ab-u48h"], load["ab-a48h"]  # the 48-slot pair differs in the alignment only
+    assert (u["max_sessions"], u["kv_window"], u["unit_align_s"]) == (48, 2048, 0)
+    assert a["unit_align_s"] == 1.0 and a["unit_align_min_sessions"] == 24
+    assert a["engine_options"]["stage0"].pop("prefill_batch_buckets") == [2, 4, 8, 16, 32, 64]
+    assert {**a, "unit_align_s": 0, "unit_align_min_sessions": 0} == u
