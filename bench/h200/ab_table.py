@@ -78,7 +78,7 @@ def row(name: str, run: dict[str, Any]) -> list[str]:
 # first TTS codes, first audio)
 POSITION_COLUMNS = ("variant", "N", "chunk gap p90 / p99 / max", "underruns (s)", "unit->audio p50 by position 1 / 2 / 3",
                     "unit step p50 / p90 / p99 (over 200)", "s0 done p50 by position", "first TTS codes p50 by position",
-                    "first audio (gateway) p50 by position")
+                    "first audio (gateway) p50 by position", "top-tenth unit step ms: s0 / tts / t2w / rest")
 _POSITIONS = ("1", "2", "3")
 
 
@@ -96,7 +96,14 @@ def position_row(name: str, run: dict[str, Any]) -> list[str]:
             f"{run.get('underruns', '-')} ({_num(None if underrun_ms is None else underrun_ms / 1000)})",
             _by_position(run.get("unit_to_audio_by_position_ms")),
             " / ".join(_num(step.get(k), 0) for k in ("p50", "p90", "p99")) + f" ({step.get('over_200', '-')})",
-            *(_by_position(stages.get(k)) for k in ("thinker_done", "talker_first", "code2wav_first"))]
+            *(_by_position(stages.get(k)) for k in ("thinker_done", "talker_first", "code2wav_first")), _big_steps(run)]
+
+
+def _big_steps(run: dict[str, Any]) -> str:
+    """The top tenth of the unit steps (where the P8 gaps come from): their mean, then what each stage added."""
+    big = (run.get("unit_step_sources_ms") or {}).get("big") or {}
+    parts = " / ".join(_num(big.get(k), 0) for k in ("stage0", "tts", "token2wav", "rest"))
+    return f"{_num(big.get('step'), 0)}: {parts}"
 
 
 def _markdown(columns: tuple[str, ...], rows: list[list[str]]) -> list[str]:

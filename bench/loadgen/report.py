@@ -11,7 +11,8 @@
 - `unit_to_audio_by_position_ms`: the same origin -> each unit's first audio, by the unit's position in its
   response; `unit_to_audio_step_ms`: per pair of consecutive units of a response, how much later the second's
   audio came after its send than the first's (units are sent 1 s apart, so their first audio is 1 s + this
-  apart); `over_200`: pairs whose first audio came more than 1.2 s apart.
+  apart); `over_200`: pairs whose first audio came more than 1.2 s apart. `unit_step_sources_ms`: those steps
+  cut by the stage whose time grew (the gateway's per-unit stage times), over all and over the top tenth.
 - `cancel_to_last_audio_ms`: send time of our `response.cancel` -> receipt of the cancelled response's last
   audio delta (0 if none arrived after the cancel); `cancel_to_done_ms`: the same origin -> its `response.done`.
 - `transcript_delay_ms`: per model unit, first transcript delta receipt - first audio delta receipt (negative
@@ -254,6 +255,44 @@ def unit_stages_by_position(responses: list[ResponseLog]) -> dict[str, Any]:
     return out
 
 
+STEP_PARTS = ("stage0", "tts", "token2wav", "rest")
+BIG_STEP_Q = 90  # "big" unit steps: the top tenth, where the P8 gaps come from
+
+
+def unit_step_parts(log: UserLog) -> list[dict[str, float]]:
+    """Each step of `unit_audio_steps` cut by where it grew, from the response's `from_unit_ms_by_unit` (gateway
+    clock, from each unit's send to stage0): `stage0` the change in unit_done, `tts` in unit_done -> first codes,
+    `token2wav` in first codes -> first audio, `rest` the remainder (the gateway's send against the client's, and
+    the delivery). Only pairs where every stage timed both units, in responses whose lists match their audio units."""
+    out = []
+    for r in log.responses.values():
+        units = sorted(r.unit_audio_t)
+        times = [((r.stage_metrics or {}).get(key) or {}).get("from_unit_ms_by_unit") or [] for _, key in UNIT_STAGES]
+        if any(len(t) != len(units) for t in times):
+            continue
+        lat = dict(response_unit_audio(log, r))
+        for i in range(len(units) - 1):
+            a, b = [t[i] for t in times], [t[i + 1] for t in times]
+            if i not in lat or i + 1 not in lat or None in a or None in b:
+                continue
+            step = lat[i + 1] - lat[i]
+            s0, tts, t2w = b[0] - a[0], (b[1] - b[0]) - (a[1] - a[0]), (b[2] - b[1]) - (a[2] - a[1])
+            out.append({"step": step, "stage0": s0, "tts": tts, "token2wav": t2w, "rest": step - (b[2] - a[2])})
+    return out
+
+
+def unit_step_sources(parts: list[dict[str, float]]) -> dict[str, Any]:
+    """Mean of each part over every timed step and over the big ones (at or above the steps' p90)."""
+    def mean(rows: list[dict[str, float]]) -> dict[str, Any]:
+        return {"count": len(rows)} | {k: round(sum(r[k] for r in rows) / len(rows), 1) if rows else None
+                                       for k in ("step", *STEP_PARTS)}
+    cut = percentile([p["step"] for p in parts], BIG_STEP_Q) if parts else 0.0
+    return {"measures": "mean ms a unit's first audio moved from the previous unit's of its response (step), cut by "
+                        "stage: stage0 unit_done, unit_done -> first TTS codes, first codes -> first audio (gateway, "
+                        "from_unit_ms_by_unit), rest; over all timed steps and the top tenth (big)",
+            "all": mean(parts), "big": mean([p for p in parts if p["step"] >= cut])}
+
+
 def run_figures(sessions: int, logs: list[UserLog], scripted: bool | None) -> dict[str, Any]:
     per = [session_figures(log) for log in logs]
     starts = [t for log in logs for t in ([log.opened_t] if log.opened_t is not None else log.commits[:1])]
@@ -288,6 +327,7 @@ def run_figures(sessions: int, logs: list[UserLog], scripted: bool | None) -> di
         "transcript_delay_ms": pcts(text_ms, 50, 99),
         "first_unit_stages_ms": first_unit_stages(responses),
         "unit_stages_by_position_ms": unit_stages_by_position(responses),
+        "unit_step_sources_ms": unit_step_sources([x for log in logs for x in unit_step_parts(log)]),
         "max_chunk_gap_ms": round(max((p["max_chunk_gap_ms"] for p in per), default=0.0), 1),
         "chunk_gap_ms": pcts(gaps, 50, 90, 99) | {"over_bound": sum(g > MAX_CHUNK_GAP_MS for g in gaps)},
         "underruns": sum(p["underruns"] for p in per),

@@ -30,7 +30,9 @@ NEW = {"commit": "b5e49a2873e2", "profile": "deploy/profiles/ab-p0.yaml", "devic
      "unit_to_audio_by_position_ms": {"1": {"p50": 240.4}, "2": {"p50": 280.0}, "3": {"p50": 331.2}},
      "unit_to_audio_step_ms": {"p50": 40.5, "p90": 86.1, "p99": 152.3, "over_200": 1},
      "unit_stages_by_position_ms": {"thinker_done": {"1": {"p50": 60.0}, "2": {"p50": 61.0}, "3": {"p50": 75.0}},
-                                    "code2wav_first": {"1": {"p50": 200.0}, "2": {"p50": 250.0}}}},
+                                    "code2wav_first": {"1": {"p50": 200.0}, "2": {"p50": 250.0}}},
+     "unit_step_sources_ms": {"big": {"count": 9, "step": 140.2, "stage0": 30.4, "tts": 2.0, "token2wav": 80.1,
+                                      "rest": 27.7}}},
     {"sessions": 32, "held_realtime": False, "chunk_gap_ms": {"over_bound": 3}, "max_chunk_gap_ms": 1290.4}]}
 OLD = {"commit": "02f129af7198", "runs": [{"sessions": 16, "held_realtime": True,
                                            "commit_to_first_audio_ms": {"p50": 249.4, "p99": 488.4}}]}
@@ -67,3 +69,5 @@ def test_a_row_per_variant_and_level_with_the_files_named_first(tmp_path: Path, 
     assert positions[0]["first TTS codes p50 by position"] == "- / - / -"
     assert positions[0]["first audio (gateway) p50 by position"] == "200 / 250 / -"
     assert positions[2]["unit step p50 / p90 / p99 (over 200)"] == "- / - / - (-)"
+    assert positions[0]["top-tenth unit step ms: s0 / tts / t2w / rest"] == "140: 30 / 2 / 80 / 28"
+    assert positions[2]["top-tenth unit step ms: s0 / tts / t2w / rest"] == "-: - / - / - / -"

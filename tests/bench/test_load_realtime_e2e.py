@@ -73,6 +73,10 @@ def test_two_sessions_fill_every_field_and_the_stage_metrics(stack: Stack, tmp_p
     by_pos = run["unit_stages_by_position_ms"]
     assert all(by_pos[k]["1"]["count"] >= 1 for k in ("thinker_done", "talker_first", "code2wav_first")), by_pos
     assert by_pos["thinker_done"]["1"]["p50"] <= by_pos["talker_first"]["1"]["p50"], by_pos
+    # and the steps from one unit to the next cut by stage (2-unit turns; a cancel may leave none timed)
+    sources = run["unit_step_sources_ms"]
+    assert sources["big"]["count"] <= sources["all"]["count"], sources
+    assert sources["all"]["count"] == 0 or None not in sources["all"].values(), sources
     # P13 from the gateway's /metrics: every delta timed from stage0's sampling stamp (one host, one clock)
     behind = run["transcript_behind_generation_ms"]
     assert behind["p50"] is not None and behind["p99"] is not None and behind["count"] >= 1, behind

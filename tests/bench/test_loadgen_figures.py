@@ -150,6 +150,30 @@ def test_unit_stages_by_position_come_from_each_owned_units_times() -> None:
     assert (got["code2wav_first"]["1"]["p50"], got["code2wav_first"]["2"]["p50"]) == (200.0, 260.0)
 
 
+def test_unit_step_sources_cut_each_step_by_the_stage_whose_time_grew() -> None:
+    log = UserLog(0)
+    log.chunk_sent = [0.2 * (k + 1) for k in range(40)]
+    sent = {u: log.chunk_sent[(FIRST_UNIT + u * UNIT - 1) // 3200] for u in (2, 3, 4)}
+    a = ResponseLog("a", 2.0)
+    a.unit_audio_t = {2: sent[2] + 0.30, 3: sent[3] + 0.35, 4: sent[4] + 0.50}  # steps of 50 and 150 ms
+    a.stage_metrics = {"0": {"from_unit_ms_by_unit": [100.0, 110.0, 140.0]},
+                       "1": {"from_unit_ms_by_unit": [160.0, 170.0, 220.0]},
+                       "2": {"from_unit_ms_by_unit": [250.0, 290.0, 380.0]}}
+    b = ResponseLog("b", 9.0)  # its lists do not match its audio units: not cut
+    b.unit_audio_t = {30: 20.0, 31: 21.5}
+    b.stage_metrics = {"0": {"from_unit_ms_by_unit": [1.0]}, "1": {"from_unit_ms_by_unit": [2.0]},
+                       "2": {"from_unit_ms_by_unit": [3.0]}}
+    log.responses = {"a": a, "b": b}
+    got = run_figures(1, [log], scripted=True)["unit_step_sources_ms"]
+    # 2 -> 3: stage0 +10, TTS's own part level, Token2Wav's +30, the rest +10; 3 -> 4: +30, +20, +40, +60
+    assert got["all"] == pytest.approx({"count": 2, "step": 100.0, "stage0": 20.0, "tts": 10.0, "token2wav": 35.0,
+                                        "rest": 35.0})
+    assert got["big"] == pytest.approx({"count": 1, "step": 150.0, "stage0": 30.0, "tts": 20.0, "token2wav": 40.0,
+                                        "rest": 60.0})
+    none = run_figures(1, [UserLog(0)], scripted=True)["unit_step_sources_ms"]
+    assert none["all"] == {"count": 0, "step": None, "stage0": None, "tts": None, "token2wav": None, "rest": None}
+
+
 def test_audio_delta_duration_from_base64_length() -> None:
     import base64
 
