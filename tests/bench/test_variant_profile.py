@@ -78,7 +78,7 @@ def test_the_device_plans_variants_are_made_and_differ_where_the_plan_says(tmp_p
     make_variants.main([str(tmp_path)])
     load = {p.stem: asdict(DeployProfile.load(p)) for p in tmp_path.glob("ab-*.yaml")}
     assert set(load) == {"ab-64s", "ab-64pb", "ab-64pbm", "ab-64pbmh", "ab-64u", "ab-64uh", "ab-u32", "ab-u32h",
-                         "ab-u48h", "ab-a48h"}
+                         "ab-u48h", "ab-a48h", "ab-16"}
     for whole, heads in (("ab-64u", "ab-64uh"), ("ab-64pbm", "ab-64pbmh"), ("ab-u32", "ab-u32h")):
         a, b = load[whole], load[heads]
         assert not a["engine_options"]["tts"].get("head_every_unit") and b["engine_options"]["tts"]["head_every_unit"]
@@ -91,3 +91,5 @@ def test_the_device_plans_variants_are_made_and_differ_where_the_plan_says(tmp_p
     assert a["unit_align_s"] == 1.0 and a["unit_align_min_sessions"] == 24
     assert a["engine_options"]["stage0"].pop("prefill_batch_buckets") == [2, 4, 8, 16, 32, 64]
     assert {**a, "unit_align_s": 0, "unit_align_min_sessions": 0} == u
+    shipped = asdict(DeployProfile.load(REPO / "deploy" / "profiles" / "h200-scripted.yaml"))
+    assert load["ab-16"]["max_sessions"] == 16 and {**load["ab-16"], "max_sessions": 32} == shipped
