@@ -139,15 +139,18 @@ def unit_audio_by_position(log: UserLog) -> dict[str, list[float]]:
     return out
 
 
+def response_unit_steps(log: UserLog, r: ResponseLog) -> list[tuple[int, float]]:
+    """(position i, how much later (ms) unit i + 1's audio came after its send than unit i's did) for each pair of
+    consecutive units of the response whose send times are known."""
+    lat = response_unit_audio(log, r)
+    return [(i, b - a) for (i, a), (j, b) in zip(lat, lat[1:], strict=False) if j == i + 1]
+
+
 def unit_audio_steps(log: UserLog) -> list[float]:
     """How much later (ms) each unit's audio came after its send than the previous unit's of the same response
     did: their first audio is 1 s + this apart, so the steps say whether the latency grows from unit to unit
     (the P8 question: do the chunk gaps over 1.2 s come from such growth, or from within a unit's audio?)."""
-    steps = []
-    for r in log.responses.values():
-        lat = response_unit_audio(log, r)
-        steps += [b - a for (i, a), (j, b) in zip(lat, lat[1:], strict=False) if j == i + 1]
-    return steps
+    return [step for r in log.responses.values() for _, step in response_unit_steps(log, r)]
 
 
 def cancel_latency(resp: ResponseLog) -> float | None:
@@ -238,6 +241,11 @@ def first_unit_stages(responses: list[ResponseLog]) -> dict[str, Any]:
 UNIT_STAGES = (("thinker_done", "0"), ("talker_first", "1"), ("code2wav_first", "2"))
 
 
+def unit_stage_times(r: ResponseLog, key: str) -> list[float | None]:
+    """Stage `key`'s `from_unit_ms_by_unit` in the response's `response.done` (empty when it gave none)."""
+    return ((r.stage_metrics or {}).get(key) or {}).get("from_unit_ms_by_unit") or []
+
+
 def unit_stages_by_position(responses: list[ResponseLog]) -> dict[str, Any]:
     """Each stage's place in a unit's latency by the unit's position in its response (`POSITIONS`): which stage
     the growth along a response (`unit_to_audio_by_position_ms`, the P8 gaps) comes from."""
@@ -247,8 +255,7 @@ def unit_stages_by_position(responses: list[ResponseLog]) -> dict[str, Any]:
     for name, key in UNIT_STAGES:
         by_pos: dict[str, list[float]] = {k: [] for k in POSITIONS}
         for r in responses:
-            times = ((r.stage_metrics or {}).get(key) or {}).get("from_unit_ms_by_unit") or []
-            for i, ms in enumerate(times):
+            for i, ms in enumerate(unit_stage_times(r, key)):
                 if ms is not None:
                     by_pos[position(i)].append(float(ms))
         out[name] = {k: pcts(v, 50, 99) for k, v in by_pos.items()}
@@ -266,16 +273,13 @@ def unit_step_parts(log: UserLog) -> list[dict[str, float]]:
     the delivery). Only pairs where every stage timed both units, in responses whose lists match their audio units."""
     out = []
     for r in log.responses.values():
-        units = sorted(r.unit_audio_t)
-        times = [((r.stage_metrics or {}).get(key) or {}).get("from_unit_ms_by_unit") or [] for _, key in UNIT_STAGES]
-        if any(len(t) != len(units) for t in times):
+        times = [unit_stage_times(r, key) for _, key in UNIT_STAGES]
+        if any(len(t) != len(r.unit_audio_t) for t in times):
             continue
-        lat = dict(response_unit_audio(log, r))
-        for i in range(len(units) - 1):
+        for i, step in response_unit_steps(log, r):
             a, b = [t[i] for t in times], [t[i + 1] for t in times]
-            if i not in lat or i + 1 not in lat or None in a or None in b:
+            if None in a or None in b:
                 continue
-            step = lat[i + 1] - lat[i]
             s0, tts, t2w = b[0] - a[0], (b[1] - b[0]) - (a[1] - a[0]), (b[2] - b[1]) - (a[2] - a[1])
             out.append({"step": step, "stage0": s0, "tts": tts, "token2wav": t2w, "rest": step - (b[2] - a[2])})
     return out
