@@ -93,12 +93,17 @@ class RuntimeLane:
         return [q.commit_ids for q in dropped if q.commit_ids]
 
     def cancel(self, fence: Fence, next_fence: Fence) -> None:
+        self._cancels = [t for t in self._cancels if not t.done()]  # answered ones (with no append after them)
         self._cancels.append(asyncio.create_task(self._cancel(fence, next_fence), name="lane-cancel"))
         self._wake.set()
 
     async def drain(self) -> None:
-        """Wait until every append admitted so far has been acknowledged or failed (§2.7 U3)."""
+        """Wait until every append admitted so far has been acknowledged or failed (§2.7 U3), and every cancel sent
+        so far answered: an update carries the session's current fence, whose epoch the runtime adopts only with
+        that cancel (stage0 refuses an epoch it never adopted)."""
         await self._idle.wait()
+        if self._cancels:
+            await asyncio.gather(*self._cancels, return_exceptions=True)  # each posts its own failure
 
     async def _cancel(self, fence: Fence, next_fence: Fence) -> None:
         try:

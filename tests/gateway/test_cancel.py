@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from tests.gateway.fake_runtime import Speak
+import asyncio
+from typing import Any
+
+from gateway.runtime.base import RuntimeFailure
+from tests.gateway.fake_runtime import FakeRuntime, Speak
 from tests.gateway.harness import append
 from tests.gateway.scenario import assert_conformant, close, session, stream_units, types
 
@@ -139,4 +143,34 @@ async def test_no_silence_without_active_response() -> None:
         await c.quiet(1.5)
         events = await close(c)
     assert [op for op in rt.ops if op[0] == "append"] == []  # U-6
+    assert_conformant(events)
+
+
+class SlowCancelRuntime(FakeRuntime):
+    """A runtime whose cancel takes a while to adopt the next epoch (three stage calls over gRPC) and whose update
+    refuses a fence it has not adopted yet, as stage0 does (`InvalidFenceError`: "epoch N was never adopted")."""
+
+    async def cancel(self, key: Any, fence: Any, next_fence: Any) -> None:  # noqa: ANN401 - FakeRuntime's signature
+        await asyncio.sleep(0.3)
+        await super().cancel(key, fence, next_fence)
+
+    async def update(self, key: Any, fence: Any, config: Any) -> None:  # noqa: ANN401 - FakeRuntime's signature
+        if fence.epoch > self.seqs[key.correlation_id].epoch:
+            raise RuntimeFailure("invalid_fence", f"epoch {fence.epoch} was never adopted")
+        await super().update(key, fence, config)
+
+
+async def test_an_update_after_a_cancel_waits_for_the_runtime_to_adopt_the_epoch() -> None:
+    """§2.7 U3 / §4.4 F-6: the update carries the new epoch, so it goes to the runtime only after the cancel that
+    advanced it (found by tests/e2e/test_random_client.py: `runtime_update_failed`, "epoch 6 was never adopted")."""
+    async with session(SlowCancelRuntime()) as (c, rt):
+        await c.send({"type": "input.cancel"})  # idle: still advances the epoch and sends the cancel
+        await c.send({"type": "session.update", "event_id": "u", "session": {"output_modalities": ["text"]}})
+        answer = await c.recv()
+        while answer["type"] not in ("session.updated", "error"):
+            answer = await c.recv()
+        events = await close(c)
+    assert answer["type"] == "session.updated", answer
+    assert [op[0] for op in rt.ops if op[0] in ("cancel", "update")] == ["cancel", "update"]
+    assert [f.epoch for op, f in rt.ops if op == "update"] == [1]
     assert_conformant(events)
