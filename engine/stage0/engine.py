@@ -202,6 +202,11 @@ class Stage0Engine:
             if fence.seq <= s.last_seq:
                 raise StaleFenceError(f"{session_id}: append seq {fence.seq} <= last accepted {s.last_seq}")
             expected = self.config.first_unit_samples if s.appended == 0 else self.config.unit_samples
+            if s.appended == 0 and pcm.dim() == 1 and pcm.shape[0] == self.config.unit_samples:
+                # The sender's unit 0 never got here (an append fenced off by a cancel, F-4), so a later unit is
+                # this session's first: it starts the mel stream after the samples unit 0 has beyond it, as
+                # zeros. Refused, it would refuse every unit after it too.
+                pcm = torch.cat([pcm.new_zeros(expected - pcm.shape[0]), pcm])
             if pcm.dim() != 1 or pcm.shape[0] != expected:
                 raise BadAudioError(f"{session_id}: unit {s.appended} needs {expected} samples, "
                                     f"got shape {tuple(pcm.shape)}")

@@ -52,7 +52,7 @@ def test_bad_inputs_raise_typed_errors_and_change_nothing() -> None:
     before = {sid: snapshot(engine, sid) for sid in ("s0", "s1")}
     bad = [
         (BadAudioError, lambda: engine.append("s0", Fence(1, 0, seq=1), torch.zeros(16480))),  # unit 1 is 16,000
-        (BadAudioError, lambda: engine.append("s1", Fence(1, 0, seq=0), torch.zeros(16000))),  # unit 0 is 16,480
+        (BadAudioError, lambda: engine.append("s1", Fence(1, 0, seq=0), torch.zeros(16240))),  # unit 0 is 16,480
         (BadAudioError, lambda: engine.append("s0", Fence(1, 0, seq=1), torch.zeros(2, 8000))),
         (TooManyFramesError, lambda: engine.append("s0", Fence(1, 0, seq=1), unit_pcm(0, 1), [torch.ones(64)] * 3)),
         (StaleFenceError, lambda: engine.append("s0", Fence(1, 0, seq=0), unit_pcm(0, 1))),  # replayed seq
@@ -152,3 +152,18 @@ def test_front_end_shape_error_fails_only_that_unit() -> None:
     engine.append("s0", Fence(1, 0, seq=1), unit_pcm(0, 1))
     engine.run_until_idle()
     assert engine.session("s0").owed_len == s.prefix_len + 13 and same(snapshot(engine, "s1"), before)
+
+
+def test_a_first_unit_of_a_later_units_length_starts_after_unit_zeros_extra_samples() -> None:
+    """The sender's unit 0 fenced off (F-4: its append lost the race with a cancel), its unit 1 of 16,000 samples is
+    the session's first: it runs as unit 0 of 480 zeros and those samples, and the units after it are accepted
+    (refused, it left the session refusing every unit: found by tests/e2e/test_random_client.py)."""
+    outcomes = []
+    for first in (unit_pcm(0, 1), torch.cat([torch.zeros(480), unit_pcm(0, 1)])):
+        engine, events = opened(1, rules=DecodeRules(force_listen_count=0))
+        assert engine.append("s0", Fence(1, 0, seq=1), first) == 0
+        assert engine.append("s0", Fence(1, 0, seq=2), unit_pcm(0, 2)) == 1
+        engine.run_until_idle()
+        outcomes.append([(e.unit_index, e.token_id) if isinstance(e, TokenEvent) else (e.unit_index, e.is_listen)
+                         for e in events])
+    assert outcomes[0] == outcomes[1] and {u for u, _ in outcomes[0]} == {0, 1}
