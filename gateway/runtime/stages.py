@@ -43,7 +43,7 @@ from gateway.runtime.base import (
     UnitSubmission,
 )
 from gateway.runtime.grpc_client import probe_readiness
-from gateway.runtime.triton_wire import STAGE_OUTPUTS, build_request, typed_event
+from gateway.runtime.triton_wire import STAGE_OUTPUTS, as_unit, build_request, typed_event
 
 STAGE0, TTS, TOKEN2WAV = "stage0", "tts", "token2wav"
 STAGES = (STAGE0, TTS, TOKEN2WAV)
@@ -370,6 +370,8 @@ class StagedTritonRuntime:
                 self._speak(s, fence, flow, ev, result)
                 return
             parsed = typed_event(ev, None, fence.epoch)
+            if not isinstance(parsed, dict):
+                parsed = as_unit(parsed, flow.index)
             if isinstance(parsed, UnitDone):
                 flow.unit_done()
                 flow.done_event = parsed
@@ -410,7 +412,7 @@ class StagedTritonRuntime:
             flow.first_output("code2wav")
             piece = typed_event(out, _array(res, "AUDIO", np.int16), fence.epoch)
             if not isinstance(piece, dict):
-                s.order.emit(flow, piece)
+                s.order.emit(flow, as_unit(piece, flow.index))
 
         def ended(failure: RuntimeFailure | None) -> None:
             flow.speech_calls -= 1

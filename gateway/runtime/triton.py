@@ -24,7 +24,7 @@ from gateway.runtime.base import (
     UnitSubmission,
 )
 from gateway.runtime.grpc_client import probe_readiness
-from gateway.runtime.triton_wire import build_request, parse_event
+from gateway.runtime.triton_wire import as_unit, build_request, parse_event
 
 
 class _SequenceStream:
@@ -34,7 +34,7 @@ class _SequenceStream:
         self.client, self.model, self.key, self.batch_dim = client, model, key, batch_dim
         self.requests: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
         self.events: asyncio.Queue[RuntimeEvent | None] = asyncio.Queue()
-        self.pending: dict[str, tuple[asyncio.Future[None], int]] = {}
+        self.pending: dict[str, tuple[asyncio.Future[None], int, int | None]] = {}  # rid -> (waiter, epoch, unit)
         self._ids = itertools.count(1)
         self.broken: RuntimeFailure | None = None  # set once the stream is gone: later calls fail at once
         self.reader = asyncio.create_task(self._read(), name=f"triton:{key.session_id}")
@@ -48,7 +48,8 @@ class _SequenceStream:
             raise self.broken  # nobody reads a dead stream: waiting would only time out
         rid = f"{op}-{next(self._ids)}"
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.pending[rid] = (fut, fence.epoch)
+        unit = kw.get("unit")
+        self.pending[rid] = (fut, fence.epoch, None if unit is None else unit.unit_index)
         self.requests.put_nowait(build_request(self.model, self.key.correlation_id, rid, op, fence,
                                                batch_dim=self.batch_dim, **kw))
         try:
@@ -77,7 +78,7 @@ class _SequenceStream:
     def _on_result(self, result: Any) -> None:
         resp = result.get_response()
         rid = resp.id
-        fut, epoch = self.pending.get(rid, (None, 0))
+        fut, epoch, unit = self.pending.get(rid, (None, 0, None))
         raw = result.as_numpy("EVENT")
         if raw is not None and raw.size:
             audio = result.as_numpy("AUDIO")
@@ -86,13 +87,13 @@ class _SequenceStream:
                 if ev.get("type") == "error" and fut is not None and not fut.done():
                     fut.set_exception(RuntimeFailure(ev.get("code", "internal_error"), ev.get("message", "")))
             else:
-                self.events.put_nowait(ev)
+                self.events.put_nowait(ev if unit is None else as_unit(ev, unit))
         final = resp.parameters.get("triton_final_response")
         if final is not None and final.bool_param and fut is not None and not fut.done():
             fut.set_result(None)
 
     def _fail_all(self, exc: RuntimeFailure) -> None:
-        for fut, _ in list(self.pending.values()):
+        for fut, _, _ in list(self.pending.values()):
             if not fut.done():
                 fut.set_exception(exc)
 

@@ -6,6 +6,7 @@ batch dimension of 1, as Triton requires for a model with `max_batch_size >= 1` 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import Mapping
@@ -79,6 +80,15 @@ def unit_config(unit: UnitSubmission) -> dict[str, Any]:
 def parse_event(raw: bytes | str, audio: np.ndarray | None, epoch: int) -> RuntimeEvent | dict[str, Any]:
     """One EVENT (+AUDIO) -> a typed runtime event, or the raw dict for control/error events."""
     return typed_event(json.loads(raw), audio, epoch)
+
+
+def as_unit(ev: RuntimeEvent, unit: int) -> RuntimeEvent:
+    """An event of an append's response stream, labelled with the unit index that append submitted. Stage0 numbers
+    the units it accepted, the gateway the units it cut: after an append fenced off by a cancel (protocol.md §4.4
+    F-4) they differ, and the session pairs decisions, text and audio by its own numbers (A-4)."""
+    if getattr(ev, "unit", unit) == unit:
+        return ev
+    return dataclasses.replace(ev, unit=unit)  # type: ignore[type-var] - every event with a `unit` is a dataclass
 
 
 def typed_event(ev: dict[str, Any], audio: np.ndarray | None, epoch: int) -> RuntimeEvent | dict[str, Any]:

@@ -145,6 +145,22 @@ async def test_a_speak_unit_flows_through_the_three_stages_in_order() -> None:
     await rt.aclose()
 
 
+async def test_events_carry_the_unit_index_the_append_submitted() -> None:
+    """Stage0 numbers the units it accepted: after unit 1 was fenced off (F-4), the gateway's unit 2 is its unit 1.
+    The session pairs decisions, text and audio by the gateway's numbers, so every event of an append carries the
+    index that append submitted."""
+    client = StageClient()
+    rt = StagedTritonRuntime("unused:1", client=client)
+    await rt.open(KEY, Fence(1, 0), {})
+    events = rt.events(KEY)
+    await rt.append(KEY, Fence(1, 0, 1), _unit(0))
+    await rt.append(KEY, Fence(1, 0, 2), _unit(2))  # stage0 counts it as its unit 1 (and listens)
+    got = await _take(events, 6)  # (unit 2's decision may go out before unit 0's audio: P13)
+    assert sorted((e.unit, type(e).__name__) for e in got) == [
+        (0, "AudioPiece"), (0, "Decision"), (0, "TextPiece"), (0, "UnitDone"), (2, "Decision"), (2, "UnitDone")]
+    await rt.aclose()
+
+
 def _config(req: dict[str, Any]) -> dict[str, Any]:
     """A request's CONFIG, as build_request serialised it (one BYTES element: 4-byte length, then JSON)."""
     raw = next(i for i in req["inputs"] if i.name() == "CONFIG")._raw_content

@@ -103,6 +103,19 @@ class BreakingClient(FakeClient):
             raise ConnectionError("socket closed")
 
 
+async def test_events_carry_the_unit_index_the_append_submitted() -> None:
+    """The pipeline numbers the units stage0 accepted (here always its unit 0); the gateway's unit 3 (units before
+    it fenced off, F-4) gets its events as unit 3 (tests/gateway/test_staged_runtime.py has the staged runtime's)."""
+    rt = TritonRuntime("unused:1", "duplex", ("duplex",), client=FakeClient())
+    key = SessionKey("s", 7)
+    await rt.open(key, Fence(1, 0), {})
+    events = rt.events(key)
+    await rt.append(key, Fence(1, 0, 1), UnitSubmission(3, np.zeros(16000, np.float32).tobytes()))
+    got = [await asyncio.wait_for(events.__anext__(), 1) for _ in range(3)]
+    assert [(type(e), e.unit) for e in got] == [(Decision, 3), (AudioPiece, 3), (UnitDone, 3)]
+    await rt.aclose()
+
+
 async def test_calls_on_a_broken_stream_fail_at_once_and_close_sends_nothing() -> None:
     client = BreakingClient()
     rt = TritonRuntime("unused:1", "duplex", ("duplex",), client=client)
