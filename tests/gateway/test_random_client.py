@@ -38,6 +38,10 @@ STATE_FREE = {"invalid_json", "non_object", "missing_type", "long_event_id", "il
               "event_ack_type", "turn_signal", "session_create_late", "resume_late"}
 BAD = [(name, frame, code) for name, frame, code, _ in CASES if name in STATE_FREE]
 RATES = (8000, 16000, 24000, 44100, 48000)
+# a runtime operation's injected failure -> the code the client gets (§1.7): an append's fails the active response
+# or is reported, a cancel's is reported (the response still ends), an update's refuses that update
+FAULTS = {"append": ("internal_error", "runtime_append_failed"), "cancel": ("internal_error", "runtime_signal_failed"),
+          "update": ("internal_error", "runtime_update_failed")}
 
 
 @dataclass
@@ -115,8 +119,10 @@ async def _read(c: Client, seen: Seen) -> None:
             _learn(seen, await c.recv(wait_s=3600))
 
 
-async def random_client(addr: str, path: str, seed: int, frames: int = FRAMES) -> None:
-    """Send `frames` random frames on a new session at `addr`, then a heartbeat and a close; check the stream."""
+async def random_client(addr: str, path: str, seed: int, frames: int = FRAMES,
+                        faults: FakeRuntime | None = None) -> list[dict[str, Any]]:
+    """Send `frames` random frames on a new session at `addr`, then a heartbeat and a close; check the stream.
+    With `faults`, now and then one of that runtime's next append, cancel or update fails (`FAULTS`)."""
     rng = random.Random(seed)
     seen = Seen()
     async with connect(addr, path) as c:
@@ -139,9 +145,14 @@ async def random_client(addr: str, path: str, seed: int, frames: int = FRAMES) -
                 await c.send(dict(frame, event_id=eid))
             else:
                 frame, codes = _well_formed(rng, seen)
+                if faults is not None:
+                    codes = codes | {FAULTS["update"][1]} if frame["type"] == "session.update" else codes
                 allowed[eid] = codes
                 sent[eid] = frame
                 await c.send(dict(frame, event_id=eid))
+            if faults is not None and rng.random() < 0.05:
+                op = rng.choice(sorted(FAULTS))
+                faults.fail[op] = FAULTS[op][0]
             if rng.random() < 0.3:
                 await asyncio.sleep(rng.choice((0.01, 0.05, 0.2)))
         await c.send({"type": "session.heartbeat", "event_id": "alive"})
@@ -151,7 +162,9 @@ async def random_client(addr: str, path: str, seed: int, frames: int = FRAMES) -
         reader.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await reader
-    _check(c.events, path, allowed, must, unnamed, sent)
+    reported = {FAULTS["append"][1], FAULTS["cancel"][1]} if faults is not None else set()
+    _check(c.events, path, allowed, must, unnamed, sent, reported)
+    return c.events
 
 
 async def _until(c: Client, type_: str) -> None:
@@ -167,7 +180,8 @@ def _short(frame: dict[str, Any]) -> dict[str, Any]:
 
 
 def _check(events: list[dict], path: str, allowed: dict[str, set[str]], must: dict[str, str],
-           unnamed: list[str], sent: dict[str, dict[str, Any]]) -> None:
+           unnamed: list[str], sent: dict[str, dict[str, Any]], reported: set[str]) -> None:
+    """`reported`: codes of errors that name no frame and may come (a runtime fault's report, §1.7)."""
     got: dict[str, list[str]] = {}
     messages: dict[str, dict[str, Any]] = {}  # client event_id -> its error event (for the failure's message)
     reports: list[dict[str, Any]] = []  # errors that name no frame
@@ -188,7 +202,8 @@ def _check(events: list[dict], path: str, allowed: dict[str, set[str]], must: di
             assert len(codes) == 1 and codes[0] in allowed[eid], (
                 eid, codes, allowed[eid], _short(sent[eid]), messages[eid])
     # every other refusal names its frame
-    assert sorted(_error_of(ev)[0] for ev in reports) == sorted(unnamed), (reports, unnamed)
+    unreported = [ev for ev in reports if _error_of(ev)[0] not in reported]
+    assert sorted(_error_of(ev)[0] for ev in unreported) == sorted(unnamed), (unreported, unnamed)
     closed = [i for i, e in enumerate(events) if e["type"] in ("session.closed", "session.expired")]
     assert closed == [len(events) - 1] and events[-1]["reason"] == "client_close", events[-1]
     if path == "/v1/realtime":  # the checker reads the OpenAI shapes; the native dialect folds them (§3.3)
@@ -228,6 +243,17 @@ async def test_random_frames_get_typed_errors_and_leave_the_session_and_its_neig
     async with serve(_runtime(), max_sessions=2) as addr:
         _, beside = await asyncio.gather(random_client(addr, path, seed), _bystander(addr, 4))
     assert beside == alone
+
+
+@pytest.mark.parametrize("seed", [4, 5])
+async def test_runtime_faults_among_random_frames_are_typed_and_leave_the_session_whole(seed: int) -> None:
+    """The same with the runtime failing an append, cancel or update now and then: each failure reaches the client
+    as its typed error (a report, or the refused update's own), nothing else changes, and the session goes on."""
+    rt = _runtime()
+    async with serve(rt) as addr:
+        events = await random_client(addr, "/v1/realtime", seed, faults=rt)
+    faults = {code for _, code in FAULTS.values()}
+    assert any(_error_of(ev)[0] in faults for ev in events if ev["type"] == "error")  # some fault did reach it
 
 
 def test_the_bad_frames_cover_the_state_free_cases() -> None:
