@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from tests.e2e.stack import SHARED_ENV
-from tests.gateway.test_random_client import random_client
+from tests.gateway.random_client import random_client
 
 pytestmark = pytest.mark.e2e
 STACK_ENV = SHARED_ENV  # the stack test_conformance and test_response_temperature share
