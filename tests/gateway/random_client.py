@@ -123,12 +123,13 @@ async def _read(c: Client, seen: Seen) -> None:
 
 
 async def random_client(addr: str, path: str, seed: int, frames: int = FRAMES,
-                        faults: FakeRuntime | None = None) -> list[dict[str, Any]]:
+                        faults: FakeRuntime | None = None, api_key: str | None = None) -> list[dict[str, Any]]:
     """Send `frames` random frames on a new session at `addr`, then a heartbeat and a close; check the stream.
     With `faults`, now and then one of that runtime's next append, cancel or update fails (`FAULTS`)."""
     rng = random.Random(seed)
     seen = Seen()
-    async with connect(addr, path) as c:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    async with connect(addr, path, headers=headers) as c:
         if path == "/v1/duplex":
             await c.send({"type": "session.update", "session": {}})  # the native opener (no autostart)
         reader = asyncio.create_task(_read(c, seen))
@@ -220,13 +221,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", default="0-20", help="A-B: seeds A..B-1")
     ap.add_argument("--frames", type=int, default=FRAMES)
     ap.add_argument("--concurrent", type=int, default=1, help="clients at once (the gateway's max_sessions or fewer)")
+    ap.add_argument("--api-key", default=None, help="sent as `Authorization: Bearer` (a keyed gateway)")
     args = ap.parse_args(argv)
     first, end = (int(x) for x in args.seeds.split("-"))
     paths = ("/v1/realtime", "/v1/duplex")
     failures = 0
 
     async def round_of(seed: int) -> list[BaseException | None]:
-        return await asyncio.gather(*(random_client(args.addr, paths[(seed + k) % 2], seed + 1000 * k, args.frames)
+        return await asyncio.gather(*(random_client(args.addr, paths[(seed + k) % 2], seed + 1000 * k, args.frames,
+                                                    api_key=args.api_key)
                                       for k in range(args.concurrent)), return_exceptions=True)
 
     for seed in range(first, end):
