@@ -22,3 +22,4 @@ def test_the_seed_sweep_passes_on_the_real_stack(addr: str, capsys: pytest.Captu
     """`python -m tests.gateway.random_client`, the sweep docs/deploy.md gives operators: two clients at once."""
     assert main(["--addr", addr, "--seeds", "3-5", "--concurrent", "2", "--frames", "60"]) == 0
     assert capsys.readouterr().out.splitlines()[-1] == "0 failure(s) in 4 runs"
+

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import random
 import sys
 import traceback
@@ -117,22 +118,30 @@ def _well_formed(rng: random.Random, seen: Seen) -> tuple[dict[str, Any], set[st
 
 
 async def _read(c: Client, seen: Seen) -> None:
+    """Record what arrives on `c` until the socket closes or the task is cancelled. (Not `Client.recv`: on Python
+    3.11 its `asyncio.wait_for` can swallow a cancel that comes as a message does, and the task then waits on.)"""
     with contextlib.suppress(websockets.ConnectionClosed):
         while True:
-            _learn(seen, await c.recv(wait_s=3600))
+            ev = json.loads(await c.ws.recv())
+            c.events.append(ev)
+            _learn(seen, ev)
 
 
-async def random_client(addr: str, path: str, seed: int, frames: int = FRAMES,
-                        faults: FakeRuntime | None = None, api_key: str | None = None) -> list[dict[str, Any]]:
+async def random_client(addr: str, path: str, seed: int, frames: int = FRAMES, faults: FakeRuntime | None = None,
+                        api_key: str | None = None, resumes: bool = False) -> list[dict[str, Any]]:
     """Send `frames` random frames on a new session at `addr`, then a heartbeat and a close; check the stream.
-    With `faults`, now and then one of that runtime's next append, cancel or update fails (`FAULTS`)."""
+    With `faults`, now and then one of that runtime's next append, cancel or update fails (`FAULTS`). With
+    `resumes` (/v1/realtime), now and then the socket drops and a new one resumes the session (§6.4) from the last
+    event received: the attachments' streams, joined, are checked as one."""
     rng = random.Random(seed)
     seen = Seen()
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
-    async with connect(addr, path, headers=headers) as c:
+    async with contextlib.AsyncExitStack() as sockets:
+        c = await sockets.enter_async_context(connect(addr, path, headers=headers))
         if path == "/v1/duplex":
             await c.send({"type": "session.update", "session": {}})  # the native opener (no autostart)
         reader = asyncio.create_task(_read(c, seen))
+        earlier: list[dict[str, Any]] = []  # the events of the attachments dropped before `c`'s
         allowed: dict[str, set[str]] = {}  # client event_id -> the codes it may be refused with
         must: dict[str, str] = {}  # client event_id -> the one code it must get
         sent: dict[str, dict[str, Any]] = {}  # client event_id -> the well-formed frame (for the failure's message)
@@ -157,6 +166,13 @@ async def random_client(addr: str, path: str, seed: int, frames: int = FRAMES,
             if faults is not None and rng.random() < 0.05:
                 op = rng.choice(sorted(FAULTS))
                 faults.fail[op] = FAULTS[op][0]
+            if resumes and rng.random() < 0.03:
+                reader.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await reader
+                old, c = c, await _resume(addr, c, earlier, seen, sockets, headers)
+                earlier += old.events
+                reader = asyncio.create_task(_read(c, seen))
             if rng.random() < 0.3:
                 await asyncio.sleep(rng.choice((0.01, 0.05, 0.2)))
         await c.send({"type": "session.heartbeat", "event_id": "alive"})
@@ -166,9 +182,35 @@ async def random_client(addr: str, path: str, seed: int, frames: int = FRAMES,
         reader.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await reader
+    events = earlier + c.events
     reported = {FAULTS["append"][1], FAULTS["cancel"][1]} if faults is not None else set()
-    _check(c.events, path, allowed, must, unnamed, sent, reported)
-    return c.events
+    _check(events, path, allowed, must, unnamed, sent, reported)
+    return events
+
+
+async def _resume(addr: str, c: Client, earlier: list[dict[str, Any]], seen: Seen,
+                  sockets: contextlib.AsyncExitStack, headers: dict[str, str] | None) -> Client:
+    """Drop `c` (no session.close) once every frame sent on it is answered, and resume on a new socket from the last
+    sequenced event received; returns the new client, its `session.resumed` read."""
+    # a retrieve goes through the session's FIFO mailbox and writer, so its answer (here a refusal naming this
+    # barrier) comes after every earlier frame's; a rejection not yet written when the socket drops would be lost
+    # with it (unsequenced, §1.4)
+    barrier = f"barrier-{len(earlier) + len(c.events)}"
+    await c.send({"type": "conversation.item.retrieve", "item_id": "item_barrier", "event_id": barrier})
+    while not (c.events and c.events[-1]["type"] == "error" and error_of(c.events[-1])[1] == barrier):
+        _learn(seen, await c.recv())
+    opened = next(e for e in reversed(earlier + c.events) if e["type"] in ("session.created", "session.resumed"))
+    token = opened["resume_token"]
+    session_id = opened["session"]["id"] if opened["type"] == "session.created" else opened["session_id"]
+    cursor = max((e["server_event_seq"] for e in earlier + c.events if "server_event_seq" in e), default=0)
+    await c.ws.close()
+    new = await sockets.enter_async_context(connect(addr, "/v1/realtime?resume=1", headers=headers))
+    await new.send({"type": "session.resume", "session_id": session_id, "resume_token": token,
+                    "last_received_server_event_seq": cursor})
+    resumed = await new.recv()
+    assert resumed["type"] == "session.resumed" and resumed["replay_from_seq"] == cursor + 1, (
+        resumed, [e["type"] for e in c.events[-8:]])
+    return new
 
 
 async def _until(c: Client, type_: str) -> None:

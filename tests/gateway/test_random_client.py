@@ -60,5 +60,14 @@ async def test_runtime_faults_among_random_frames_are_typed_and_leave_the_sessio
     assert any(error_of(ev)[0] in faults for ev in events if ev["type"] == "error")  # some fault did reach it
 
 
+@pytest.mark.parametrize("seed", [6, 7])
+async def test_random_frames_across_dropped_and_resumed_sockets(seed: int) -> None:
+    """The same with the socket dropped now and then and the session resumed on a new one (§6.4): the replay fills
+    the gap, so the attachments' streams joined are one conformant stream, and every answer is still there."""
+    async with serve(_runtime()) as addr:
+        events = await random_client(addr, "/v1/realtime", seed, resumes=True)
+    assert sum(e["type"] == "session.resumed" for e in events) >= 3  # it did drop and resume
+
+
 def test_the_bad_frames_cover_the_state_free_cases() -> None:
     assert {name for name, _, _ in BAD} == STATE_FREE  # a case renamed in test_errors_frames.py is not lost here
