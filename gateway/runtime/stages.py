@@ -369,9 +369,7 @@ class StagedTritonRuntime:
             if kind == "tts_input":
                 self._speak(s, fence, flow, ev, result)
                 return
-            parsed = typed_event(ev, None, fence.epoch)
-            if not isinstance(parsed, dict):
-                parsed = as_unit(parsed, flow.index)
+            parsed = as_unit(typed_event(ev, None, fence.epoch), flow.index)
             if isinstance(parsed, UnitDone):
                 flow.unit_done()
                 flow.done_event = parsed
@@ -410,9 +408,9 @@ class StagedTritonRuntime:
             if out.get("type") != "audio":
                 return
             flow.first_output("code2wav")
-            piece = typed_event(out, _array(res, "AUDIO", np.int16), fence.epoch)
+            piece = as_unit(typed_event(out, _array(res, "AUDIO", np.int16), fence.epoch), flow.index)
             if not isinstance(piece, dict):
-                s.order.emit(flow, as_unit(piece, flow.index))
+                s.order.emit(flow, piece)
 
         def ended(failure: RuntimeFailure | None) -> None:
             flow.speech_calls -= 1

@@ -82,10 +82,11 @@ def parse_event(raw: bytes | str, audio: np.ndarray | None, epoch: int) -> Runti
     return typed_event(json.loads(raw), audio, epoch)
 
 
-def as_unit(ev: RuntimeEvent, unit: int) -> RuntimeEvent:
-    """An event of an append's response stream, labelled with the unit index that append submitted. Stage0 numbers
-    the units it accepted, the gateway the units it cut: after an append fenced off by a cancel (protocol.md §4.4
-    F-4) they differ, and the session pairs decisions, text and audio by its own numbers (A-4)."""
+def as_unit(ev: RuntimeEvent | dict[str, Any], unit: int) -> RuntimeEvent | dict[str, Any]:
+    """An event of an append's response stream, labelled with the unit index that append submitted (a control dict
+    as it is). Stage0 numbers the units it accepted, the gateway the units it cut: after an append fenced off by a
+    cancel (protocol.md §4.4 F-4) they differ, and the session pairs decisions, text and audio by its own numbers
+    (A-4)."""
     if getattr(ev, "unit", unit) == unit:
         return ev
     return dataclasses.replace(ev, unit=unit)  # type: ignore[type-var] - every event with a `unit` is a dataclass

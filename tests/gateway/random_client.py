@@ -30,6 +30,7 @@ from tests.gateway.fake_runtime import FakeRuntime
 from tests.gateway.harness import Client, append, connect, pcm16_b64
 from tests.gateway.scenario import assert_conformant
 from tests.gateway.test_errors_frames import CASES
+from tests.gateway_ops.wire import eventually
 
 FRAMES = 250
 # Bad frames refused with the same code in every state (the others depend on it: a response.create option
@@ -142,9 +143,9 @@ async def random_client(addr: str, path: str, seed: int, frames: int = FRAMES, f
             await c.send({"type": "session.update", "session": {}})  # the native opener (no autostart)
         reader = asyncio.create_task(_read(c, seen))
         earlier: list[dict[str, Any]] = []  # the events of the attachments dropped before `c`'s
-        allowed: dict[str, set[str]] = {}  # client event_id -> the codes it may be refused with
+        allowed: dict[str, tuple[dict[str, Any], set[str]]] = {}  # client event_id -> (the well-formed frame,
+        # the codes it may be refused with)
         must: dict[str, str] = {}  # client event_id -> the one code it must get
-        sent: dict[str, dict[str, Any]] = {}  # client event_id -> the well-formed frame (for the failure's message)
         unnamed: list[str] = []  # the codes of bad frames with no event_id the error could echo
         for i in range(frames):
             eid = f"f{i}"
@@ -160,16 +161,13 @@ async def random_client(addr: str, path: str, seed: int, frames: int = FRAMES, f
                 frame, codes = _well_formed(rng, seen)
                 if faults is not None:
                     codes = codes | {FAULTS["update"][1]} if frame["type"] == "session.update" else codes
-                allowed[eid] = codes
-                sent[eid] = frame
+                allowed[eid] = frame, codes
                 await c.send(dict(frame, event_id=eid))
             if faults is not None and rng.random() < 0.05:
                 op = rng.choice(sorted(FAULTS))
                 faults.fail[op] = FAULTS[op][0]
             if resumes and rng.random() < 0.03:
-                reader.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await reader
+                await _stop(reader)
                 old, c = c, await _resume(addr, c, earlier, seen, sockets, headers)
                 earlier += old.events
                 reader = asyncio.create_task(_read(c, seen))
@@ -179,12 +177,10 @@ async def random_client(addr: str, path: str, seed: int, frames: int = FRAMES, f
         await _until(c, "session.heartbeat_ack")
         await c.send({"type": "session.close", "event_id": "bye"})
         await _until(c, "session.closed")
-        reader.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await reader
+        await _stop(reader)
     events = earlier + c.events
     reported = {FAULTS["append"][1], FAULTS["cancel"][1]} if faults is not None else set()
-    _check(events, path, allowed, must, unnamed, sent, reported)
+    _check(events, path, allowed, must, unnamed, reported)
     return events
 
 
@@ -213,20 +209,29 @@ async def _resume(addr: str, c: Client, earlier: list[dict[str, Any]], seen: See
     return new
 
 
+async def _stop(reader: asyncio.Task[None]) -> None:
+    reader.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await reader
+
+
 async def _until(c: Client, type_: str) -> None:
-    for _ in range(500):
-        if any(e["type"] == type_ for e in c.events):
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"no {type_} within 10 s; last events: {[e['type'] for e in c.events[-20:]]}")
+    """`type_` among what the reader recorded on `c`, within 10 s."""
+    async def arrived() -> bool:
+        return any(e["type"] == type_ for e in c.events)
+
+    try:
+        await eventually(arrived, wait_s=10, every_s=0.02)
+    except TimeoutError:
+        raise AssertionError(f"no {type_} within 10 s; last events: {[e['type'] for e in c.events[-20:]]}") from None
 
 
 def _short(frame: dict[str, Any]) -> dict[str, Any]:
     return {k: v if not isinstance(v, str) or len(v) < 80 else v[:20] + "..." for k, v in frame.items()}
 
 
-def _check(events: list[dict], path: str, allowed: dict[str, set[str]], must: dict[str, str],
-           unnamed: list[str], sent: dict[str, dict[str, Any]], reported: set[str]) -> None:
+def _check(events: list[dict], path: str, allowed: dict[str, tuple[dict[str, Any], set[str]]],
+           must: dict[str, str], unnamed: list[str], reported: set[str]) -> None:
     """`reported`: codes of errors that name no frame and may come (a runtime fault's report, §1.7)."""
     got: dict[str, list[str]] = {}
     messages: dict[str, dict[str, Any]] = {}  # client event_id -> its error event (for the failure's message)
@@ -245,8 +250,8 @@ def _check(events: list[dict], path: str, allowed: dict[str, set[str]], must: di
         assert got.get(eid) == [code], (eid, code, got.get(eid))
     for eid, codes in got.items():
         if eid in allowed:
-            assert len(codes) == 1 and codes[0] in allowed[eid], (
-                eid, codes, allowed[eid], _short(sent[eid]), messages[eid])
+            frame, may = allowed[eid]
+            assert len(codes) == 1 and codes[0] in may, (eid, codes, may, _short(frame), messages[eid])
     # every other refusal names its frame
     unreported = [ev for ev in reports if error_of(ev)[0] not in reported]
     assert sorted(error_of(ev)[0] for ev in unreported) == sorted(unnamed), (unreported, unnamed)
