@@ -41,7 +41,7 @@ if str(_ROOT) not in sys.path:
 
 import yaml  # noqa: E402
 
-from bench.loadgen import stages, text_wait  # noqa: E402
+from bench.loadgen import gateway_load, stages, text_wait  # noqa: E402
 from bench.loadgen.fixtures import FixtureError, speech_fixtures  # noqa: E402
 from bench.loadgen.report import run_figures  # noqa: E402
 from bench.loadgen.user import User, UserLog, long_instructions  # noqa: E402
@@ -171,9 +171,11 @@ def scrape(url: str | None) -> stages.Sample | None:
         raise Unreachable(f"cannot scrape Triton's metrics at {url}: {exc}") from exc
 
 
-def scrape_gateway(url: str) -> text_wait.Sample:
+def scrape_gateway(url: str) -> str:
+    """The gateway's /metrics text (text_wait and gateway_load read it)."""
     try:
-        return text_wait.scrape(url)
+        with urllib.request.urlopen(url, timeout=text_wait.SCRAPE_TIMEOUT_S) as resp:
+            return resp.read().decode()
     except (OSError, ValueError) as exc:
         raise Unreachable(f"cannot scrape the gateway's metrics at {url}: {exc}") from exc
 
@@ -220,11 +222,14 @@ async def run_step(n: int, args: argparse.Namespace, speech: list[Any],
 
 
 def step_record(n: int, logs: list[UserLog], scripted: bool | None, before: stages.Sample | None,
-                after: stages.Sample | None, gw_before: text_wait.Sample | None = None,
-                gw_after: text_wait.Sample | None = None, seconds: float = 0.0) -> dict[str, Any]:
-    """`seconds`: between the two scrapes of the stage metrics."""
+                after: stages.Sample | None, gw_before: str | None = None, gw_after: str | None = None,
+                seconds: float = 0.0) -> dict[str, Any]:
+    """`seconds`: between the two scrapes of the stage metrics; `gw_*`: the gateway's /metrics text."""
     run = run_figures(n, logs, scripted)
-    run["transcript_behind_generation_ms"] = text_wait.figures(gw_before, gw_after)
+    gw = [None if t is None else text_wait.parse(t) for t in (gw_before, gw_after)]
+    run["transcript_behind_generation_ms"] = text_wait.figures(*gw)
+    gw = [None if t is None else gateway_load.parse(t) for t in (gw_before, gw_after)]
+    run["gateway"] = gateway_load.figures(*gw, seconds)
     empty = {s: None for s in stages.STAGES}
     m = stages.means(before, after) if before is not None and after is not None else None
     run["stage_rows_per_step"] = m["rows_per_step"] if m else empty

@@ -14,6 +14,7 @@ from starlette.staticfiles import StaticFiles
 from gateway import http
 from gateway.auth import HttpAuthMiddleware
 from gateway.leases import ExpiryReason, Reaper
+from gateway.looplag import LoopLagProbe
 from gateway.runtime.base import Runtime
 from gateway.settings import GatewaySettings
 from gateway.state import GatewayState
@@ -107,7 +108,10 @@ def create_app(settings: GatewaySettings | None = None, *, runtime: Runtime | No
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state.reaper = Reaper(state.leases, on_expire, state.admission.retry_due)
         state.reaper.start()
+        probe = LoopLagProbe(state.metrics.loop_lag.observe)
+        probe.start()
         yield
+        await probe.aclose()
         await drain(state)  # sockets are gone by now (see gateway.serving): detached sessions close here
         for task in list(state.tasks):
             task.cancel()

@@ -37,6 +37,9 @@ STAGES = frozenset({"thinker", "talker", "code2wav"})
 # and a unit's worth of TTS + Token2Wav above, where text that waits for its audio pair (/v1/duplex) lands.
 TEXT_WAIT_BUCKETS_S = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0,
                        10.0)
+# the event loop's lag (gateway/looplag.py): an idle loop runs a timer within a millisecond; a loop that delays every
+# session's events by a large part of a 1 s unit is at its limit
+LOOP_LAG_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 
 
 def _closed(value: str, allowed: Iterable[str]) -> str:
@@ -103,6 +106,9 @@ class GatewayMetrics:
             "Text behind its generation: first token of a transcript/text delta sampled by the engine (start="
             "sampled) or received by the gateway (start=received) -> the delta handed to the socket",
             ["response", "start"], buckets=TEXT_WAIT_BUCKETS_S, registry=r)
+        self.loop_lag = Histogram("duplex_event_loop_lag_seconds",
+                                  "How much later than asked the event loop ran a 100 ms timer (gateway/looplag.py)",
+                                  buckets=LOOP_LAG_BUCKETS_S, registry=r)
         # children resolved once: the writer observes per delta without building a label tuple ([audio][sampled])
         self._text_waits = [[self.transcript_delay.labels(resp, start) for start in ("received", "sampled")]
                             for resp in ("text", "audio")]

@@ -7,7 +7,7 @@ session count: held, commit->first audio p50 / p99, each stage's step, queue wai
 stage0's prefill and decode steps apart (`stage_step_ms_by_kind`), P12 (`p12`: token rows per step that decoded tokens,
 the sessions speaking, their share), the first
 unit's TTS and Token2Wav times, and cancel->last audio; then a second table of P8's chunk gaps and the player's
-underruns, and a unit's latency by its position in the response and each stage's place in it. A figure a JSON lacks
+underruns, a unit's latency by its position in the response and each stage's place in it, and the gateway's load. A figure a JSON lacks
 (older files, a level with no cancel) reads "-". The commit and the profile of each file come first, so a table
 never mixes runs unawares.
 """
@@ -78,7 +78,8 @@ def row(name: str, run: dict[str, Any]) -> list[str]:
 # first TTS codes, first audio)
 POSITION_COLUMNS = ("variant", "N", "chunk gap p90 / p99 / max", "underruns (s)", "unit->audio p50 by position 1 / 2 / 3",
                     "unit step p50 / p90 / p99 (over 200)", "s0 done p50 by position", "first TTS codes p50 by position",
-                    "first audio (gateway) p50 by position", "top-tenth unit step ms: s0 / tts / t2w / rest")
+                    "first audio (gateway) p50 by position", "top-tenth unit step ms: s0 / tts / t2w / rest",
+                    "gateway CPU share, loop lag p50 / p99 ms")
 _POSITIONS = ("1", "2", "3")
 
 
@@ -96,7 +97,14 @@ def position_row(name: str, run: dict[str, Any]) -> list[str]:
             f"{run.get('underruns', '-')} ({_num(None if underrun_ms is None else underrun_ms / 1000)})",
             _by_position(run.get("unit_to_audio_by_position_ms")),
             " / ".join(_num(step.get(k), 0) for k in ("p50", "p90", "p99")) + f" ({step.get('over_200', '-')})",
-            *(_by_position(stages.get(k)) for k in ("thinker_done", "talker_first", "code2wav_first")), _big_steps(run)]
+            *(_by_position(stages.get(k)) for k in ("thinker_done", "talker_first", "code2wav_first")), _big_steps(run),
+            _gateway(run)]
+
+
+def _gateway(run: dict[str, Any]) -> str:
+    """How loaded the one gateway process was (bench/loadgen/gateway_load.py): its CPU share and loop lag."""
+    gw = run.get("gateway") or {}
+    return f"{_num(gw.get('cpu_share'), 2)}, {_pair(gw.get('loop_lag_ms'), 1)}"
 
 
 def _big_steps(run: dict[str, Any]) -> str:

@@ -20,6 +20,8 @@
 - `transcript_behind_generation_ms` (targets.md P13, added by load_realtime.py from the gateway's /metrics, see
   text_wait.py): per delta, token sampled by stage0 -> its transcript/text delta handed to the client's socket;
   unlike `transcript_delay_ms` it includes the time the text waited for its unit's audio (C-3 pairing).
+- `gateway` (added by load_realtime.py from the gateway's /metrics, see gateway_load.py): the gateway process's CPU
+  seconds per second of the level (`cpu_share`) and its event loop's lag behind a 100 ms timer (`loop_lag_ms`).
 - chunk gaps: receive-time intervals between consecutive audio deltas of a response; player: the §10.2
   gapless 1x player, an underrun is a gap > `UNDERRUN_EPS_MS`.
 - real-time factor of a response: its audio duration / (last delta end - first delta receipt) on a 1x player.

@@ -10,7 +10,6 @@ Prometheus' `histogram_quantile` does, so they are as fine as the buckets (30 ms
 from __future__ import annotations
 
 import re
-import urllib.request
 from typing import Any
 
 FAMILY = "duplex_transcript_delay_seconds"
@@ -38,11 +37,6 @@ def parse(text: str) -> Sample:
         key = labels.get("le", "") if field == "bucket" else field
         out[(labels.get("response", ""), labels.get("start", ""), key)] = float(m["value"])
     return out
-
-
-def scrape(url: str) -> Sample:
-    with urllib.request.urlopen(url, timeout=SCRAPE_TIMEOUT_S) as resp:
-        return parse(resp.read().decode())
 
 
 def _buckets(before: Sample, after: Sample, responses: tuple[str, ...]) -> list[tuple[float, float]]:

@@ -32,7 +32,8 @@ NEW = {"commit": "b5e49a2873e2", "profile": "deploy/profiles/ab-p0.yaml", "devic
      "unit_stages_by_position_ms": {"thinker_done": {"1": {"p50": 60.0}, "2": {"p50": 61.0}, "3": {"p50": 75.0}},
                                     "code2wav_first": {"1": {"p50": 200.0}, "2": {"p50": 250.0}}},
      "unit_step_sources_ms": {"big": {"count": 9, "step": 140.2, "stage0": 30.4, "tts": 2.0, "token2wav": 80.1,
-                                      "rest": 27.7}}},
+                                      "rest": 27.7}},
+     "gateway": {"cpu_share": 0.412, "loop_lag_ms": {"p50": 1.7, "p99": 42.0}}},
     {"sessions": 32, "held_realtime": False, "chunk_gap_ms": {"over_bound": 3}, "max_chunk_gap_ms": 1290.4}]}
 OLD = {"commit": "02f129af7198", "runs": [{"sessions": 16, "held_realtime": True,
                                            "commit_to_first_audio_ms": {"p50": 249.4, "p99": 488.4}}]}
@@ -71,3 +72,5 @@ def test_a_row_per_variant_and_level_with_the_files_named_first(tmp_path: Path, 
     assert positions[2]["unit step p50 / p90 / p99 (over 200)"] == "- / - / - (-)"
     assert positions[0]["top-tenth unit step ms: s0 / tts / t2w / rest"] == "140: 30 / 2 / 80 / 28"
     assert positions[2]["top-tenth unit step ms: s0 / tts / t2w / rest"] == "-: - / - / - / -"
+    assert positions[0]["gateway CPU share, loop lag p50 / p99 ms"] == "0.41, 1.7 / 42.0"
+    assert positions[2]["gateway CPU share, loop lag p50 / p99 ms"] == "-, - / -"

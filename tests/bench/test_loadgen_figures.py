@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.loadgen import stages, text_wait
+from bench.loadgen import gateway_load, stages, text_wait
 from bench.loadgen.grid import FIRST_UNIT, UNIT
 from bench.loadgen.report import commit_latencies, play, run_figures, unit_audio_steps
 from bench.loadgen.user import ResponseLog, UserLog, audio_delta_ms
@@ -281,6 +281,29 @@ def test_text_wait_quantiles_come_from_the_gateway_histogram_over_the_step() -> 
     assert empty["p50"] is None and empty["mean"] is None and empty["count"] == 0
 
 
+def test_gateway_load_reads_the_gateways_cpu_and_loop_lag_over_the_step() -> None:
+    from gateway.observability import GatewayMetrics
+
+    m = GatewayMetrics(4)  # with the process collector: process_cpu_seconds_total
+    m.loop_lag.observe(0.9)  # before the step: must not count
+    before_text = m.render()[0].decode()
+    for s in [0.0005] * 90 + [0.004] * 8 + [0.06, 0.3]:  # 100 probes: 2 waited more than 50 ms
+        m.loop_lag.observe(s)
+    sum(i * i for i in range(300_000))  # some CPU time for the process counter
+    after_text = m.render()[0].decode()
+    before, after = gateway_load.parse(before_text), gateway_load.parse(after_text)
+    assert after["cpu"] >= before["cpu"] > 0
+    f = gateway_load.figures(before, after, seconds=2.0)
+    lag = f["loop_lag_ms"]
+    assert lag["count"] == 100 and lag["over_50ms"] == pytest.approx(0.02)
+    assert lag["p50"] == pytest.approx(1000 * 0.001 * 50 / 90, abs=0.05)  # rank 50 of the 90 in (0, 1 ms]
+    assert lag["p99"] == pytest.approx(100.0)  # rank 99 is the 60 ms probe, at the top of (50, 100 ms]
+    assert lag["mean"] == pytest.approx(1000 * (90 * 0.0005 + 8 * 0.004 + 0.36) / 100, abs=0.1)
+    assert f["cpu_share"] == pytest.approx((after["cpu"] - before["cpu"]) / 2.0, abs=1e-3)
+    empty = gateway_load.figures(None, after, seconds=2.0)
+    assert empty["cpu_share"] is None and empty["loop_lag_ms"]["count"] == 0
+
+
 def test_unreachable_gateway_fails_loudly(tmp_path: Path) -> None:
     port = free_port()  # nothing listens there
     out = tmp_path / "r.json"
@@ -307,7 +330,7 @@ def test_sweep_runs_n_in_order_and_stops_at_the_first_n_not_held(tmp_path: Path,
     monkeypatch.setattr(load_realtime, "check_ready", lambda url: None)
     monkeypatch.setattr(load_realtime, "speech_fixtures", lambda: [])
     monkeypatch.setattr(load_realtime, "run_step", fake_run_step)
-    monkeypatch.setattr(load_realtime, "scrape_gateway", lambda url: text_wait.parse(""))
+    monkeypatch.setattr(load_realtime, "scrape_gateway", lambda url: "")
     out = tmp_path / "r.json"
     assert load_realtime.main(["--url", "ws://x:1", "--sessions", "1,8,16,32", "--duration", "5",
                                "--profile", str(REPO / "deploy/profiles/h200-scripted.yaml"), "--out", str(out)]) == 0
@@ -331,7 +354,7 @@ def test_a_server_that_opens_no_session_fails_loudly(tmp_path: Path, monkeypatch
     monkeypatch.setattr(load_realtime, "check_ready", lambda url: None)
     monkeypatch.setattr(load_realtime, "speech_fixtures", lambda: [])
     monkeypatch.setattr(load_realtime, "run_step", refused)
-    monkeypatch.setattr(load_realtime, "scrape_gateway", lambda url: text_wait.parse(""))
+    monkeypatch.setattr(load_realtime, "scrape_gateway", lambda url: "")
     assert load_realtime.main(["--url", "ws://x:1", "--sessions", "2", "--duration", "5",
                                "--out", str(tmp_path / "r.json")]) == 2
     assert "no session of 2 could open at ws://x:1: open refused: runtime_unavailable" in capsys.readouterr().err
