@@ -84,6 +84,9 @@ def test_two_sessions_fill_every_field_and_the_stage_metrics(stack: Stack, tmp_p
     assert behind["start"] == {"sampled": behind["count"], "received": 0}, behind
     assert behind["by_response"]["audio"]["count"] == behind["count"] and "sampled" in behind["measures"]
     assert "text behind gen p50/p99" in proc.stdout
+    gw = run["gateway"]  # the real gateway's process CPU and event-loop probes over the level
+    assert 0 < gw["cpu_share"] < 2.0 and gw["loop_lag_ms"]["count"] >= 10, gw
+    assert gw["loop_lag_ms"]["p50"] is not None and gw["loop_lag_ms"]["p50"] <= gw["loop_lag_ms"]["p99"], gw
     # a cancelled turn may have sent a single chunk: a gap of 0 is a value, not a missing one
     assert isinstance(run["max_chunk_gap_ms"], float) and isinstance(run["underruns"], int)
     assert run["cancels_sent"] >= 1 and run["responses"] >= 2
