@@ -35,6 +35,7 @@ import websockets
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.loadgen import gateway_load  # noqa: E402
 from bench.soak import Server, children, cmdline, start_server  # noqa: E402
 
 LOOPBACK = ROOT / "tests" / "e2e" / "profiles" / "loopback.yaml"
@@ -104,16 +105,27 @@ async def session(url: str, opener: list[dict[str, Any]], audio: str, chunk_ms: 
         reader.cancel()
 
 
-async def drive(url: str, opener: list[dict[str, Any]], pid: int, args: argparse.Namespace) -> dict[str, Any]:
+def scrape(metrics_url: str) -> gateway_load.Sample:
+    with urllib.request.urlopen(metrics_url, timeout=5) as resp:
+        return gateway_load.parse(resp.read().decode())
+
+
+async def drive(url: str, opener: list[dict[str, Any]], pid: int, args: argparse.Namespace,
+                metrics_url: str | None = None) -> dict[str, Any]:
+    """`metrics_url`: the gateway's /metrics, for its event loop's lag over the run (the echo server has none)."""
     count, audio = Count(), chunk(args.chunk_ms)
+    before = scrape(metrics_url) if metrics_url else None
     start_cpu, t0 = cpu_s(pid), time.monotonic()
     await asyncio.gather(*(session(url, opener, audio, args.chunk_ms, args.duration, count)
                            for _ in range(args.sessions)))
     cpu, wall = cpu_s(pid) - start_cpu, time.monotonic() - t0
     events = count.sent + count.received
-    return {"cpu_s": round(cpu, 2), "wall_s": round(wall, 1), "frames_in": count.sent, "frames_out": count.received,
-            "errors": count.errors, "cpu_us_per_event": round(1e6 * cpu / max(events, 1), 1),
-            "cpu_share_of_one_core": round(cpu / wall, 2)}
+    out = {"cpu_s": round(cpu, 2), "wall_s": round(wall, 1), "frames_in": count.sent, "frames_out": count.received,
+           "errors": count.errors, "cpu_us_per_event": round(1e6 * cpu / max(events, 1), 1),
+           "cpu_share_of_one_core": round(cpu / wall, 2)}
+    if metrics_url:
+        out["loop_lag_ms"] = gateway_load.figures(before, scrape(metrics_url), wall)["loop_lag_ms"]
+    return out
 
 
 def echo_server(port: int, log: Path) -> subprocess.Popen[bytes]:
@@ -166,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         gateway = next(p for p in children(server.popen.pid) if "gateway.serving" in cmdline(p))
         url = f"ws://127.0.0.1:{args.port}/v1/realtime?autostart=0"
-        result["gateway"] = asyncio.run(drive(url, opener, gateway, args))
+        result["gateway"] = asyncio.run(drive(url, opener, gateway, args, f"http://127.0.0.1:{args.port}/metrics"))
     finally:
         server.popen.send_signal(2)
         server.popen.wait(60)
