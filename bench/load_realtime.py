@@ -226,10 +226,10 @@ def step_record(n: int, logs: list[UserLog], scripted: bool | None, before: stag
                 seconds: float = 0.0) -> dict[str, Any]:
     """`seconds`: between the two scrapes of the stage metrics; `gw_*`: the gateway's /metrics text."""
     run = run_figures(n, logs, scripted)
-    gw = [None if t is None else text_wait.parse(t) for t in (gw_before, gw_after)]
-    run["transcript_behind_generation_ms"] = text_wait.figures(*gw)
-    gw = [None if t is None else gateway_load.parse(t) for t in (gw_before, gw_after)]
-    run["gateway"] = gateway_load.figures(*gw, seconds)
+    texts = (gw_before, gw_after)
+    run["transcript_behind_generation_ms"] = text_wait.figures(*(None if t is None else text_wait.parse(t)
+                                                                 for t in texts))
+    run["gateway"] = gateway_load.figures(*(None if t is None else gateway_load.parse(t) for t in texts), seconds)
     empty = {s: None for s in stages.STAGES}
     m = stages.means(before, after) if before is not None and after is not None else None
     run["stage_rows_per_step"] = m["rows_per_step"] if m else empty
