@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from bench.loadgen import prom
 from bench.loadgen.text_wait import quantile
 
 LAG = "duplex_event_loop_lag_seconds"
@@ -25,17 +26,13 @@ Sample = dict[str, float]  # "cpu", "lag_sum", "lag_count", "lag_le_<edge>" -> v
 
 def parse(text: str) -> Sample:
     out: Sample = {}
-    for line in text.splitlines():
-        if line.startswith("#") or not line.strip():
-            continue
-        name_labels, _, value = line.rpartition(" ")
-        if name_labels == CPU:
-            out["cpu"] = float(value)
-        elif name_labels.startswith(LAG + "_bucket{"):
-            le = name_labels.split('le="', 1)[1].split('"', 1)[0]
-            out[f"lag_le_{le}"] = float(value)
-        elif name_labels in (LAG + "_sum", LAG + "_count"):
-            out["lag_" + name_labels[len(LAG) + 1:]] = float(value)
+    for name, labels, value in prom.samples(text):
+        if name == CPU:
+            out["cpu"] = value
+        elif name == LAG + "_bucket":
+            out[f"lag_le_{labels['le']}"] = value
+        elif name in (LAG + "_sum", LAG + "_count"):
+            out["lag_" + name[len(LAG) + 1:]] = value
     return out
 
 

@@ -6,8 +6,9 @@ earlier runs and warm-up do not blur it.
 
 from __future__ import annotations
 
-import re
 import urllib.request
+
+from bench.loadgen import prom
 
 STAGES = ("stage0", "tts", "token2wav")
 FAMILIES = {"rows_per_step": "duplex_stage_rows_per_step",
@@ -19,8 +20,6 @@ KIND_FAMILIES = {"rows": "duplex_stage_kind_rows_per_step",
                  "step_ms": "duplex_stage_kind_step_seconds"}
 SCRAPE_TIMEOUT_S = 5.0
 SLOW_STEP_S = 0.25  # a histogram bucket edge (model_repository/common/metrics.py SECONDS_BUCKETS)
-_LINE = re.compile(r'^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)')
-_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 Sample = dict[tuple[str, str], float]  # (metric name, stage) -> value
 
@@ -30,12 +29,8 @@ def parse(text: str) -> Sample:
     `name:le`), the by-kind histograms' sums and counts (keyed `name:kind`) and the graph-miss counter (summed
     over its kinds)."""
     out: Sample = {}
-    for line in text.splitlines():
-        m = _LINE.match(line)
-        if m is None or not m["name"].startswith("duplex_stage_"):
-            continue
-        labels = dict(_LABEL.findall(m["labels"] or ""))
-        stage, name = labels.get("stage"), m["name"]
+    for name, labels, value in prom.samples(text, "duplex_stage_"):
+        stage = labels.get("stage")
         if name.endswith("_bucket"):
             if name != f"{FAMILIES['step_ms']}_bucket":
                 continue
@@ -44,7 +39,7 @@ def parse(text: str) -> Sample:
             name = f"{name}:{labels.get('kind')}"
         if stage is not None:
             key = (name, stage)
-            out[key] = out.get(key, 0.0) + float(m["value"])  # summed over instances (other labels)
+            out[key] = out.get(key, 0.0) + value  # summed over instances (other labels)
     return out
 
 

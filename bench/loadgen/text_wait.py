@@ -9,8 +9,9 @@ Prometheus' `histogram_quantile` does, so they are as fine as the buckets (30 ms
 
 from __future__ import annotations
 
-import re
 from typing import Any
+
+from bench.loadgen import prom
 
 FAMILY = "duplex_transcript_delay_seconds"
 MEASURES = ("token sampled by stage0 (or received by the gateway) -> its transcript/text delta handed to the "
@@ -20,22 +21,16 @@ STARTS = ("sampled", "received")
 TARGET_S = 0.030  # targets.md P13
 SCRAPE_TIMEOUT_S = 5.0
 MS = 1000.0
-_LINE = re.compile(r'^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)')
-_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 Sample = dict[tuple[str, str, str], float]  # (response, start, le or "count"/"sum") -> value
 
 
 def parse(text: str) -> Sample:
     out: Sample = {}
-    for line in text.splitlines():
-        m = _LINE.match(line)
-        if m is None or not m["name"].startswith(FAMILY):
-            continue
-        labels = dict(_LABEL.findall(m["labels"] or ""))
-        field = m["name"][len(FAMILY) + 1:]
+    for name, labels, value in prom.samples(text, FAMILY):
+        field = name[len(FAMILY) + 1:]
         key = labels.get("le", "") if field == "bucket" else field
-        out[(labels.get("response", ""), labels.get("start", ""), key)] = float(m["value"])
+        out[(labels.get("response", ""), labels.get("start", ""), key)] = value
     return out
 
 
