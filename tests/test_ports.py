@@ -27,8 +27,9 @@ def test_a_small_room_under_the_ephemeral_range_falls_back_above_low() -> None:
 def test_ports_are_never_repeated_and_skip_a_taken_block(monkeypatch: pytest.MonkeyPatch) -> None:
     got = [ports.free_port() for _ in range(50)]
     assert len(set(got)) == 50
+    spare = ports.free_port()  # this worker's own block, below the ephemeral range: no outgoing connection lands there
     with socket.socket() as busy:
-        busy.bind(("127.0.0.1", 0))
-        taken = busy.getsockname()[1]
-        monkeypatch.setattr(ports, "_next", iter([taken - 3, taken, taken + 1]))
-        assert ports.free_port() == taken + 1  # taken-3 and taken both cover the bound port
+        busy.bind(("127.0.0.1", got[-1]))
+        taken = got[-1]
+        monkeypatch.setattr(ports, "_next", iter([taken - 3, taken, spare]))
+        assert ports.free_port() == spare  # taken-3 and taken both cover the bound port
