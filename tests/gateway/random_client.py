@@ -269,6 +269,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--frames", type=int, default=FRAMES)
     ap.add_argument("--concurrent", type=int, default=1, help="clients at once (the gateway's max_sessions or fewer)")
     ap.add_argument("--api-key", default=None, help="sent as `Authorization: Bearer` (a keyed gateway)")
+    ap.add_argument("--resumes", action="store_true",
+                    help="/v1/realtime clients drop their socket now and then and resume the session (section 6.4); "
+                         "needs the gateway's disconnect grace well above the machine's pauses")
     args = ap.parse_args(argv)
     first, end = (int(x) for x in args.seeds.split("-"))
     paths = ("/v1/realtime", "/v1/duplex")
@@ -276,7 +279,8 @@ def main(argv: list[str] | None = None) -> int:
 
     async def round_of(seed: int) -> list[BaseException | None]:
         return await asyncio.gather(*(random_client(args.addr, paths[(seed + k) % 2], seed + 1000 * k, args.frames,
-                                                    api_key=args.api_key)
+                                                    api_key=args.api_key,
+                                                    resumes=args.resumes and paths[(seed + k) % 2] == "/v1/realtime")
                                       for k in range(args.concurrent)), return_exceptions=True)
 
     for seed in range(first, end):

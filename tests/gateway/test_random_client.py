@@ -5,9 +5,11 @@ runtime faults injected, each fault must reach the client as its typed error."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 
+from tests.gateway import random_client as random_client_module
 from tests.gateway.fake_runtime import FakeRuntime, Speak
 from tests.gateway.harness import connect, serve
 from tests.gateway.random_client import BAD, FAULTS, STATE_FREE, error_of, random_client
@@ -67,6 +69,25 @@ async def test_random_frames_across_dropped_and_resumed_sockets(seed: int) -> No
     async with serve(_runtime()) as addr:
         events = await random_client(addr, "/v1/realtime", seed, resumes=True)
     assert sum(e["type"] == "session.resumed" for e in events) >= 3  # it did drop and resume
+
+
+async def test_the_sweep_resumes_its_realtime_clients(monkeypatch: pytest.MonkeyPatch,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """`python -m tests.gateway.random_client --resumes`, the operators' sweep (docs/deploy.md): /v1/realtime
+    clients drop and resume their sockets, /v1/duplex clients run as without the flag."""
+    resumed: dict[str, int] = {}
+
+    async def counting(addr: str, path: str, seed: int, *args: Any, **kwargs: Any) -> list[dict[str, Any]]:
+        events = await random_client(addr, path, seed, *args, **kwargs)
+        resumed[path] = sum(e["type"] == "session.resumed" for e in events)
+        return events
+
+    monkeypatch.setattr(random_client_module, "random_client", counting)
+    async with serve(_runtime(), max_sessions=2) as addr:
+        code = await asyncio.to_thread(random_client_module.main,
+                                       ["--addr", addr, "--seeds", "6-7", "--concurrent", "2", "--resumes"])
+    assert code == 0 and capsys.readouterr().out.splitlines()[-1] == "0 failure(s) in 2 runs"
+    assert resumed["/v1/realtime"] >= 3 and resumed["/v1/duplex"] == 0, resumed
 
 
 def test_the_bad_frames_cover_the_state_free_cases() -> None:
