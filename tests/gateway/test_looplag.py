@@ -18,7 +18,7 @@ async def test_a_blocked_loop_shows_as_lag_and_an_idle_one_does_not() -> None:
     time.sleep(0.2)  # noqa: ASYNC251 - the point: a callback that holds the loop for 200 ms
     await asyncio.sleep(0.05)
     await probe.aclose()
-    assert len(idle) >= 3 and max(idle) < 0.05
+    assert len(idle) >= 2 and max(idle) < 0.1  # next to none; the margin is for a CI machine's busy cores
     assert max(seen[len(idle):]) >= 0.15  # the probe due during the block ran that much late
     n = len(seen)
     await asyncio.sleep(0.05)
