@@ -41,6 +41,9 @@ VARIANTS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
                                   "engine_options.stage0.shared_decode_buckets=[2,4,8,16,32,64]")),
     ("ab-a48h", "ab-u48h", ("unit_align_s=1.0", "unit_align_min_sessions=24",
                             "engine_options.stage0.prefill_batch_buckets=[2,4,8,16,32,64]")),
+    # the units that wait behind token rows go together once the oldest is 40 ms old (stop 60), at 48 and 64 slots
+    ("ab-u48hg", "ab-u48h", ("engine_options.stage0.prefill_hold_ms=40",)),
+    ("ab-64uhg", "ab-64uh", ("engine_options.stage0.prefill_hold_ms=40",)),
     # the served figure at 16 on an 80 GB H100 (stop 57): h200-scripted's 32 slots at 8 k do not fit, 16 do
     ("ab-16", "h200-scripted", ("max_sessions=16",)),
 )

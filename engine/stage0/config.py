@@ -217,9 +217,10 @@ class Stage0Config:
     prefix_chunk: int = 512
     # Decoded tokens first: a unit waits up to this many ms for its prefill (and its audio front end) while other
     # sessions have decoded tokens to feed, so those steps carry token rows only. A speaking session's text, and
-    # with it the TTS and its first audio, is then not held behind other sessions' unit prefills, and the held
-    # units share one prefill step (vLLM schedules decodes before prefills the same way). A session's ids do not
-    # change (batch invariance, model.md I9); only when its unit is decided. 0 = off: every ready row each step.
+    # with it the TTS and its first audio, is then not held behind other sessions' unit prefills (vLLM schedules
+    # decodes before prefills the same way). The waiting units go together once the oldest is due, so they share
+    # one front-end batch and one prefill step. A session's ids do not change (batch invariance, model.md I9);
+    # only when its unit is decided. 0 = off: every ready row each step.
     prefill_hold_ms: int = 0
     # §9.5 benchmark-only: replace every sampled id by a script (all kernels still run). Rejected unless
     # `benchmark_mode` is set, which only benchmark entry points do.

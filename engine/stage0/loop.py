@@ -116,13 +116,18 @@ class StepScheduler:
 
     def _held_units(self, sessions: list[Session]) -> set[str]:
         """Sessions whose unit waits this step (`Stage0Config.prefill_hold_ms`): while another session has a
-        token to feed, a unit younger than the hold is neither encoded nor prefilled."""
+        token to feed, the new units (front end not started) wait together until the oldest of them is the hold
+        old; then all of them go, so units that came within one hold share a front-end batch and a prefill step.
+        Releasing each unit at its own age instead let them trickle in one or two a step (stop 60)."""
         hold = self.config.prefill_hold_ms / 1000
         if not hold or not any(s.phase in TOKEN_PHASES for s in sessions):
             return set()
+        new = [s for s in sessions if s.phase is Phase.PREFILL and s.unit is not None
+               and not s.unit.audio_submitted and s.unit.audio_embeds is None]
         now = time.perf_counter()
-        return {s.session_id for s in sessions
-                if s.phase is Phase.PREFILL and s.unit is not None and now - s.unit.job.enqueued_at < hold}
+        if any(now - s.unit.job.enqueued_at >= hold for s in new if s.unit is not None):
+            return set()
+        return {s.session_id for s in new}
 
     def _run_rows(self, work: list[tuple[Session, Row]]) -> None:
         hidden, failed = self.recovery.forward(work)

@@ -78,7 +78,10 @@ def test_the_device_plans_variants_are_made_and_differ_where_the_plan_says(tmp_p
     make_variants.main([str(tmp_path)])
     load = {p.stem: asdict(DeployProfile.load(p)) for p in tmp_path.glob("ab-*.yaml")}
     assert set(load) == {"ab-64s", "ab-64pb", "ab-64pbm", "ab-64pbmh", "ab-64u", "ab-64uh", "ab-u32", "ab-u32h",
-                         "ab-u48h", "ab-a48h", "ab-16"}
+                         "ab-u48h", "ab-a48h", "ab-16", "ab-u48hg", "ab-64uhg"}
+    for free, held in (("ab-u48h", "ab-u48hg"), ("ab-64uh", "ab-64uhg")):  # the hold's A/B: that setting only
+        assert load[held]["engine_options"]["stage0"].pop("prefill_hold_ms") == 40
+        assert "prefill_hold_ms" not in load[free]["engine_options"]["stage0"] and load[held] == load[free]
     for whole, heads in (("ab-64u", "ab-64uh"), ("ab-64pbm", "ab-64pbmh"), ("ab-u32", "ab-u32h")):
         a, b = load[whole], load[heads]
         assert not a["engine_options"]["tts"].get("head_every_unit") and b["engine_options"]["tts"]["head_every_unit"]

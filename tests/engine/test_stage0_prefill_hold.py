@@ -80,6 +80,25 @@ def test_the_hold_is_bounded() -> None:
     assert s2.cached_len > before
 
 
+def test_units_held_together_go_together_once_the_oldest_is_due() -> None:
+    """Three sessions: s1 feeds tokens; s2's unit is older than the hold, s3's came just now. Both go in the same
+    step (one prefill for both), not s2 alone with s3 trickling in after; before any is due, both wait."""
+    engine, _ = make_engine(tiny_llm(), sessions=3, rules=RULES, prefill_hold_ms=200)
+    engine.open("s3", Fence(1, 0), params=params(3))
+    s1, s2 = _s1_speaking(engine)
+    s3 = engine.session("s3")
+    before = (s2.cached_len, s3.cached_len)
+    engine.append("s2", Fence(1, 0, seq=0), unit_pcm(2, 0))
+    engine.append("s3", Fence(1, 0, seq=0), unit_pcm(3, 0))
+    engine.step()  # both started, both younger than the hold: they wait beside s1's token row
+    assert (s2.cached_len, s3.cached_len) == before and s2.phase is s3.phase is Phase.PREFILL
+    assert s1.phase in TOKEN_PHASES  # its next token (seeded: this speak unit has several), so the hold applies
+    assert s2.unit is not None
+    s2.unit.job.enqueued_at -= 1.0  # s2's unit is due, s3's is not
+    engine.step()
+    assert s2.cached_len > before[0] and s3.cached_len > before[1]
+
+
 def test_prefill_hold_must_not_be_negative() -> None:
     with pytest.raises(ValueError, match="prefill_hold_ms"):
         Stage0Config(prefill_hold_ms=-1)
