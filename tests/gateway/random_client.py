@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import contextlib
+import functools
+import io
 import json
 import random
 import sys
@@ -78,6 +81,18 @@ def _pick(rng: random.Random, ids: list[str], fallback: str) -> str:
     return rng.choice(ids[-4:]) if ids else fallback
 
 
+@functools.cache
+def camera_frame(width: int, height: int, fmt: str = "JPEG") -> str:
+    """A noise image as a webcam would send it (bare base64, §9.4 V-1)."""
+    import numpy as np
+    from PIL import Image
+
+    rgb = np.random.default_rng(width * height).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(rgb).save(out, format=fmt, **({"quality": 70} if fmt == "JPEG" else {}))
+    return base64.b64encode(out.getvalue()).decode()
+
+
 def _well_formed(rng: random.Random, seen: Seen) -> tuple[dict[str, Any], set[str]]:
     """A well-formed event and the codes its state may refuse it with (§1.7's state-dependent codes)."""
     rid, iid = _pick(rng, seen.response_ids, "resp_none"), _pick(rng, seen.item_ids, "item_none")
@@ -88,6 +103,8 @@ def _well_formed(rng: random.Random, seen: Seen) -> tuple[dict[str, Any], set[st
         (append(100, final=True), busy),
         (append(100, is_speech=rng.random() < 0.5), busy),
         (append(100, overlap_action=rng.choice(("barge_in", "listen", "drop"))), busy),
+        (append(200, video_frames=[camera_frame(640, 480)]), busy),
+        (append(200, video_frames=[camera_frame(448, 448, "PNG"), camera_frame(320, 240)]), busy),
         ({"type": "input_audio_buffer.commit"}, busy | {"input_audio_buffer_empty"}),
         ({"type": "input_audio_buffer.commit", "response_create": True},
          busy | {"input_audio_buffer_empty", "response_already_active"}),
@@ -199,7 +216,11 @@ async def _resume(addr: str, c: Client, earlier: list[dict[str, Any]], seen: See
     token = opened["resume_token"]
     session_id = opened["session"]["id"] if opened["type"] == "session.created" else opened["session_id"]
     cursor = max((e["server_event_seq"] for e in earlier + c.events if "server_event_seq" in e), default=0)
+    # close while reading on: with its receive queue full the client stops reading the socket, never sees the
+    # server's close frame and gives up after its close timeout (10 s); what comes now is replayed after `cursor`
+    drain = asyncio.create_task(_discard(c.ws))
     await c.ws.close()
+    await drain
     new = await sockets.enter_async_context(connect(addr, "/v1/realtime?resume=1", headers=headers))
     await new.send({"type": "session.resume", "session_id": session_id, "resume_token": token,
                     "last_received_server_event_seq": cursor})
@@ -207,6 +228,12 @@ async def _resume(addr: str, c: Client, earlier: list[dict[str, Any]], seen: See
     assert resumed["type"] == "session.resumed" and resumed["replay_from_seq"] == cursor + 1, (
         resumed, [e["type"] for e in c.events[-8:]])
     return new
+
+
+async def _discard(ws: websockets.ClientConnection) -> None:
+    with contextlib.suppress(websockets.ConnectionClosed):
+        async for _ in ws:
+            pass
 
 
 async def _stop(reader: asyncio.Task[None]) -> None:
