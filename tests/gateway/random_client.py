@@ -2,13 +2,13 @@
 tests/e2e/test_random_client.py on the real stack; `python -m tests.gateway.random_client --addr HOST:PORT` sweeps
 seeds against a running one).
 
-Each run sends a few hundred frames in a random order: well-formed events (appends at every accepted rate, flushes,
-commits, clears, cancels, response.create, item retrieve / delete / truncate and playback acks naming items the
-session really has, updates, heartbeats, event acks) mixed with bad frames whose code does not depend on the session's
-state (test_errors_frames.py's cases). Whatever the order, protocol.md promises: a bad frame gets its own typed error
-with its `event_id` echoed (§1.6, §1.7); a well-formed event is refused only with a code its state allows; no
-internal fault, and the session is never closed under the client; the recorded stream stays conformant (Appendix B);
-and the session still answers afterwards.
+Each run sends a few hundred frames in a random order: well-formed events (appends at every accepted rate, some
+with camera frames, flushes, commits, clears, cancels, response.create, item retrieve / delete / truncate and
+playback acks naming items the session really has, updates with a voice clip among them, heartbeats, event acks)
+mixed with bad frames whose code does not depend on the session's state (test_errors_frames.py's cases). Whatever
+the order, protocol.md promises: a bad frame gets its own typed error with its `event_id` echoed (§1.6, §1.7); a
+well-formed event is refused only with a code its state allows; no internal fault, and the session is never closed
+under the client; the recorded stream stays conformant (Appendix B); and the session still answers afterwards.
 """
 
 from __future__ import annotations
@@ -82,6 +82,18 @@ def _pick(rng: random.Random, ids: list[str], fallback: str) -> str:
 
 
 @functools.cache
+def voice_clip(hz: int) -> str:
+    """A 1 s tone as a client's voice clip (`ref_audio`, a data: URI): long and loud enough to make a voice."""
+    import numpy as np
+    import soundfile
+
+    t = np.arange(16000) / 16000
+    buf = io.BytesIO()
+    soundfile.write(buf, (0.3 * np.sin(2 * np.pi * hz * t)).astype(np.float32), 16000, format="WAV", subtype="PCM_16")
+    return "data:audio/wav;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+@functools.cache
 def camera_frame(width: int, height: int, fmt: str = "JPEG") -> str:
     """A noise image as a webcam would send it (bare base64, §9.4 V-1)."""
     import numpy as np
@@ -129,6 +141,8 @@ def _well_formed(rng: random.Random, seen: Seen) -> tuple[dict[str, Any], set[st
         ({"type": "session.update", "session": {"instructions": rng.choice(("Be brief.", "Be kind."))}},
          {"instructions_update_after_audio_unsupported"}),
         ({"type": "session.update", "session": {"output_modalities": [rng.choice(("text", "audio"))]}}, set()),
+        ({"type": "session.update", "session": {"ref_audio": voice_clip(rng.choice((220, 330)))}},
+         {"ref_audio_update_unsupported"}),  # locked at the prefix commit (section 2.7)
         ({"type": "session.heartbeat"}, set()),
         ({"type": "session.event_ack", "server_event_seq": rng.randint(0, seen.last_seq)}, set()),
     ]
