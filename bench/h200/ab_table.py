@@ -27,8 +27,9 @@ if str(_ROOT) not in sys.path:
 from bench.loadgen.stages import STAGES  # noqa: E402  - the load generator's order of the stage columns
 
 COLUMNS = ("variant", "N", "held", "commit->first audio p50 / p99", "step ms s0 / tts / t2w",
-           "s0 prefill / decode step ms", "s0 rows per decode step", "P12 token rows / speaking", "queue ms s0 / tts / t2w",
-           "rows/step s0 / tts / t2w", "busy ms per s s0 / tts / t2w", "talker_own / code2wav_own p50",
+           "s0 prefill / decode step ms", "s0 prefill / decode steps", "s0 rows per decode step",
+           "P12 token rows / speaking", "queue ms s0 / tts / t2w", "rows/step s0 / tts / t2w",
+           "busy ms per s s0 / tts / t2w", "talker_own / code2wav_own p50",
            "cancel->last audio p50 / p99")
 
 
@@ -66,7 +67,9 @@ def row(name: str, run: dict[str, Any]) -> list[str]:
     own = [(firsts.get(k) or {}).get("p50") for k in ("talker_own", "code2wav_own")]
     return [name, str(run.get("sessions", "-")), _held(run), _pair(run.get("commit_to_first_audio_ms")),
             _stages(run.get("stage_step_ms")),
-            f"{_num(prefill.get('mean_ms'))} / {_num(decode.get('mean_ms'))}", _num(decode.get("mean_rows"), 2),
+            f"{_num(prefill.get('mean_ms'))} / {_num(decode.get('mean_ms'))}",
+            f"{_num(prefill.get('steps'), 0)} / {_num(decode.get('steps'), 0)}",  # fewer prefill steps: units gathered
+            _num(decode.get("mean_rows"), 2),
             _p12(run.get("p12") or {}),
             _stages(run.get("stage_queue_wait_ms")), _stages(run.get("stage_rows_per_step"), 2),
             _stages(run.get("stage_busy_ms_per_s"), 0), " / ".join(_num(x, 0) for x in own),

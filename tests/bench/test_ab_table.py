@@ -52,6 +52,7 @@ def test_a_row_per_variant_and_level_with_the_files_named_first(tmp_path: Path, 
     p16, p32, old = (dict(zip(head, r, strict=True)) for r in rows)
     assert (p16["variant"], p16["N"], p16["held"], p16["commit->first audio p50 / p99"]) == ("p0", "16", "yes", "251 / 402")
     assert p16["s0 prefill / decode step ms"] == "24.0 / 11.4" and p16["s0 rows per decode step"] == "1.83"
+    assert p16["s0 prefill / decode steps"] == "300 / 700" and old["s0 prefill / decode steps"] == "- / -"
     assert p16["P12 token rows / speaking"] == "2.10 / 7.50 = 0.28" and old["P12 token rows / speaking"] == "-"
     assert p16["step ms s0 / tts / t2w"] == "15.2 / 60.0 / 55.5" and p16["rows/step s0 / tts / t2w"] == "1.70 / 1.30 / 1.40"
     assert p16["talker_own / code2wav_own p50"] == "65 / 90" and p16["cancel->last audio p50 / p99"] == "0 / 3"
