@@ -28,6 +28,7 @@ from tests.e2e.wire import (
     silence,
     types,
 )
+from tests.gateway.harness import camera_frame
 from tests.gateway_ops.wire import Raw, opened
 
 pytestmark = pytest.mark.e2e
@@ -181,18 +182,6 @@ async def test_native_route(stack: Stack, speech: np.ndarray) -> None:
 CAMERA_SEED = 11  # the camera test's session seed (its docstring says why it is fixed)
 
 
-def _jpeg_b64(width: int, height: int, seed: int) -> str:
-    import base64
-    import io
-
-    from PIL import Image
-
-    rgb = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
-    out = io.BytesIO()
-    Image.fromarray(rgb).save(out, format="JPEG", quality=70)
-    return base64.b64encode(out.getvalue()).decode()
-
-
 @pytest.mark.skipif(LOOPBACK, reason="the loopback stand-in has no vision encoder")
 async def test_camera_frames_reach_the_model_without_errors(addr: str, speech: np.ndarray) -> None:
     """Issue 17: appends with `video_frames` (a 640x480 webcam JPEG and a stacked 448² one, on every append:
@@ -208,7 +197,7 @@ async def test_camera_frames_reach_the_model_without_errors(addr: str, speech: n
         await c.send({"type": "session.update", "session": {"turn_detection": None, "output_modalities": ["text"],
                                                             "extra_body": {"seed": CAMERA_SEED}}})
         await c.until("session.updated", WAIT_S)
-        frames = [_jpeg_b64(640, 480, 1), _jpeg_b64(448, 448, 2)]
+        frames = [camera_frame(640, 480, 1), camera_frame(448, 448, 2)]
         await send_audio(c, fit_units(speech, units), pace=0, video_frames=frames)
         # three units of vision encoding on CPU: with two suites sharing 2 cores the stream kept flowing past
         # WAIT_S (stop 29, stop 30), so the bound is liveness with room, not speed

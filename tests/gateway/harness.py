@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import functools
+import io
 import json
 import socket
 from collections.abc import AsyncIterator
@@ -79,6 +81,30 @@ async def connect(addr: str, path: str = "/v1/realtime", *, headers: dict[str, s
     async with websockets.connect(f"ws://{addr}{path}", additional_headers=headers,
                                   subprotocols=subprotocols, max_size=None) as ws:  # type: ignore[arg-type]
         yield Client(ws)
+
+
+@functools.cache
+def tone_clip(seconds: float = 1.0, *, hz: float = 220.0, amplitude: float = 0.3, rate: int = 16000,
+              channels: int = 1, fmt: str = "WAV", mime: str = "wav") -> str:
+    """A tone as a client's voice clip (`ref_audio`): a `data:audio/<mime>` URI of a `fmt` file."""
+    import soundfile
+
+    t = np.arange(int(seconds * rate)) / rate
+    tone = (amplitude * np.sin(2 * np.pi * hz * t)).astype(np.float32)
+    out = io.BytesIO()
+    soundfile.write(out, np.stack([tone] * channels, axis=1), rate, format=fmt)
+    return f"data:audio/{mime};base64," + base64.b64encode(out.getvalue()).decode()
+
+
+@functools.cache
+def camera_frame(width: int, height: int, seed: int, fmt: str = "JPEG") -> str:
+    """A noise image as a webcam would send it on an append (bare base64, protocol.md §9.4 V-1)."""
+    from PIL import Image
+
+    rgb = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(rgb).save(out, format=fmt, **({"quality": 70} if fmt == "JPEG" else {}))
+    return base64.b64encode(out.getvalue()).decode()
 
 
 def pcm16_b64(ms: int, rate: int = 16000, amp: float = 0.2) -> str:

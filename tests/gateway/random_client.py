@@ -15,10 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
 import contextlib
-import functools
-import io
 import json
 import random
 import sys
@@ -30,7 +27,7 @@ import websockets
 
 from gateway.protocol.errors import CODES
 from tests.gateway.fake_runtime import FakeRuntime
-from tests.gateway.harness import Client, append, connect, pcm16_b64
+from tests.gateway.harness import Client, append, camera_frame, connect, pcm16_b64, tone_clip
 from tests.gateway.scenario import assert_conformant
 from tests.gateway.test_errors_frames import CASES
 from tests.gateway_ops.wire import eventually
@@ -81,30 +78,6 @@ def _pick(rng: random.Random, ids: list[str], fallback: str) -> str:
     return rng.choice(ids[-4:]) if ids else fallback
 
 
-@functools.cache
-def voice_clip(hz: int) -> str:
-    """A 1 s tone as a client's voice clip (`ref_audio`, a data: URI): long and loud enough to make a voice."""
-    import numpy as np
-    import soundfile
-
-    t = np.arange(16000) / 16000
-    buf = io.BytesIO()
-    soundfile.write(buf, (0.3 * np.sin(2 * np.pi * hz * t)).astype(np.float32), 16000, format="WAV", subtype="PCM_16")
-    return "data:audio/wav;base64," + base64.b64encode(buf.getvalue()).decode()
-
-
-@functools.cache
-def camera_frame(width: int, height: int, fmt: str = "JPEG") -> str:
-    """A noise image as a webcam would send it (bare base64, §9.4 V-1)."""
-    import numpy as np
-    from PIL import Image
-
-    rgb = np.random.default_rng(width * height).integers(0, 256, (height, width, 3), dtype=np.uint8)
-    out = io.BytesIO()
-    Image.fromarray(rgb).save(out, format=fmt, **({"quality": 70} if fmt == "JPEG" else {}))
-    return base64.b64encode(out.getvalue()).decode()
-
-
 def _well_formed(rng: random.Random, seen: Seen) -> tuple[dict[str, Any], set[str]]:
     """A well-formed event and the codes its state may refuse it with (§1.7's state-dependent codes)."""
     rid, iid = _pick(rng, seen.response_ids, "resp_none"), _pick(rng, seen.item_ids, "item_none")
@@ -115,8 +88,8 @@ def _well_formed(rng: random.Random, seen: Seen) -> tuple[dict[str, Any], set[st
         (append(100, final=True), busy),
         (append(100, is_speech=rng.random() < 0.5), busy),
         (append(100, overlap_action=rng.choice(("barge_in", "listen", "drop"))), busy),
-        (append(200, video_frames=[camera_frame(640, 480)]), busy),
-        (append(200, video_frames=[camera_frame(448, 448, "PNG"), camera_frame(320, 240)]), busy),
+        (append(200, video_frames=[camera_frame(640, 480, 1)]), busy),
+        (append(200, video_frames=[camera_frame(448, 448, 2, "PNG"), camera_frame(320, 240, 3)]), busy),
         ({"type": "input_audio_buffer.commit"}, busy | {"input_audio_buffer_empty"}),
         ({"type": "input_audio_buffer.commit", "response_create": True},
          busy | {"input_audio_buffer_empty", "response_already_active"}),
@@ -141,7 +114,7 @@ def _well_formed(rng: random.Random, seen: Seen) -> tuple[dict[str, Any], set[st
         ({"type": "session.update", "session": {"instructions": rng.choice(("Be brief.", "Be kind."))}},
          {"instructions_update_after_audio_unsupported"}),
         ({"type": "session.update", "session": {"output_modalities": [rng.choice(("text", "audio"))]}}, set()),
-        ({"type": "session.update", "session": {"ref_audio": voice_clip(rng.choice((220, 330)))}},
+        ({"type": "session.update", "session": {"ref_audio": tone_clip(hz=rng.choice((220, 330)))}},
          {"ref_audio_update_unsupported"}),  # locked at the prefix commit (section 2.7)
         ({"type": "session.heartbeat"}, set()),
         ({"type": "session.event_ack", "server_event_seq": rng.randint(0, seen.last_seq)}, set()),

@@ -3,34 +3,22 @@
 from __future__ import annotations
 
 import asyncio
-import base64
-import io
 import json
 
-import numpy as np
 import pytest
-import soundfile
 
 from gateway.runtime.base import StreamError
 from tests.gateway.fake_runtime import Speak
-from tests.gateway.harness import append
+from tests.gateway.harness import append, tone_clip
 from tests.gateway.scenario import assert_conformant, close, session, stream_units, types
-
-
-def _ref_audio(seconds: float = 1.0, amplitude: float = 0.3) -> str:
-    t = np.arange(int(16000 * seconds)) / 16000
-    buf = io.BytesIO()
-    soundfile.write(buf, (amplitude * np.sin(2 * np.pi * 220 * t)).astype(np.float32), 16000, format="WAV",
-                    subtype="PCM_16")
-    return "data:audio/wav;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
 @pytest.mark.parametrize(("seconds", "amplitude"), [(0.1, 0.3), (1.0, 0.0), (1.0, 1e-4)])
 async def test_a_clip_too_short_or_silent_for_a_voice_is_bad_audio(seconds: float, amplitude: float) -> None:
     async with session() as (c, rt):
-        err = await _error(c, {"type": "session.update", "session": {"ref_audio": _ref_audio(seconds, amplitude)}})
+        err = await _error(c, {"type": "session.update", "session": {"ref_audio": tone_clip(seconds, amplitude=amplitude)}})
         assert (err["error"]["code"], err["error"]["param"]) == ("bad_audio", "session.ref_audio")
-        await c.send({"type": "session.update", "session": {"ref_audio": _ref_audio()}})  # the session goes on
+        await c.send({"type": "session.update", "session": {"ref_audio": tone_clip()}})  # the session goes on
         upd = await c.until("session.updated")
         assert upd[-1]["session"]["ref_audio"]["source"] == "client"
         events = await close(c)
@@ -46,7 +34,7 @@ async def test_prefix_locked_fields_after_first_append() -> None:
     async with session(voices=("default", "v2")) as (c, rt):
         # before the prefix commit these are updatable (§2.6)
         await c.send({"type": "session.update", "session": {"instructions": "Be brief.", "voice": "v2",
-                                                            "ref_audio": _ref_audio()}})
+                                                            "ref_audio": tone_clip()}})
         upd = await c.until("session.updated")
         assert upd[-1]["session"]["ref_audio"]["source"] == "client"
         assert "data" not in json.dumps(upd[-1]["session"]["ref_audio"])  # echoed as a descriptor only
