@@ -122,12 +122,10 @@ class StepScheduler:
         hold = self.config.prefill_hold_ms / 1000
         if not hold or not any(s.phase in TOKEN_PHASES for s in sessions):
             return set()
-        new = [s for s in sessions if s.phase is Phase.PREFILL and s.unit is not None
-               and not s.unit.audio_submitted and s.unit.audio_embeds is None]
+        waiting = {s.session_id: u.job.enqueued_at for s in sessions if s.phase is Phase.PREFILL
+                   and (u := s.unit) is not None and not u.audio_submitted and u.audio_embeds is None}
         now = time.perf_counter()
-        if any(now - s.unit.job.enqueued_at >= hold for s in new if s.unit is not None):
-            return set()
-        return {s.session_id for s in new}
+        return set() if any(now - t >= hold for t in waiting.values()) else set(waiting)
 
     def _run_rows(self, work: list[tuple[Session, Row]]) -> None:
         hidden, failed = self.recovery.forward(work)

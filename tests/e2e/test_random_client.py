@@ -25,7 +25,6 @@ def test_the_seed_sweep_passes_on_the_real_stack(addr: str, capsys: pytest.Captu
     assert capsys.readouterr().out.splitlines()[-1] == "0 failure(s) in 4 runs"
 
 
-
 async def test_an_update_right_after_a_cancel_is_applied_on_the_real_stack(addr: str) -> None:
     """The fault the random client found, on purpose: a cancel advances the epoch, and the update right behind it
     carries that epoch; the gateway sends it only once stage0 has adopted it (tests/gateway/test_cancel.py has the
