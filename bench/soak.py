@@ -359,7 +359,8 @@ def sample(server: Server, tally: Tally, t0: float, ours: set[str]) -> dict[str,
             "stubs_rss_mb": rss_mb(pids["stubs"]), "stubs": len(pids["stubs"]),
             "slots_in_use": slots_in_use(metrics) if status == 200 else None, "sessions_alive": tally.alive,
             "shm_regions": len(present), "shm_unmapped": len(present - mapped), "errors": sum(tally.errors.values()),
-            "refusals": sum(tally.refusals.values())}  # when the opens were refused, beside the slots held
+            "refusals": sum(tally.refusals.values()),  # when the opens were refused, beside the slots held
+            "refused_full": tally.refusals["resource_exhausted"]}  # of those, at capacity (every slot held)
 
 
 async def sampler(server: Server, tally: Tally, t0: float, ours: set[str], every_s: float,
@@ -408,7 +409,7 @@ def verdict(samples: list[dict[str, Any]], final: dict[str, Any], tally: Tally, 
 
 def table(samples: list[dict[str, Any]], every: int) -> str:
     cols = ("t_s", "ready", "gateway_rss_mb", "triton_rss_mb", "stubs_rss_mb", "slots_in_use", "sessions_alive",
-            "shm_regions", "shm_unmapped", "errors", "refusals")
+            "shm_regions", "shm_unmapped", "errors", "refusals", "refused_full")
     rows = [" | ".join(cols)] + [" | ".join(str(s[c]) for c in cols) for s in samples[::every]]
     return "\n".join(rows)
 
