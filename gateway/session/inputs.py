@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gateway.audio.codec import b64decode, decode_audio
+from gateway.audio.codec import b64decode, decode_audio, rms
 from gateway.protocol import client_events as ce
 from gateway.protocol import server_events as se
 from gateway.protocol import validate as v
@@ -100,7 +100,7 @@ class InputTrack:
         if ev.is_speech is not None:
             speech = ev.is_speech
         else:
-            speech = bool(len(samples)) and float(np.sqrt(np.mean(samples**2))) > config.overlap_silence_rms
+            speech = bool(len(samples)) and rms(samples) > config.overlap_silence_rms
         resampled = self.feed.resample(samples, decoded.rate_hz, fmt)
         item_start = self._item_start_ms if self.item_id is not None else self.feed.clock_ms
         vad = await self.vad.classify(resampled, item_start)

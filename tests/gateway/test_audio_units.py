@@ -9,7 +9,7 @@ import pytest
 import soundfile
 import soxr
 
-from gateway.audio.codec import decode_audio, encode_output
+from gateway.audio.codec import decode_audio, encode_output, rms
 from gateway.audio.resample import InputResampler
 from gateway.protocol.errors import ProtocolError
 from gateway.session.units import UnitCutter, UnitGeometry
@@ -74,6 +74,20 @@ def test_decode_formats() -> None:
     with pytest.raises(ProtocolError) as exc:
         decode_audio(b"\x00" * 10, "g711_alaw", 16000, rate_given=True)
     assert exc.value.code == "bad_audio"
+
+
+def test_pcm16_decodes_to_its_exact_scaled_values_in_range() -> None:
+    pcm = np.array([-32768, -1, 0, 1, 12345, 32767], dtype="<i2")
+    d = decode_audio(pcm.tobytes(), "pcm16", 16000, rate_given=False)
+    assert d.samples.dtype == np.float32 and d.samples.flags.writeable
+    np.testing.assert_array_equal(d.samples, pcm.astype(np.float32) / np.float32(32768.0))  # bit for bit
+    assert d.samples.min() >= -1.0 and d.samples.max() < 1.0
+
+
+def test_rms_is_the_root_mean_square() -> None:
+    x = np.random.default_rng(0).standard_normal(1600).astype(np.float32) * 0.1
+    assert rms(x) == pytest.approx(float(np.sqrt(np.mean(x.astype(np.float64) ** 2))), rel=1e-5)
+    assert rms(np.zeros(0, np.float32)) == 0.0 and rms(np.full(4, 0.5, np.float32)) == 0.5
 
 
 def test_encode_output_formats() -> None:
