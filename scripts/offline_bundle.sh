@@ -89,9 +89,11 @@ for spec in "${specs[@]}"; do
     nvidia-pytriton) python3 scripts/pack_wheels.py triton "$whl" "$W" --python "$PY_VERSION" ;;
     # perf_analyzer / perf_client (2 x 20 MB) are benchmark tools, not used by `duplex serve`.
     tritonclient) python3 scripts/pack_wheels.py trim "$whl" "$W" --drop '*/data/bin/*' ;;
-    # the gateway's VAD reads silero_vad/data/silero_vad.onnx only (gateway/vad/model.py).
+    # the gateway's VAD reads silero_vad/data/silero_vad_16k_op15.onnx only (gateway/vad/model.py MODEL_FILE;
+    # tests/deploy/test_offline_bundle.py holds the two together).
     silero-vad) python3 scripts/pack_wheels.py trim "$whl" "$W" --drop 'silero_vad/data/*.jit' \
-                  'silero_vad/data/*.safetensors' 'silero_vad/data/silero_vad_*' ;;
+                  'silero_vad/data/*.safetensors' 'silero_vad/data/silero_vad.onnx' 'silero_vad/data/silero_vad_[!1]*' \
+                  'silero_vad/data/silero_vad_16k_[!o]*' ;;
     *) python3 scripts/pack_wheels.py store "$whl" "$W" >/dev/null ;;
   esac
 done

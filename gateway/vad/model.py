@@ -27,7 +27,9 @@ SAMPLE_RATE_HZ = 16000
 WINDOW_SAMPLES = 512  # 32 ms at 16 kHz, the only window size the 16 kHz model accepts
 CONTEXT_SAMPLES = 64  # v5/v6 models see the tail of the previous window in front of each window
 STATE_SHAPE = (2, 1, 128)
-MODEL_FILE = "silero_vad.onnx"
+# The package's 16 kHz-only export: the same weights and, at 16 kHz, bitwise the same outputs and states as
+# `silero_vad.onnx` (which carries an 8 kHz branch behind an If node), about a tenth faster per window (P10).
+MODEL_FILE = "silero_vad_16k_op15.onnx"
 
 
 def default_model_path() -> Path:

@@ -3,6 +3,7 @@ this venv, and a repacked wheel that pip installs. Nothing is downloaded."""
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import subprocess
 import sys
@@ -83,3 +84,18 @@ def test_trimmed_wheel_is_stored_versioned_and_installs(tmp_path: Path) -> None:
     assert (target / "demo" / "__init__.py").read_text() == "X = 1\n"
     assert not (target / "demo" / "data").exists()
     assert os.access(target / "demo" / "bin" / "tool", os.X_OK)  # tritonserver must stay executable
+
+
+def test_the_bundle_keeps_the_one_vad_model_the_gateway_reads() -> None:
+    """offline_bundle.sh's silero-vad globs against the installed package's files: the gateway's model stays, the
+    other exports (and the torch files) go."""
+    from gateway.vad.model import MODEL_FILE, default_model_path
+
+    script = (REPO / "scripts" / "offline_bundle.sh").read_text()
+    rule = script[script.index("silero-vad) "):].split(";;")[0]
+    globs = [g.strip("'") for g in rule.split("--drop", 1)[1].replace("\\\n", " ").split()]
+    data = default_model_path().parent
+    kept = {p.name for p in data.iterdir() if p.is_file()
+            and not any(fnmatch.fnmatch(f"silero_vad/data/{p.name}", g) for g in globs)}
+    assert MODEL_FILE in kept
+    assert not {n for n in kept if n.endswith((".onnx", ".jit", ".safetensors"))} - {MODEL_FILE}

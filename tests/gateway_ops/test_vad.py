@@ -38,11 +38,12 @@ def speech(tmp_path_factory: pytest.TempPathFactory) -> np.ndarray:
 
 
 def reference_probs(audio: np.ndarray) -> np.ndarray:
-    """silero-vad's own wrapper (torch) over the same ONNX file: the independent reference."""
+    """silero-vad's own wrapper (torch) over the package's default ONNX file (`load_silero_vad(onnx=True)`'s, with
+    its 8 kHz branch), not the 16 kHz export the gateway reads: the independent reference."""
     torch = pytest.importorskip("torch")
     from silero_vad.utils_vad import OnnxWrapper
 
-    ref = OnnxWrapper(str(default_model_path()), force_onnx_cpu=True)
+    ref = OnnxWrapper(str(default_model_path().parent / "silero_vad.onnx"), force_onnx_cpu=True)
     n = len(audio) // WINDOW_SAMPLES
     return np.array([ref(torch.from_numpy(audio[k * WINDOW_SAMPLES:(k + 1) * WINDOW_SAMPLES].copy()), RATE).item()
                      for k in range(n)], np.float32)
