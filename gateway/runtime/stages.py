@@ -43,7 +43,7 @@ from gateway.runtime.base import (
     UnitSubmission,
 )
 from gateway.runtime.grpc_client import probe_readiness
-from gateway.runtime.triton_wire import STAGE_OUTPUTS, as_unit, batch_parts, build_request, typed_event
+from gateway.runtime.triton_wire import STAGE_OUTPUTS, as_unit, build_request, typed_event
 
 STAGE0, TTS, TOKEN2WAV = "stage0", "tts", "token2wav"
 STAGES = (STAGE0, TTS, TOKEN2WAV)
@@ -80,7 +80,7 @@ class _Stream:
         rid = f"{model}:{op}-{next(self._ids)}"
         self.calls[rid] = _Call(on_event, on_final)
         self.requests.put_nowait(build_request(model, self.key.correlation_id, rid, op, fence,
-                                               batch_dim=self.batch_dim, outputs=STAGE_OUTPUTS, pack=True, **kw))
+                                               batch_dim=self.batch_dim, outputs=STAGE_OUTPUTS, **kw))
 
     async def call(self, model: str, op: str, fence: Fence, on_event: OnEvent | None = None, **kw: Any) -> None:
         """Send and wait for the final response; an `error` EVENT raises it as a RuntimeFailure."""
@@ -120,12 +120,11 @@ class _Stream:
             return
         raw = result.as_numpy("EVENT")
         if raw is not None and raw.size:
-            for ev, part in batch_parts(json.loads(raw.reshape(-1)[0]), result):
-                if ev.get("type") == "error":
-                    call.failure = call.failure or RuntimeFailure(ev.get("code", "internal_error"),
-                                                                  ev.get("message", ""))
-                else:
-                    call.on_event(ev, part)
+            ev = json.loads(raw.reshape(-1)[0])
+            if ev.get("type") == "error":
+                call.failure = call.failure or RuntimeFailure(ev.get("code", "internal_error"), ev.get("message", ""))
+            else:
+                call.on_event(ev, result)
         final = resp.parameters.get("triton_final_response")
         if final is not None and final.bool_param:
             del self.calls[resp.id]

@@ -27,9 +27,6 @@ from gateway.runtime.base import (
 )
 
 OUTPUTS = ("EVENT", "AUDIO")
-PACK_PARAMETER = "pack"  # outputs queued together may come as one `batch` response (docs/triton.md)
-BATCH_EVENT = "batch"
-PAYLOADS = ("AUDIO", "TOKENS", "HIDDEN")  # a batch's `sizes` triples, in this order
 STAGE_OUTPUTS = ("EVENT", "AUDIO", "TOKENS", "HIDDEN")  # a stage's payload events carry TOKENS / HIDDEN
 CONTROL_EVENTS = frozenset({"opened", "updated", "cancelled", "closed"})
 
@@ -48,10 +45,8 @@ def _fence(f: Fence) -> np.ndarray:
 def build_request(model: str, correlation_id: int, request_id: str, op: str, fence: Fence, *, batch_dim: bool,
                   next_fence: Fence | None = None, unit: UnitSubmission | None = None,
                   config: Mapping[str, Any] | None = None, tokens: np.ndarray | None = None,
-                  hidden: np.ndarray | None = None, outputs: tuple[str, ...] = OUTPUTS, pack: bool = False
-                  ) -> dict[str, Any]:
-    """One `stream_infer` request dict for a fenced operation (`tokens` / `hidden`: a stage's payload; `pack`:
-    the caller splits `batch` responses, `batch_parts`)."""
+                  hidden: np.ndarray | None = None, outputs: tuple[str, ...] = OUTPUTS) -> dict[str, Any]:
+    """One `stream_infer` request dict for a fenced operation (`tokens` / `hidden`: a stage's payload)."""
     inputs = [_tensor("OP", np.array([op.encode()], dtype=np.object_), "BYTES", batch_dim),
               _tensor("FENCE", _fence(fence), "INT64", batch_dim)]
     if next_fence is not None:
@@ -74,37 +69,7 @@ def build_request(model: str, correlation_id: int, request_id: str, op: str, fen
             "request_id": request_id, "sequence_id": correlation_id, "sequence_start": op == "open",
             "sequence_end": op == "close",
             # Decoupled model: ask for the flagged empty final response that acknowledges each request.
-            "parameters": {"triton_enable_empty_final_response": True, **({PACK_PARAMETER: True} if pack else {})}}
-
-
-class Part:
-    """One event of a `batch` response, with its slices of the response's payload tensors (`as_numpy` as on an
-    `InferResult`, so a part reads like a response of its own)."""
-
-    def __init__(self, arrays: dict[str, np.ndarray]) -> None:
-        self._arrays = arrays
-
-    def as_numpy(self, name: str) -> np.ndarray | None:
-        return self._arrays.get(name)
-
-
-def batch_parts(ev: dict[str, Any], result: Any) -> list[tuple[dict[str, Any], Any]]:
-    """A `batch` EVENT (model_repository/common/codec.py `coalesce`) and its response → (event, its payloads) in
-    order; any other event → itself with the response."""
-    if ev.get("type") != BATCH_EVENT:
-        return [(ev, result)]
-    flat = {}
-    for name in PAYLOADS:
-        arr = result.as_numpy(name)
-        flat[name] = np.zeros(0) if arr is None else arr.reshape(-1)
-    at, parts = dict.fromkeys(PAYLOADS, 0), []
-    for event, sizes in zip(ev["events"], ev["sizes"], strict=True):
-        arrays = {}
-        for name, n in zip(PAYLOADS, sizes, strict=True):
-            arrays[name] = flat[name][at[name]:at[name] + n]
-            at[name] += n
-        parts.append((event, Part(arrays)))
-    return parts
+            "parameters": {"triton_enable_empty_final_response": True}}
 
 
 def unit_config(unit: UnitSubmission) -> dict[str, Any]:

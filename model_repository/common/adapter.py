@@ -24,7 +24,6 @@ import triton_python_backend_utils as pb_utils
 from .codec import (
     COALESCE_PARAMETER,
     INPUT_NAMES,
-    PACK_PARAMETER,
     RequestError,
     StageOutput,
     StageRequest,
@@ -49,10 +48,9 @@ class ResponseSink:
     """
 
     def __init__(self, sender: Any, outbox: queue.Queue[Any], live: set[ResponseSink], lock: threading.Lock,
-                 coalesced: bool = False, packed: bool = False) -> None:
+                 coalesced: bool = False) -> None:
         self._sender, self._outbox, self._live, self._lock = sender, outbox, live, lock
         self._held: list[StageOutput] | None = [] if coalesced else None
-        self.packed = packed  # the caller takes `batch` responses: outputs queued together may leave as one
         self.closed = False
         self.cancelled = False  # set by the response thread when the client cancelled the request
 
@@ -125,10 +123,8 @@ class DecoupledStageModel:
         for request in requests:
             if is_null_request(request):
                 continue  # a batch slot's filler, not a request: nothing may be sent on it
-            params = request_parameters(request)
             sink = ResponseSink(request.get_response_sender(), self._outbox, self._live, self._lock,
-                                coalesced=params.get(COALESCE_PARAMETER) is True,
-                                packed=params.get(PACK_PARAMETER) is True)
+                                coalesced=wants_coalesced(request))
             with self._lock:
                 self._live.add(sink)
             try:
@@ -162,7 +158,7 @@ class DecoupledStageModel:
         while (item := self._outbox.get()) is not _SENTINEL:
             sink, out, final = item
             if out is not None and not final:
-                out, final = self._gather(sink, out)
+                final = self._take_close(sink)
             sender = sink._sender
             flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
             try:
@@ -178,27 +174,17 @@ class DecoupledStageModel:
             except Exception:  # noqa: BLE001 - a dead stream must not stop other sessions' responses
                 pb_utils.Logger.log_error(traceback.format_exc())
 
-    def _gather(self, sink: ResponseSink, out: StageOutput) -> tuple[StageOutput, bool]:
-        """`out` with what of `sink` is queued right behind it, taken off the queue: its bare close (an engine
-        closes a request right after its last output, so FINAL rides on that output) and, for a packed sink,
-        its other outputs (an engine step emits a unit's decision and end together), as one `batch` response.
-        Each is a gRPC message fewer for Triton and for the caller's stream reader (targets.md P10); only what
-        is already queued goes, so no output waits for another."""
-        outs, final = [out], False
+    def _take_close(self, sink: ResponseSink) -> bool:
+        """Whether the next queued item is `sink`'s bare close, taken off the queue: an engine closes a request
+        right after its last output, so FINAL rides on that output. One response where two went out (an
+        empty FINAL each), a gRPC message fewer per request for Triton and for the gateway's stream reader."""
         with self._outbox.mutex:
             waiting = self._outbox.queue
-            while waiting and waiting[0] is not _SENTINEL and waiting[0][0] is sink:
-                _, nxt, last = waiting[0]
-                if last:
-                    if nxt is None:
-                        waiting.popleft()
-                        final = True
-                    break
-                if not sink.packed:
-                    break
-                outs.append(nxt)
+            if waiting and waiting[0] is not _SENTINEL and waiting[0][0] is sink and waiting[0][1] is None \
+                    and waiting[0][2]:
                 waiting.popleft()
-        return (outs[0] if len(outs) == 1 else coalesce(outs)), final
+                return True
+        return False
 
 
 def _log_sm_share(settings: StageSettings) -> None:
@@ -227,13 +213,13 @@ def _input(request: Any, name: str) -> Any:
     return None if tensor is None else np.array(tensor.as_numpy(), copy=True)
 
 
-def request_parameters(request: Any) -> dict[str, Any]:
-    """The request's parameters: the BLS caller's `coalesce`, a streaming caller's `pack` (codec)."""
+def wants_coalesced(request: Any) -> bool:
+    """The BLS caller's request parameter `coalesce` (codec.COALESCE_PARAMETER)."""
     try:
         params = json.loads(request.parameters() or "{}")
     except (ValueError, TypeError):
-        return {}
-    return params if isinstance(params, dict) else {}
+        return False
+    return isinstance(params, dict) and params.get(COALESCE_PARAMETER) is True
 
 
 def _control(request: Any, name: str) -> int:

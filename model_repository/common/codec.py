@@ -21,9 +21,6 @@ OUTPUT_NAMES = ("EVENT", "AUDIO", "TOKENS", "HIDDEN")
 # Request parameter a BLS caller sets to get every output of a request in ONE final response (see
 # `coalesce` below and docs/triton.md): the pipeline's guard against the 2.51 stub's decoupled-BLS defect.
 COALESCE_PARAMETER = "coalesce"
-# A streaming caller's request parameter: outputs of the request already queued together may leave as one
-# `batch` response (`coalesce` format); nothing waits for it (docs/triton.md "Packed responses").
-PACK_PARAMETER = "pack"
 BATCH_EVENT = "batch"
 
 Fence = tuple[int, int, int]

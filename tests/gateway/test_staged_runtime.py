@@ -27,7 +27,6 @@ from gateway.runtime.base import (
     UnitSubmission,
 )
 from gateway.runtime.stages import StagedTritonRuntime, speech_config
-from model_repository.common.codec import StageOutput, coalesce, output_arrays
 from tests.gateway.triton_results import Result
 
 HIDDEN_DIM = 4
@@ -45,7 +44,6 @@ class StageClient:
         self.close_error: str | None = None
         self.stage0_units = -1
         self.tts_parts = False  # answer as the TTS does at a turn's start with first_codes: a head, then the rest
-        self.packed = False  # stage0 answers an append in one `batch` response with its FINAL (the adapter's pack)
 
     async def stream_infer(self, it):  # noqa: ANN001, ANN201
         out: asyncio.Queue[tuple[Any, Any] | None] = asyncio.Queue()
@@ -64,14 +62,6 @@ class StageClient:
     async def _answer(self, req: dict[str, Any], out: asyncio.Queue) -> None:  # noqa: C901
         rid, model = req["request_id"], req["model_name"]
         op = rid.split(":")[1].split("-")[0]
-        if op == "append" and model == "stage0" and self.packed:
-            held: asyncio.Queue = asyncio.Queue()
-            self.packed = False
-            await self._answer(req, held)
-            self.packed = True
-            answers = [held.get_nowait()[0] for _ in range(held.qsize())]
-            out.put_nowait((_packed(rid, [r for r in answers if r.as_numpy("EVENT") is not None]), None))
-            return
         if op == "append" and model == "stage0":
             unit = self.stage0_units = self.stage0_units + 1
             self.log.append(f"stage0:{unit} start")
@@ -117,14 +107,6 @@ class StageClient:
 
     async def close(self) -> None:
         return None
-
-
-def _packed(rid: str, results: list[Result]) -> Result:
-    """Responses as the stage adapter packs them (model_repository/common/codec.py `coalesce`), FINAL included."""
-    outs = [StageOutput(json.loads(r.as_numpy("EVENT").reshape(-1)[0]), audio=r.as_numpy("AUDIO"),
-                        tokens=r.as_numpy("TOKENS"), hidden=r.as_numpy("HIDDEN")) for r in results]
-    arrays = output_arrays(coalesce(outs))
-    return Result(rid, json.loads(arrays.pop("EVENT").reshape(-1)[0]), final=True, **arrays)
 
 
 def _unit(index: int) -> UnitSubmission:
@@ -437,27 +419,3 @@ def test_unit_order_sends_a_units_decision_and_text_early_only_inside_one_spoken
     u1.stage0_open = False
     order.settle()
     assert [(type(e), e.unit) for e in out[5:]] == [(UnitDone, 1), (Decision, 2)]
-
-
-async def test_a_packed_stage0_answer_reads_as_its_responses_one_by_one() -> None:
-    """The stage adapter may send a request's queued outputs as one `batch` response (request parameter `pack`,
-    which the gateway sets): the same events, the tts_input's payload reaching the TTS, in the same order."""
-    seen = {}
-    for packed in (False, True):
-        client = StageClient()
-        client.packed = packed
-        rt = StagedTritonRuntime("unused:1", client=client)
-        await rt.open(KEY, Fence(1, 0), {})
-        events = rt.events(KEY)
-        await rt.append(KEY, Fence(1, 0, 1), _unit(0))
-        await rt.append(KEY, Fence(1, 0, 2), _unit(1))
-        got = await _take(events, 6)
-        tts = next(r for r in client.requests if r["request_id"].startswith("tts:append"))
-        payload = {i.name(): i.shape() for i in tts["inputs"] if i.name() in ("TOKENS", "HIDDEN")}
-        seen[packed] = ([(type(e).__name__, e.unit, getattr(e, "text", None), len(getattr(e, "pcm16", b"")))
-                         for e in got], payload)
-        assert all(r["parameters"].get("pack") is True for r in client.requests)
-        await rt.close(KEY, Fence(1, 0))
-        await rt.aclose()
-    assert seen[True] == seen[False]
-    assert seen[True][1] == {"TOKENS": [1, 1], "HIDDEN": [1, HIDDEN_DIM]}

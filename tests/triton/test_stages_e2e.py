@@ -6,14 +6,11 @@ test here, not the model. Each request must end with exactly one FINAL response.
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
 from clients.triton_example import FIRST_UNIT_SAMPLES, OUTPUTS, UNIT_SAMPLES, TritonSession
-from gateway.runtime.triton_wire import batch_parts
 from serve.launcher import TritonServer
 from tests.triton.talk import _stage_inputs
 
@@ -105,35 +102,20 @@ def test_each_request_ends_with_one_final(loopback_server: TritonServer) -> None
         s.close()
 
 
-def _responses(s: TritonSession, op: str, fence: tuple[int, int, int], pack: bool = False,
-               **payload) -> list[tuple[list[dict], bool]]:
-    """One request on `s`'s stream (`pack`: the request parameter the gateway sets): for each of its responses
-    up to FINAL, (the events it carries, a `batch` read as the gateway reads it; FINAL)."""
+def _responses(s: TritonSession, op: str, fence: tuple[int, int, int], **payload) -> list[tuple[bool, bool]]:
+    """One request on `s`'s stream: (carries outputs, FINAL) for each of its responses, up to FINAL."""
     s._n += 1
     s._client.async_stream_infer(
         s.model, _stage_inputs(op, fence, **payload), outputs=[grpcclient.InferRequestedOutput(n) for n in OUTPUTS],
         request_id=f"{s.corrid}-{s._n}", sequence_id=s.corrid, sequence_start=op == "open",
-        sequence_end=op == "close", enable_empty_final_response=True, parameters={"pack": True} if pack else None)
+        sequence_end=op == "close", enable_empty_final_response=True)
     seen = []
     while not seen or not seen[-1][1]:
         result, error = s._responses.get(timeout=30)
         assert error is None, error
         resp = result.get_response()
-        events = [ev for ev, _ in batch_parts(json.loads(result.as_numpy("EVENT").reshape(-1)[0]), result)] \
-            if resp.outputs else []
-        seen.append((events, resp.parameters["triton_final_response"].bool_param))
+        seen.append((bool(resp.outputs), resp.parameters["triton_final_response"].bool_param))
     return seen
-
-
-def _session_requests(s: TritonSession, model: str, pack: bool = False) -> list[list[tuple[list[dict], bool]]]:
-    replies = [_responses(s, "open", (1, 1, 0), pack)]
-    if model == "stage0":
-        replies += [_responses(s, "append", (1, 1, i + 1), pack, pcm=unit(i, LOUD)) for i in range(8)]
-    else:
-        replies += [_responses(s, "append", (1, 1, i + 1), pack, tokens=np.arange(4, dtype=np.int64),
-                               config={"unit": i}) for i in range(8)]
-    replies.append(_responses(s, "close", (1, 1, 0), pack))
-    return replies
 
 
 @pytest.mark.parametrize("model", ["stage0", "tts"])
@@ -144,28 +126,17 @@ def test_final_rides_on_the_last_output(loopback_server: TritonServer, model: st
     requests, not all; before, none."""
     s = TritonSession(loopback_server.grpc_url, model=model)
     try:
-        replies = _session_requests(s, model)
+        replies = [_responses(s, "open", (1, 1, 0))]
+        if model == "stage0":
+            replies += [_responses(s, "append", (1, 1, i + 1), pcm=unit(i, LOUD)) for i in range(8)]
+        else:
+            replies += [_responses(s, "append", (1, 1, i + 1), tokens=np.arange(4, dtype=np.int64),
+                                   config={"unit": i}) for i in range(8)]
+        replies.append(_responses(s, "close", (1, 1, 0)))
     finally:
         s.close()
     for seen in replies:
         assert [final for _, final in seen].count(True) == 1 and seen[-1][1]  # one FINAL, the last response
-        assert any(events for events, _ in seen)  # every request answered with its events
-        assert not any(e["type"] == "batch" for events, _ in seen for e in events)  # unpacked: never a batch
-    bare = sum(not events for seen in replies for events, final in seen if final)
+        assert any(out for out, _ in seen)  # every request answered with its events
+    bare = sum(not out for seen in replies for out, final in seen if final)
     assert bare <= len(replies) // 2, f"{bare} of {len(replies)} requests ended with a bare FINAL"
-
-
-def test_a_packed_request_gets_the_same_events_in_fewer_responses(loopback_server: TritonServer) -> None:
-    """With the request parameter `pack` the outputs an engine queued together leave as one `batch` response (the
-    loopback stage0 emits a unit's decision, text, tts_input and unit_done at once): the same events, in order."""
-    runs = {}
-    for pack in (False, True):
-        s = TritonSession(loopback_server.grpc_url, model="stage0")
-        try:
-            runs[pack] = _session_requests(s, "stage0", pack)
-        finally:
-            s.close()
-    events = {pack: [[e for events, _ in seen for e in events] for seen in replies] for pack, replies in runs.items()}
-    assert events[True] == events[False]
-    responses = {pack: sum(len(seen) for seen in replies) for pack, replies in runs.items()}
-    assert responses[True] < responses[False] / 2, responses
