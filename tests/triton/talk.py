@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -72,22 +72,30 @@ _WIRE_TYPES = {np.dtype(np.object_): "BYTES", np.dtype(np.int64): "INT64", np.dt
                np.dtype(np.bool_): "BOOL"}
 
 
+@dataclass
+class StageReply(Reply):
+    responses: list[tuple[bool, bool]] = field(default_factory=list)  # per response: (carries outputs, FINAL)
+
+
 class StageSession(TritonSession):
     """A TritonSession that also sends the stage payload inputs (TOKENS, HIDDEN) for tts/token2wav."""
 
-    def request(self, op: str, fence: tuple[int, int, int], timeout_s: float = 30.0, **payload: Any) -> Reply:
+    def request(self, op: str, fence: tuple[int, int, int], timeout_s: float = 30.0, **payload: Any) -> StageReply:
         self._n += 1
         self._client.async_stream_infer(
             self.model, _stage_inputs(op, fence, **payload), outputs=[grpcclient.InferRequestedOutput(n) for n in OUTPUTS],
             request_id=f"{self.corrid}-{self._n}", sequence_id=self.corrid, sequence_start=op == "open",
             sequence_end=op == "close", enable_empty_final_response=True)
-        reply = Reply()
+        reply = StageReply()
         while True:
             result, error = self._responses.get(timeout=timeout_s)
             assert error is None, error
-            if result.get_response().outputs:
+            resp = result.get_response()
+            if resp.outputs:
                 reply.events.append(json.loads(result.as_numpy("EVENT").reshape(-1)[0]))
-            if result.get_response().parameters["triton_final_response"].bool_param:
+            final = resp.parameters["triton_final_response"].bool_param
+            reply.responses.append((bool(resp.outputs), final))
+            if final:
                 return reply
 
 

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import tritonclient.grpc as grpcclient
 
-from clients.triton_example import FIRST_UNIT_SAMPLES, OUTPUTS, UNIT_SAMPLES, TritonSession
+from clients.triton_example import FIRST_UNIT_SAMPLES, UNIT_SAMPLES, TritonSession
 from serve.launcher import TritonServer
-from tests.triton.talk import _stage_inputs
+from tests.triton.talk import StageSession
 
 pytestmark = pytest.mark.e2e
 LOUD, QUIET = 0.1, 0.0
@@ -102,39 +101,24 @@ def test_each_request_ends_with_one_final(loopback_server: TritonServer) -> None
         s.close()
 
 
-def _responses(s: TritonSession, op: str, fence: tuple[int, int, int], **payload) -> list[tuple[bool, bool]]:
-    """One request on `s`'s stream: (carries outputs, FINAL) for each of its responses, up to FINAL."""
-    s._n += 1
-    s._client.async_stream_infer(
-        s.model, _stage_inputs(op, fence, **payload), outputs=[grpcclient.InferRequestedOutput(n) for n in OUTPUTS],
-        request_id=f"{s.corrid}-{s._n}", sequence_id=s.corrid, sequence_start=op == "open",
-        sequence_end=op == "close", enable_empty_final_response=True)
-    seen = []
-    while not seen or not seen[-1][1]:
-        result, error = s._responses.get(timeout=30)
-        assert error is None, error
-        resp = result.get_response()
-        seen.append((bool(resp.outputs), resp.parameters["triton_final_response"].bool_param))
-    return seen
-
-
 @pytest.mark.parametrize("model", ["stage0", "tts"])
 def test_final_rides_on_the_last_output(loopback_server: TritonServer, model: str) -> None:
     """An engine closes a request right after its last output; the adapter sends them as one response, so a
     request costs the stream one message fewer than with a bare FINAL of its own (P10: the gateway reads every
     message). Best effort by design (the close may come after the response thread took the output), so most
     requests, not all; before, none."""
-    s = TritonSession(loopback_server.grpc_url, model=model)
+    s = StageSession(loopback_server.grpc_url, model=model)
     try:
-        replies = [_responses(s, "open", (1, 1, 0))]
+        requests = [s.request("open", (1, 1, 0))]
         if model == "stage0":
-            replies += [_responses(s, "append", (1, 1, i + 1), pcm=unit(i, LOUD)) for i in range(8)]
+            requests += [s.request("append", (1, 1, i + 1), pcm=unit(i, LOUD)) for i in range(8)]
         else:
-            replies += [_responses(s, "append", (1, 1, i + 1), tokens=np.arange(4, dtype=np.int64),
+            requests += [s.request("append", (1, 1, i + 1), tokens=np.arange(4, dtype=np.int64),
                                    config={"unit": i}) for i in range(8)]
-        replies.append(_responses(s, "close", (1, 1, 0)))
+        requests.append(s.request("close", (1, 1, 0)))
     finally:
         s.close()
+    replies = [r.responses for r in requests]
     for seen in replies:
         assert [final for _, final in seen].count(True) == 1 and seen[-1][1]  # one FINAL, the last response
         assert any(out for out, _ in seen)  # every request answered with its events
