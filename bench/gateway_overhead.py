@@ -37,6 +37,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.loadgen import gateway_load  # noqa: E402
 from bench.soak import Server, children, cmdline, start_server  # noqa: E402
+from gateway.settings import GatewaySettings  # noqa: E402
 
 LOOPBACK = ROOT / "tests" / "e2e" / "profiles" / "loopback.yaml"
 RATE = 16_000
@@ -128,9 +129,10 @@ async def drive(url: str, opener: list[dict[str, Any]], pid: int, args: argparse
     return out
 
 
-def echo_server(port: int, log: Path) -> subprocess.Popen[bytes]:
+def echo_server(port: int, log: Path, deflate: bool) -> subprocess.Popen[bytes]:
+    """`deflate`: permessage-deflate as the gateway has it (DUPLEX_WS_PER_MESSAGE_DEFLATE), so both pay alike."""
     cmd = [sys.executable, "-m", "uvicorn", "bench.gateway_overhead:echo_app", "--host", "127.0.0.1", "--port",
-           str(port), "--log-level", "warning", "--ws-max-size", str(2**24)]
+           str(port), "--log-level", "warning", "--ws-max-size", str(2**24), "--ws-per-message-deflate", str(deflate)]
     with open(log, "ab") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     for _ in range(100):
@@ -158,14 +160,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="p10-"))
+    deflate = GatewaySettings.from_env().ws_per_message_deflate  # the gateway reads the same environment
     turn = {"type": "server_vad"} if args.vad == "on" else None
     opener = [{"type": "session.update", "session": {"type": "realtime", "output_modalities": ["audio"], "audio": {
         "input": {"format": {"type": "audio/pcm", "rate": RATE}, "turn_detection": turn}}}}]
     result: dict[str, Any] = {"what": "P10 gateway CPU per event vs a bare echo WebSocket server",
                               "sessions": args.sessions, "duration_s": args.duration, "chunk_ms": args.chunk_ms,
-                              "vad": args.vad, "cores": os.cpu_count()}
+                              "vad": args.vad, "cores": os.cpu_count(), "ws_per_message_deflate": deflate}
     echo_port = args.port + ECHO_OFFSET
-    echo = echo_server(echo_port, tmp / "echo.log")
+    echo = echo_server(echo_port, tmp / "echo.log", deflate)
     try:
         result["echo"] = asyncio.run(drive(f"ws://127.0.0.1:{echo_port}/", [], echo.pid, args))
     finally:

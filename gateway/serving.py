@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import socket
+from typing import Any
 
 import uvicorn
 
@@ -31,12 +32,17 @@ class DrainingServer(uvicorn.Server):
         await super().shutdown(sockets)
 
 
+def uvicorn_config(app: Any, settings: GatewaySettings, **kw: Any) -> uvicorn.Config:
+    """uvicorn's configuration with the gateway's WebSocket transport settings (`kw`: host, port, log level)."""
+    return uvicorn.Config(app, lifespan="on", ws_max_size=settings.ws_max_message_bytes,
+                          ws_per_message_deflate=settings.ws_per_message_deflate, **kw)
+
+
 def build(host: str, port: int, log_level: str = "info") -> DrainingServer:
     settings = GatewaySettings.from_env()
     app = create_app(settings.model_copy(update={"bind_host": host}))  # auth policy follows the real bind
     state: GatewayState = app.state.gateway
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
-                            ws_max_size=state.settings.ws_max_message_bytes)
+    config = uvicorn_config(app, state.settings, host=host, port=port, log_level=log_level)
     redact_server_logs()  # after uvicorn.Config, which (re)configures uvicorn's loggers
     return DrainingServer(config, state)
 

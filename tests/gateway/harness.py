@@ -17,6 +17,7 @@ import uvicorn
 import websockets
 
 from gateway.app import create_app
+from gateway.serving import uvicorn_config
 from gateway.settings import GatewaySettings
 from tests.gateway.fake_runtime import FakeRuntime
 
@@ -31,8 +32,7 @@ async def serve(runtime: FakeRuntime, **overrides: Any) -> AsyncIterator[str]:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    config = uvicorn.Config(app, log_level="warning", lifespan="on", ws_max_size=settings.ws_max_message_bytes)
-    server = uvicorn.Server(config)
+    server = uvicorn.Server(uvicorn_config(app, settings, log_level="warning"))
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started:  # noqa: ASYNC110 - uvicorn exposes only this flag
         await asyncio.sleep(0.01)

@@ -8,6 +8,7 @@ import httpx
 import pytest
 import websockets
 
+from gateway.serving import build
 from tests.gateway.fake_runtime import FakeRuntime, Speak
 from tests.gateway.harness import connect, serve
 from tests.gateway.scenario import assert_conformant, close, session, stream_units, types
@@ -219,3 +220,26 @@ async def test_beta_subprotocol_is_echoed_and_api_key_ignored() -> None:
         got = await c.until("rate_limits.updated")
     assert created["type"] == "session.created"
     assert "response.audio.delta" in types(got)  # the beta selector in the subprotocol list picks `beta`
+
+
+@pytest.mark.parametrize("deflate", [False, True])
+async def test_permessage_deflate_is_accepted_only_when_set(deflate: bool) -> None:
+    """The client offers permessage-deflate (websockets does by default); the gateway declines it unless
+    `ws_per_message_deflate` is on (settings.py: base64 speech barely compresses, deflate costs the loop's core)."""
+    async with serve(FakeRuntime(), ws_per_message_deflate=deflate) as addr, connect(addr, "/v1/realtime") as c:
+        offered = c.ws.request.headers.get("Sec-WebSocket-Extensions") or ""
+        accepted = c.ws.response.headers.get("Sec-WebSocket-Extensions") or ""
+        assert "permessage-deflate" in offered
+        assert ("permessage-deflate" in accepted) is deflate
+        assert (await c.recv())["type"] == "session.created"  # the session works either way
+
+
+@pytest.mark.parametrize(("env", "expected"), [(None, False), ("1", True), ("false", False)])
+def test_the_serving_entry_point_takes_the_deflate_setting(monkeypatch: pytest.MonkeyPatch, env: str | None,
+                                                           expected: bool) -> None:
+    """`python -m gateway.serving` (what `duplex serve` runs) builds uvicorn from DUPLEX_WS_PER_MESSAGE_DEFLATE."""
+    if env is None:
+        monkeypatch.delenv("DUPLEX_WS_PER_MESSAGE_DEFLATE", raising=False)
+    else:
+        monkeypatch.setenv("DUPLEX_WS_PER_MESSAGE_DEFLATE", env)
+    assert build("127.0.0.1", 0, "warning").config.ws_per_message_deflate is expected

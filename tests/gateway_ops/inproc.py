@@ -8,11 +8,10 @@ import socket
 from collections.abc import AsyncIterator
 from typing import Any
 
-import uvicorn
 from fastapi import FastAPI
 
 from gateway.app import create_app
-from gateway.serving import DrainingServer
+from gateway.serving import DrainingServer, uvicorn_config
 from gateway.settings import GatewaySettings
 from tests.gateway.fake_runtime import FakeRuntime
 
@@ -21,10 +20,11 @@ TEST_DEFAULTS = {"force_listen_count": 0, "tick_interval_s": 0.02, "reaper_inter
 
 @contextlib.asynccontextmanager
 async def serve_app(rt: FakeRuntime, **overrides: Any) -> AsyncIterator[tuple[str, FastAPI, DrainingServer]]:
-    app = create_app(GatewaySettings(**{**TEST_DEFAULTS, **overrides}), runtime=rt)
+    settings = GatewaySettings(**{**TEST_DEFAULTS, **overrides})
+    app = create_app(settings, runtime=rt)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
-    server = DrainingServer(uvicorn.Config(app, log_level="warning", lifespan="on"), app.state.gateway)
+    server = DrainingServer(uvicorn_config(app, settings, log_level="warning"), app.state.gateway)
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started:  # noqa: ASYNC110 - uvicorn exposes only this flag
         await asyncio.sleep(0.01)
