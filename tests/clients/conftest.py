@@ -31,6 +31,7 @@ ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts" / "clients"
 @contextlib.asynccontextmanager
 async def serve_gateway(runtime: Any, **overrides: Any) -> AsyncIterator[str]:
     from gateway.app import create_app  # noqa: PLC0415 - tests only; `clients` never imports gateway
+    from gateway.serving import uvicorn_config  # noqa: PLC0415
     from gateway.settings import GatewaySettings  # noqa: PLC0415
 
     settings = GatewaySettings(**{"force_listen_count": 0, "tick_interval_s": 0.02, **overrides})
@@ -42,7 +43,7 @@ async def serve_gateway(runtime: Any, **overrides: Any) -> AsyncIterator[str]:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    server = uvicorn.Server(uvicorn_config(app, settings, log_level="warning"))  # the gateway's own transport
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started:  # noqa: ASYNC110
         await asyncio.sleep(0.01)
