@@ -60,9 +60,9 @@ class GatewaySettings(BaseModel):
     max_frame_bytes: int = Field(15 * MiB, gt=0)
     ws_max_message_bytes: int = Field(16 * MiB, gt=0)
     # DUPLEX_WS_PER_MESSAGE_DEFLATE: accept a client's permessage-deflate offer (uvicorn's default is to accept).
-    # Off: the bytes are mostly base64 PCM, which deflate shrinks to 0.6-0.75 of its size for speech at about
-    # 1.7 ms of the one event-loop core per second of 24 kHz output audio, 11 % of a core at 64 speaking sessions
-    # (bench/RESULTS.md "Stop 63"). On for links where bandwidth costs more than the gateway's CPU.
+    # Off: the bytes are mostly base64 PCM, which deflate shrinks only to about 0.6 of its size for speech (0.75
+    # for noise) at about 1.7 ms of the one event-loop core per second of 24 kHz output audio, 11 % of a core at
+    # 64 speaking sessions (bench/RESULTS.md "Stop 63"). On for links where bandwidth costs more than the gateway's CPU.
     ws_per_message_deflate: bool = False
     outbound_max_bytes: int = Field(2 * MiB, gt=0)
     outbound_max_events: int = Field(512, gt=0)
