@@ -34,6 +34,7 @@ from serve.tritonserver import (  # noqa: F401 - re-exported for the launcher's 
     TritonServer,
     check_ports_free,
     choose_triton_ports,
+    compile_cache_env,
     http_ok,
     locate_tritonserver,
     port_in_use,
@@ -187,16 +188,16 @@ def check_checkpoint(checkpoint: Path) -> None:
 def _prepare_triton(opts: ServeOptions, ports: TritonPorts,
                     extra_env: dict[str, str] | None = None) -> TritonServer:
     """Checkpoint, repository and the (not yet started) server; per gateway port, so two servers on one
-    host never rebuild each other's repository or share a log. `extra_env` (the MPS daemon's variables) is
-    part of the server's environment, so the supervisor's restarts get it too."""
+    host never rebuild each other's repository or share a log. `extra_env` (the MPS daemon's variables) and the
+    compile cache's place are part of the server's environment, so the supervisor's restarts get them too."""
     checkpoint = opts.checkpoint or ensure_tiny_checkpoint(opts.cache_dir)
     check_checkpoint(checkpoint)
     repository = opts.cache_dir / f"model_repository-{opts.port}"
     build_model_repository(opts, checkpoint, repository)
     install = locate_tritonserver(opts.cache_dir)
+    env = triton_env(install, {**compile_cache_env(opts.cache_dir, os.environ), **(extra_env or {})})
     return TritonServer(install, repository, PIPELINE_MODELS, ports,
-                        opts.cache_dir / "logs" / f"tritonserver-{opts.port}.log", env=triton_env(install, extra_env),
-                        host=opts.triton_host)
+                        opts.cache_dir / "logs" / f"tritonserver-{opts.port}.log", env=env, host=opts.triton_host)
 
 
 def _start_triton(server: TritonServer) -> None:
