@@ -124,7 +124,8 @@ def compile_cache_env(cache_dir: Path, environ: Mapping[str, str]) -> dict[str, 
     """The stages' torch.compile output under the cache dir, which docker-compose.yml and the k8s manifest keep in
     a volume: a restarted container loads its kernels instead of compiling them again (the H200 profile: /ready
     after 31 s with a warm cache against 121 s cold, bench/RESULTS.md stop 31). inductor's default is under /tmp,
-    which a container loses. A TORCHINDUCTOR_CACHE_DIR already set is kept."""
+    which a container loses. A TORCHINDUCTOR_CACHE_DIR already set is kept; an empty one, which torch would read
+    as the working directory (the repository root, for the stubs), counts as unset."""
     if environ.get(COMPILE_CACHE_ENV):
         return {}
     return {COMPILE_CACHE_ENV: str((cache_dir / COMPILE_CACHE_NAME).resolve())}
