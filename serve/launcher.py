@@ -22,6 +22,7 @@ from serve.mps import MpsDaemon, plan_mps, private_daemon, start_daemon
 from serve.stopping import Stop, held, raise_stop
 from serve.supervisor import TritonSupervisor
 from serve.tritonserver import (  # noqa: F401 - re-exported for the launcher's callers
+    COMPILE_CACHE_ENV,
     DEFAULT_CACHE_DIR,
     LOG_TAIL_LINES,
     PROGRESS_EVERY_S,
@@ -196,6 +197,10 @@ def _prepare_triton(opts: ServeOptions, ports: TritonPorts,
     build_model_repository(opts, checkpoint, repository)
     install = locate_tritonserver(opts.cache_dir)
     env = triton_env(install, {**compile_cache_env(opts.cache_dir, os.environ), **(extra_env or {})})
+    compiled = Path(env[COMPILE_CACHE_ENV])
+    graphs = sum(1 for p in (compiled / "fxgraph").rglob("*") if p.is_file())
+    print(f"[serve] torch.compile cache {compiled}: {graphs} compiled graphs" +
+          ("" if graphs else " (a profile that compiles does it in its warm-up, once)"), flush=True)
     return TritonServer(install, repository, PIPELINE_MODELS, ports,
                         opts.cache_dir / "logs" / f"tritonserver-{opts.port}.log", env=env, host=opts.triton_host)
 
