@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -23,7 +24,7 @@ import sysconfig
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,6 +50,27 @@ PY_SHM_DEFAULT_BYTES = 64 * 1024 * 1024
 PY_SHM_GROWTH_BYTES = 16 * 1024 * 1024
 COMPILE_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"  # inductor's compiled graphs, and its Triton kernels beneath them
 COMPILE_CACHE_NAME = "torch-compile"
+
+
+# A model's progress in tritonserver's log: its load ("successfully loaded 'tts'") and the stages' own notes,
+# which the adapter logs as `"<stage>: <note>"` (warm-up steps: engine/warmup.py Progress).
+LOADED_LINE = re.compile(r"successfully loaded '([\w.-]+)'")
+STAGE_NOTE_LINE = re.compile(r'\] "([\w.-]+): (.+)"$')
+
+
+def load_progress(log_lines: Iterable[str], models: Sequence[str]) -> dict[str, str]:
+    """Each model's state as the server's log tells it: `loaded`, else the stage's last warm-up note
+    ("warm-up 12/180"), else `loading`. tritonserver answers HTTP only once the models it was started with
+    have loaded, so until then the log is all there is to show (a cold GPU start compiles for minutes)."""
+    states = dict.fromkeys(models, "loading")
+    for line in log_lines:
+        if loaded := LOADED_LINE.search(line):
+            if loaded[1] in states:
+                states[loaded[1]] = "loaded"
+        elif (note := STAGE_NOTE_LINE.search(line)) and "warm-up" in note[2] and note[1] in states:
+            if states[note[1]] != "loaded":  # "tts warm-up 7/18: compiled step ... (2.2 s)" -> "warm-up 7/18"
+                states[note[1]] = note[2].removeprefix(f"{note[1]} ").split(":")[0].split(" (")[0]
+    return states
 
 
 class LaunchError(RuntimeError):
@@ -230,10 +252,15 @@ class TritonServer:
         except OSError:
             return ""
 
+    def log_lines(self) -> list[str]:
+        try:
+            return self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return []
+
     def load_errors(self) -> list[str]:
         """Lines of the log that name a failing model or port (what a person needs to see)."""
-        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-        return [ln.strip() for ln in text.splitlines() if any(k in ln for k in ERROR_KEYS)]
+        return [ln.strip() for ln in self.log_lines() if any(k in ln for k in ERROR_KEYS)]
 
     def exit_cause(self, code: int, lines: int = CAUSE_LINES) -> str:
         """Why the process ended: the signal or exit code and the log's last error lines (never the model
@@ -294,7 +321,7 @@ class TritonServer:
                 raise LaunchError(f"tritonserver not ready after {timeout_s:.0f}s; model states: {states}\n"
                                   f"log tail ({self.log_path}):\n{self.log_tail()}")
             if now - last >= PROGRESS_EVERY_S:
-                states = self.model_states() or dict.fromkeys(self.models, "starting")
+                states = self.model_states() or load_progress(self.log_lines(), self.models)
                 progress(f"[triton] waiting ({now - t0:.0f}s): " + ", ".join(f"{k}={v}" for k, v in states.items()))
                 last = now
             time.sleep(READY_POLL_S)

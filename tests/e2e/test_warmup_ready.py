@@ -1,7 +1,7 @@
 """Warm before ready (issue 15): while a stage warms up in `initialize`, Triton does not report it ready and
 the gateway's /ready answers 503; it turns 200 only after the warm-up, whose progress lines are in the log.
 The real tritonserver and gateway, split (`--only triton` + `--only gateway`), with stand-in engines whose
-stage0 warm-up blocks until the test opens a gate."""
+stage0 warm-up blocks until the test opens a gate; meanwhile the launcher's progress names the warm-up step."""
 
 from __future__ import annotations
 
@@ -39,6 +39,9 @@ def test_slow_warm_up_keeps_ready_at_503(e2e_cache: Path, tmp_path: Path) -> Non
         stack.procs[name].start()
     try:
         _wait_for("the stage0 warm-up waiting", lambda: "waiting for" in _log(stack), stack)
+        # Triton answers HTTP only after its models load, so the launcher's progress line reads the step from the log
+        _wait_for("the launcher's progress naming stage0's warm-up step",
+                  lambda: "stage0=warm-up 0/1" in stack.procs["triton"].tail(), stack)
         _wait_for("the gateway answering", lambda: http_status(f"{stack.url}/ready") != 0, stack)
         t0 = time.monotonic()
         while time.monotonic() - t0 < HOLD_S:
