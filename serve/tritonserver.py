@@ -316,7 +316,7 @@ class TritonServer:
                 return
             now = time.monotonic()
             if now - t0 > timeout_s:
-                states = self.model_states()
+                states = self.model_states() or load_progress(self.log_lines(), self.models)
                 self.stop()
                 raise LaunchError(f"tritonserver not ready after {timeout_s:.0f}s; model states: {states}\n"
                                   f"log tail ({self.log_path}):\n{self.log_tail()}")
